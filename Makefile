@@ -1,0 +1,39 @@
+# The same targets for developers and CI. Everything is installed into .venv by `make install`.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: install run test lint typecheck format clean
+
+$(STAMP): pyproject.toml
+	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 11) and "memstrata needs Python 3.11+")'
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet -e '.[dev]'
+	@touch $(STAMP)
+
+install: $(STAMP)
+
+run: install
+	$(BIN)/memstrata serve
+
+test: install
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy
+	$(BIN)/pytest -q -p no:cacheprovider
+
+lint: install
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+typecheck: install
+	$(BIN)/mypy
+
+format: install
+	$(BIN)/ruff check --fix .
+	$(BIN)/ruff format .
+
+clean:
+	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache

@@ -1,0 +1,83 @@
+"""The application factory: `create_app(settings)` builds the FastAPI app and its lifespan.
+
+The lifespan owns every resource of the process: the embedded Postgres when no
+`MEMSTRATA_DATABASE_URL` is set (started, and stopped on exit if this process started it), the
+database engine (checked for pgvector and migrated at start), the pooled upstream client, and the
+in-process background workers. Routes reach them through `gateway.deps`.
+"""
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack, asynccontextmanager
+
+import httpx
+from fastapi import FastAPI
+
+from gateway import background
+from gateway.deps import State
+from gateway.errors import install_handlers
+from gateway.routes import admin, health, openai
+from gateway.settings import Settings
+from gateway.upstream import Upstream
+from memory import store, tokens
+from memory.db import connect, migrate, transaction
+from memory.postgres import EmbeddedPostgres
+
+log = logging.getLogger(__name__)
+
+
+def create_app(settings: Settings | None = None) -> FastAPI:
+    """The gateway app; `settings` default to the environment's."""
+    settings = settings or Settings()
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[dict[str, State]]:
+        async with AsyncExitStack() as stack:
+            url = settings.database_url
+            if url is None:
+                embedded = EmbeddedPostgres(settings.data_dir)
+                await asyncio.to_thread(embedded.start)
+                stack.push_callback(embedded.stop_if_started)
+                url = embedded.url
+            engine = connect(url, pool_size=settings.db_pool_size)
+            stack.push_async_callback(engine.dispose)
+            client = httpx.AsyncClient(
+                timeout=httpx.Timeout(
+                    settings.upstream_timeout, connect=settings.upstream_connect_timeout
+                ),
+                limits=httpx.Limits(max_connections=1000, max_keepalive_connections=100),
+            )
+            stack.push_async_callback(client.aclose)
+            # Load the tokenizer now rather than on the first request.
+            await asyncio.to_thread(tokens.get_encoding, "o200k_base")
+            await migrate(engine)
+            async with transaction(engine) as conn:
+                default_tenant = await store.tenant_id_by_name(conn)
+            embed = background.embedder(settings, client)
+            if settings.workers > 0:
+                config = background.tree_config(settings, client, embed)
+                runner = background.worker(engine, settings, config, concurrency=settings.workers)
+                await stack.enter_async_context(background.running(runner))
+            state = State(
+                settings=settings,
+                engine=engine,
+                upstream=Upstream(
+                    client, base_url=settings.upstream_url, api_key=settings.upstream_api_key
+                ),
+                default_tenant_id=default_tenant,
+            )
+            log.info("memstrata ready", extra={"upstream": settings.upstream_url})
+            yield {"memstrata": state}
+
+    app = FastAPI(
+        title="memstrata",
+        summary="OpenAI-compatible gateway with unbounded, lossless, hierarchical memory",
+        version="0.1.0",
+        lifespan=lifespan,
+    )
+    install_handlers(app)
+    app.include_router(openai.router)
+    app.include_router(admin.router)
+    app.include_router(health.router)
+    return app

@@ -1,0 +1,87 @@
+"""Background workers, composed from settings: the summary tree's job handler on the job queue.
+
+`serve` runs them in-process (`MEMSTRATA_WORKERS` > 0) and `memstrata worker` runs them alone;
+both build the same `TreeConfig` here, so a worker process and a gateway process treat a job
+the same way.
+"""
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import httpx
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from gateway.settings import Settings
+from memory import hierarchy
+from memory.embeddings import Embedder, make_embedder
+from memory.jobs import Worker
+from memory.segments import SegmentPolicy
+
+log = logging.getLogger(__name__)
+
+
+def embedder(settings: Settings, client: httpx.AsyncClient) -> Embedder:
+    """The embedder the settings ask for (local ONNX by default, offline)."""
+    return make_embedder(
+        provider=settings.embedding_provider,
+        http_client=client,
+        base_url=settings.upstream_url,
+        api_key=settings.upstream_api_key,
+        model=settings.embedding_model,
+        model_path=settings.embedding_model_path,
+        tokenizer_path=settings.embedding_tokenizer_path,
+    )
+
+
+def tree_config(
+    settings: Settings, client: httpx.AsyncClient, embed: Embedder
+) -> hierarchy.TreeConfig:
+    """How summary trees are built under these settings."""
+    from memory.summarize import make_summarizer  # TEMP: until summarize lands
+
+    return hierarchy.TreeConfig(
+        embedder=embed,
+        summarizer=make_summarizer(
+            settings.summary_mode,
+            client=client,
+            base_url=settings.upstream_url,
+            api_key=settings.upstream_api_key,
+            model=settings.summary_model,
+        ),
+        policy=SegmentPolicy(
+            shift_threshold=settings.shift_threshold, token_cap=settings.segment_token_cap
+        ),
+        fanout=settings.fanout,
+        summary_tokens=settings.summary_tokens,
+    )
+
+
+def worker(
+    engine: AsyncEngine, settings: Settings, config: hierarchy.TreeConfig, *, concurrency: int
+) -> Worker:
+    """A job worker with every handler memstrata has."""
+    return Worker(
+        engine,
+        {hierarchy.JOB_KIND: hierarchy.handler(engine, config)},
+        lease_seconds=settings.job_lease_seconds,
+        concurrency=concurrency,
+    )
+
+
+@asynccontextmanager
+async def running(runner: Worker, *, grace: float = 10.0) -> AsyncIterator[None]:
+    """Run `runner` in the background for the duration of the block; on exit let it finish
+    the jobs in hand for up to `grace` seconds (an unfinished job's lease expires and another
+    worker takes it over)."""
+    stop = asyncio.Event()
+    task = asyncio.create_task(runner.run(stop))
+    try:
+        yield
+    finally:
+        stop.set()
+        try:
+            await asyncio.wait_for(task, grace)
+        except TimeoutError:
+            log.warning("background worker did not stop within %.0fs", grace)

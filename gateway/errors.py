@@ -1,0 +1,131 @@
+"""Errors at the HTTP edge, all answered in OpenAI's shape.
+
+`{"error": {"message", "type", "param", "code"}}` with the status OpenAI would use. The domain's
+exceptions (`memory.errors`) are mapped to statuses here and only here; upstream failures
+have their own classes because an upstream error answer keeps its status and body unchanged.
+"""
+
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from memory.errors import (
+    Conflict,
+    InvalidInput,
+    MemstrataError,
+    NotFound,
+    ProviderError,
+    StorageUnavailable,
+)
+
+
+class GatewayError(Exception):
+    """An error answered to the client as-is, in OpenAI's shape."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+        self.headers = headers or {}
+
+
+class UpstreamUnavailable(GatewayError):
+    """The upstream could not be reached or broke the connection (502)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(502, message, type="upstream_error", code="upstream_unavailable")
+
+
+class UpstreamTimeout(GatewayError):
+    """The upstream did not answer in time (504)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(504, message, type="upstream_error", code="upstream_timeout")
+
+
+def error_body(
+    message: str, *, type: str, param: str | None = None, code: str | None = None
+) -> dict[str, Any]:
+    """OpenAI's error envelope."""
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def error_response(error: GatewayError, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(
+        error_body(error.message, type=error.type, param=error.param, code=error.code),
+        status_code=error.status,
+        headers={**error.headers, **(headers or {})},
+    )
+
+
+def _domain_status(exc: MemstrataError) -> tuple[int, str, str | None]:
+    if isinstance(exc, InvalidInput):
+        return 400, "invalid_request_error", None
+    if isinstance(exc, NotFound):
+        return 404, "not_found_error", "not_found"
+    if isinstance(exc, Conflict):
+        return 409, "conflict_error", "conflict"
+    if isinstance(exc, StorageUnavailable):
+        return 503, "service_unavailable", "storage_unavailable"
+    if isinstance(exc, ProviderError):
+        return 502, "upstream_error", "provider_error"
+    return 500, "server_error", None
+
+
+def from_domain(exc: MemstrataError) -> GatewayError:
+    """The edge's answer to a domain error."""
+    status, type_, code = _domain_status(exc)
+    param = exc.param if isinstance(exc, InvalidInput) else None
+    return GatewayError(status, str(exc), type=type_, param=param, code=code)
+
+
+def _validation_param(exc: RequestValidationError) -> str | None:
+    for error in exc.errors():
+        location = [str(part) for part in error.get("loc", ()) if part != "body"]
+        if location:
+            return ".".join(location)
+    return None
+
+
+def install_handlers(app: FastAPI) -> None:
+    """Answer every error in OpenAI's shape."""
+
+    async def on_gateway(_: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, GatewayError)
+        return error_response(exc)
+
+    async def on_domain(_: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, MemstrataError)
+        return error_response(from_domain(exc))
+
+    async def on_validation(_: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, RequestValidationError)
+        first = exc.errors()[0] if exc.errors() else {}
+        param = _validation_param(exc)
+        message = f"{param}: {first.get('msg')}" if param else str(first.get("msg", exc))
+        return error_response(GatewayError(400, message, param=param, code="invalid_value"))
+
+    async def on_http(_: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, StarletteHTTPException)
+        type_ = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return error_response(GatewayError(exc.status_code, str(exc.detail), type=type_))
+
+    app.add_exception_handler(GatewayError, on_gateway)
+    app.add_exception_handler(MemstrataError, on_domain)
+    app.add_exception_handler(RequestValidationError, on_validation)
+    app.add_exception_handler(StarletteHTTPException, on_http)

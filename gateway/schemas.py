@@ -1,0 +1,76 @@
+"""Request bodies of the OpenAI surface, validated leniently.
+
+Only what memstrata relies on is checked (roles, content types, the fields that identify a
+message); every other field is allowed and forwarded as the client sent it: the request that
+goes upstream is the client's own JSON, not a re-serialisation of these models.
+"""
+
+from datetime import datetime
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+Role = Literal["system", "developer", "user", "assistant", "tool", "function"]
+
+
+class ToolCallFunction(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    name: str
+    arguments: str
+
+
+class ToolCall(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    id: str
+    type: str = "function"
+    function: ToolCallFunction
+
+
+class ChatMessage(BaseModel):
+    """One message of `messages`."""
+
+    model_config = ConfigDict(extra="allow")
+    role: Role
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+
+    @model_validator(mode="after")
+    def _required_parts(self) -> "ChatMessage":
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("a tool message needs tool_call_id")
+        if self.role == "assistant":
+            if (
+                self.content is None
+                and not self.tool_calls
+                and "refusal" not in (self.model_extra or {})
+            ):
+                raise ValueError("an assistant message needs content or tool_calls")
+        elif self.content is None:
+            raise ValueError(f"a {self.role} message needs content")
+        return self
+
+
+class ChatCompletionRequest(BaseModel):
+    """The body of `POST /v1/chat/completions`."""
+
+    model_config = ConfigDict(extra="allow")
+    model: str = Field(min_length=1)
+    messages: list[ChatMessage] = Field(min_length=1)
+    stream: bool = False
+    user: str | None = None
+
+
+class ImportMessage(ChatMessage):
+    """A message to import, with the time it was originally sent."""
+
+    created_at: datetime | None = None
+
+
+class ImportRequest(BaseModel):
+    """The body of `POST /admin/conversations/{id}/messages`."""
+
+    messages: list[ImportMessage] = Field(min_length=1)
+    model: str = Field(default="gpt-4o", description="Model whose tokenizer counts the tokens")
+    user: str | None = None

@@ -1,0 +1,74 @@
+"""Every setting of memstrata, read from the environment and `.env` with the prefix `MEMSTRATA_`.
+
+`Settings` is built where the process starts (the CLI, `create_app`, a test) and passed down;
+nothing reads the environment at import time. Validators refuse unsafe or meaningless values
+at start rather than deep inside a request. README's settings table is checked against this
+class by a test, so a field added here must be documented there.
+"""
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import AnyHttpUrl, Field, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+OnOff = Literal["on", "off"]
+
+
+class Settings(BaseSettings):
+    """memstrata's configuration; see README's settings table for each field."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="MEMSTRATA_", env_file=".env", extra="ignore", frozen=True
+    )
+
+    # Serving
+    host: str = "127.0.0.1"
+    port: int = Field(default=8080, ge=1, le=65535)
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    max_body_bytes: int = Field(default=8 * 1024 * 1024, ge=1024)
+
+    # Storage
+    data_dir: Path = Path(".memstrata")
+    database_url: str | None = None
+    db_pool_size: int = Field(default=10, ge=1, le=200)
+
+    # Upstream
+    upstream_base_url: AnyHttpUrl = AnyHttpUrl("https://api.openai.com/v1")
+    upstream_api_key: str | None = None
+    upstream_timeout: float = Field(default=600.0, gt=0)
+    upstream_connect_timeout: float = Field(default=10.0, gt=0)
+
+    # Background work
+    workers: int = Field(default=1, ge=0, le=64)
+    job_lease_seconds: float = Field(default=60.0, gt=0)
+
+    # Embeddings
+    embedding_provider: Literal["local", "upstream"] = "local"
+    embedding_model: str = "text-embedding-3-small"
+    embedding_model_path: Path | None = None
+    embedding_tokenizer_path: Path | None = None
+
+    # The summary tree
+    summary_mode: Literal["auto", "llm", "extractive"] = "auto"
+    summary_model: str = "gpt-4o-mini"
+    summary_tokens: int = Field(default=256, ge=32, le=4096)
+    shift_threshold: float = Field(default=0.30, ge=0.0, le=2.0)
+    segment_token_cap: int = Field(default=2048, ge=64)
+    fanout: int = Field(default=8, ge=2, le=64)
+
+    @field_validator("database_url")
+    @classmethod
+    def _asyncpg_url(cls, value: str | None) -> str | None:
+        """Accept the usual `postgres://` and `postgresql://` forms; we drive asyncpg."""
+        if value is None or value == "":
+            return None
+        for prefix in ("postgresql+asyncpg://", "postgresql://", "postgres://"):
+            if value.startswith(prefix):
+                return "postgresql+asyncpg://" + value[len(prefix) :]
+        raise ValueError("MEMSTRATA_DATABASE_URL must be a postgresql:// URL")
+
+    @property
+    def upstream_url(self) -> str:
+        """The upstream base URL without a trailing slash."""
+        return str(self.upstream_base_url).rstrip("/")

@@ -1,0 +1,96 @@
+"""Connecting to Postgres: the async engine, the start-up checks, and migrations.
+
+`connect(url)` builds the SQLAlchemy async engine (asyncpg); `check(engine)` refuses a server
+without pgvector with a message saying so; `migrate(engine)` applies Alembic migrations under a
+Postgres advisory lock, so any number of processes may start at once. Errors of the driver are
+translated to `StorageUnavailable` / `SchemaMismatch` here.
+"""
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+from alembic import command
+from alembic.config import Config
+from sqlalchemy import text
+from sqlalchemy.engine import Connection
+from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
+
+from memory.errors import SchemaMismatch, StorageUnavailable
+
+ALEMBIC_INI = Path(__file__).resolve().parent.parent / "alembic.ini"
+_MIGRATION_LOCK = 7_240_311  # arbitrary, constant advisory-lock key for migrations
+
+
+def connect(url: str, *, pool_size: int = 10) -> AsyncEngine:
+    """The engine for `url`; no connection is opened until first use."""
+    return create_async_engine(
+        url,
+        pool_size=pool_size,
+        max_overflow=pool_size,
+        pool_pre_ping=True,
+        pool_recycle=1800,
+        # A statement that hangs must not hold a request forever.
+        connect_args={"command_timeout": 60, "server_settings": {"application_name": "memstrata"}},
+    )
+
+
+async def check(engine: AsyncEngine) -> None:
+    """Fail with a clear message unless the server is reachable and offers pgvector."""
+    try:
+        async with engine.connect() as conn:
+            available = await conn.scalar(
+                text("SELECT 1 FROM pg_available_extensions WHERE name = 'vector'")
+            )
+    except (OSError, DBAPIError) as exc:
+        raise StorageUnavailable(f"cannot reach Postgres at {_safe(engine)}: {exc}") from exc
+    if available is None:
+        raise SchemaMismatch(
+            f"the Postgres server at {_safe(engine)} does not have the pgvector extension; "
+            "install pgvector (https://github.com/pgvector/pgvector) or use the pgvector/pgvector "
+            "image, or unset MEMSTRATA_DATABASE_URL to use the embedded server"
+        )
+
+
+async def migrate(engine: AsyncEngine) -> None:
+    """Apply every pending migration; safe to call from many processes at once."""
+    await check(engine)
+    try:
+        async with engine.connect() as conn:
+            await conn.execute(text("SELECT pg_advisory_lock(:key)"), {"key": _MIGRATION_LOCK})
+            try:
+                await conn.run_sync(_upgrade)
+                await conn.commit()
+            finally:
+                await conn.execute(
+                    text("SELECT pg_advisory_unlock(:key)"), {"key": _MIGRATION_LOCK}
+                )
+                await conn.commit()
+    except OperationalError as exc:
+        raise StorageUnavailable(f"migrating {_safe(engine)} failed: {exc}") from exc
+
+
+def _upgrade(connection: Connection) -> None:
+    config = Config(str(ALEMBIC_INI))
+    config.attributes["connection"] = connection
+    command.upgrade(config, "head")
+
+
+def _safe(engine: AsyncEngine) -> str:
+    return engine.url.render_as_string(hide_password=True)
+
+
+@asynccontextmanager
+async def transaction(engine: AsyncEngine) -> AsyncIterator[AsyncConnection]:
+    """A transaction that commits on success; a lost or refused database becomes
+    `StorageUnavailable`, so callers handle one error whatever the driver said."""
+    try:
+        async with engine.begin() as conn:
+            yield conn
+    except (OperationalError, InterfaceError, OSError, TimeoutError) as exc:
+        raise StorageUnavailable(f"the database is unavailable: {type(exc).__name__}") from exc
+    except DBAPIError as exc:
+        if exc.connection_invalidated:
+            raise StorageUnavailable("the database connection was lost") from exc
+        raise

@@ -1,0 +1,56 @@
+"""The one exception hierarchy of memstrata's domain.
+
+    MemstrataError
+    ├── InvalidInput          the caller sent something we refuse (→ 4xx at the edge)
+    │   ├── InvalidConversationId
+    │   └── PatternRejected   a regex that is too costly or malformed
+    ├── NotFound              a conversation, node or job that does not exist *for this tenant*
+    ├── Conflict              an operation that collides with stored state
+    ├── StorageUnavailable    Postgres cannot be reached or refused us
+    │   └── SchemaMismatch    pgvector missing, migrations not applied, wrong vector dimension
+    └── ProviderError         an embedding or summarization backend failed
+
+`memory/` raises only these; lower-level errors (asyncpg, SQLAlchemy, httpx, onnxruntime) are
+translated where they happen with ``raise X(...) from exc``. The HTTP edge maps each class to
+one status code and OpenAI's error shape, in one place.
+"""
+
+
+class MemstrataError(Exception):
+    """Base class of every error memstrata raises on purpose."""
+
+
+class InvalidInput(MemstrataError):
+    """The input is malformed or out of range; nothing was written."""
+
+    def __init__(self, message: str, *, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class InvalidConversationId(InvalidInput):
+    """A conversation id outside 1-128 characters of ``A-Za-z0-9._:-``."""
+
+
+class PatternRejected(InvalidInput):
+    """A regular expression that is malformed, too long, or took too long to run."""
+
+
+class NotFound(MemstrataError):
+    """The thing does not exist, or belongs to another tenant (indistinguishable on purpose)."""
+
+
+class Conflict(MemstrataError):
+    """The operation collides with stored state."""
+
+
+class StorageUnavailable(MemstrataError):
+    """Postgres is unreachable or failed."""
+
+
+class SchemaMismatch(StorageUnavailable):
+    """The database lacks pgvector, the migrations, or has an unexpected vector dimension."""
+
+
+class ProviderError(MemstrataError):
+    """An embedding or summarization backend failed."""

@@ -1,0 +1,417 @@
+"""The summary tree of a conversation, built in the background (SPEC §5).
+
+`build()` brings one conversation up to date, in steps that each commit their own progress:
+
+1. embed every node that has no embedding yet (messages, and summaries made by earlier steps),
+   scoring each message's importance and pinning milestones on the way;
+2. cut the messages after the last closed segment into segments (`memory.segments`) and give
+   each closed segment a level-1 summary node;
+3. roll up: while some level k has `fanout` consecutive nodes without a parent, summarize them
+   into one level-k+1 node; there is no depth limit.
+
+Every step reads its work from the database (what lacks an embedding, what lacks a parent), so
+a build interrupted anywhere, by a crash or a lost lease, is finished by the next one, and a
+repeated build changes nothing. Summaries never replace anything: messages stay as they are
+and gain a parent. Builds of one conversation are serialized by the job queue (one job per
+conversation runs at a time); the unique `(conversation_id, level, seq)` key makes a racing
+duplicate insert a no-op all the same.
+"""
+
+import asyncio
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import Row, bindparam, func, select, update
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
+
+from memory import importance, jobs, tokens
+from memory.db import transaction
+from memory.embeddings import Embedder
+from memory.jobs import Job
+from memory.schema import nodes
+from memory.segments import Segment, SegmentMessage, SegmentPolicy, split
+from memory.summarize import Summarizer, Summary, SummaryInput
+
+log = logging.getLogger(__name__)
+
+JOB_KIND = "conversation"
+"""The job that runs `build` for one conversation."""
+
+
+@dataclass(frozen=True)
+class TreeConfig:
+    """What a build needs: injected backends and the shape of the tree."""
+
+    embedder: Embedder
+    summarizer: Summarizer
+    policy: SegmentPolicy = field(default_factory=SegmentPolicy)
+    fanout: int = 8
+    summary_tokens: int = 256
+    token_model: str = "gpt-4o"
+    embed_batch: int = 256
+    # Segments summarized at once: bounds LLM concurrency and the size of one transaction.
+    summary_batch: int = 16
+
+
+@dataclass
+class Progress:
+    """What one build did."""
+
+    embedded: int = 0
+    segments: int = 0
+    rollups: int = 0
+
+
+async def enqueue(
+    conn: AsyncConnection, *, tenant_id: int, conversation_id: int, final: bool = False
+) -> None:
+    """Queue a build of the conversation in the caller's transaction (deduplicated).
+
+    `final` also closes the open segment at the end (a forced compaction)."""
+    await jobs.enqueue(
+        conn,
+        kind=JOB_KIND,
+        tenant_id=tenant_id,
+        conversation_id=conversation_id,
+        payload={"final": True} if final else None,
+        dedupe_key=f"{JOB_KIND}:{conversation_id}:{'final' if final else 'build'}",
+    )
+
+
+def handler(engine: AsyncEngine, config: TreeConfig) -> jobs.Handler:
+    """The job handler for `JOB_KIND`."""
+
+    async def handle(job: Job) -> None:
+        if job.tenant_id is None or job.conversation_id is None:
+            raise ValueError(f"job {job.id} names no conversation")
+        await build(
+            engine,
+            tenant_id=job.tenant_id,
+            conversation_id=job.conversation_id,
+            config=config,
+            final=bool(job.payload.get("final")),
+        )
+
+    return handle
+
+
+async def build(
+    engine: AsyncEngine,
+    *,
+    tenant_id: int,
+    conversation_id: int,
+    config: TreeConfig,
+    final: bool = False,
+) -> Progress:
+    """Bring the conversation's embeddings, segments and roll-ups up to date."""
+    progress = Progress()
+    scope = {"tenant_id": tenant_id, "conversation_id": conversation_id}
+    progress.embedded += await _embed_pending(engine, config=config, **scope)
+    progress.segments += await _segment(engine, config=config, final=final, **scope)
+    progress.rollups += await _roll_up(engine, config=config, **scope)
+    progress.embedded += await _embed_pending(engine, config=config, **scope)
+    return progress
+
+
+# -- 1. embeddings ------------------------------------------------------------------------
+
+
+async def _embed_pending(
+    engine: AsyncEngine, *, tenant_id: int, conversation_id: int, config: TreeConfig
+) -> int:
+    done = 0
+    while True:
+        async with transaction(engine) as conn:
+            rows = (
+                await conn.execute(
+                    select(nodes.c.id, nodes.c.level, nodes.c.role, nodes.c.text)
+                    .where(
+                        nodes.c.tenant_id == tenant_id,
+                        nodes.c.conversation_id == conversation_id,
+                        nodes.c.embedding.is_(None),
+                    )
+                    .order_by(nodes.c.id)
+                    .limit(config.embed_batch)
+                )
+            ).all()
+        if not rows:
+            return done
+        vectors = await config.embedder.embed([row.text for row in rows])
+        updates = []
+        for row, vector in zip(rows, vectors, strict=True):
+            score = importance.score(row.role, row.text) if row.level == 0 else 0.0
+            updates.append(
+                {
+                    "node_id": row.id,
+                    "vector": vector,
+                    "score": score,
+                    "pin": row.level == 0 and importance.is_milestone(score),
+                }
+            )
+        async with transaction(engine) as conn:
+            await conn.execute(
+                update(nodes)
+                .where(nodes.c.id == bindparam("node_id"))
+                .values(
+                    embedding=bindparam("vector", type_=nodes.c.embedding.type),
+                    importance=bindparam("score"),
+                    pinned=bindparam("pin"),
+                ),
+                updates,
+            )
+        done += len(rows)
+
+
+# -- 2. segments ----------------------------------------------------------------------------
+
+
+async def _segment(
+    engine: AsyncEngine,
+    *,
+    tenant_id: int,
+    conversation_id: int,
+    config: TreeConfig,
+    final: bool,
+) -> int:
+    async with transaction(engine) as conn:
+        last = (
+            await conn.execute(
+                select(func.max(nodes.c.seq), func.max(nodes.c.span_end)).where(
+                    nodes.c.conversation_id == conversation_id, nodes.c.level == 1
+                )
+            )
+        ).one()
+        rows = (
+            await conn.execute(
+                select(
+                    nodes.c.id,
+                    nodes.c.seq,
+                    nodes.c.role,
+                    nodes.c.text,
+                    nodes.c.token_count,
+                    nodes.c.embedding,
+                    nodes.c.tool_calls,
+                    nodes.c.tool_call_id,
+                    nodes.c.created_at,
+                )
+                .where(
+                    nodes.c.tenant_id == tenant_id,
+                    nodes.c.conversation_id == conversation_id,
+                    nodes.c.level == 0,
+                    nodes.c.seq > (last[1] if last[1] is not None else -1),
+                )
+                .order_by(nodes.c.seq)
+            )
+        ).all()
+    closed, _open = split(_segment_messages(rows), config.policy, final=final)
+    by_seq = {row.seq: row for row in rows}
+    next_seq = 0 if last[0] is None else last[0] + 1
+    for start in range(0, len(closed), config.summary_batch):
+        batch = closed[start : start + config.summary_batch]
+        groups = [[_message_input(by_seq[m.seq]) for m in segment.messages] for segment in batch]
+        summaries = await _summarize_all(config, groups, level=1)
+        async with transaction(engine) as conn:
+            for offset, (segment, summary) in enumerate(zip(batch, summaries, strict=True)):
+                await _insert_summary(
+                    conn,
+                    tenant_id=tenant_id,
+                    conversation_id=conversation_id,
+                    level=1,
+                    seq=next_seq + start + offset,
+                    children=groups[offset],
+                    summary=summary,
+                    config=config,
+                    meta={"reason": _reason(segment)},
+                )
+    return len(closed)
+
+
+def _segment_messages(rows: Sequence[Row[Any]]) -> list[SegmentMessage]:
+    called: dict[str, str] = {}
+    messages = []
+    for row in rows:
+        names = tuple(
+            str((call.get("function") or {}).get("name", "")) for call in row.tool_calls or []
+        )
+        for call, name in zip(row.tool_calls or [], names, strict=True):
+            called[str(call.get("id"))] = name
+        if row.role == "tool" and row.tool_call_id in called:
+            names = (called[row.tool_call_id],)
+        embedding = row.embedding
+        messages.append(
+            SegmentMessage(
+                seq=row.seq,
+                role=row.role,
+                text=row.text,
+                token_count=row.token_count,
+                embedding=list(embedding) if embedding is not None else None,
+                tool_names=names,
+            )
+        )
+    return messages
+
+
+def _reason(segment: Segment) -> str:
+    return str(segment.reason)
+
+
+def _message_input(row: Row[Any]) -> SummaryInput:
+    return SummaryInput(
+        node_id=row.id,
+        level=0,
+        role=row.role,
+        text=row.text,
+        facts=None,
+        created_at=row.created_at,
+        seq_start=row.seq,
+        seq_end=row.seq,
+    )
+
+
+# -- 3. roll-ups -------------------------------------------------------------------------------
+
+
+async def _roll_up(
+    engine: AsyncEngine, *, tenant_id: int, conversation_id: int, config: TreeConfig
+) -> int:
+    made = 0
+    level = 1
+    while True:
+        async with transaction(engine) as conn:
+            orphans = (
+                await conn.execute(
+                    select(
+                        nodes.c.id,
+                        nodes.c.level,
+                        nodes.c.text,
+                        nodes.c.facts,
+                        nodes.c.created_at,
+                        nodes.c.span_start,
+                        nodes.c.span_end,
+                    )
+                    .where(
+                        nodes.c.conversation_id == conversation_id,
+                        nodes.c.level == level,
+                        nodes.c.parent_id.is_(None),
+                    )
+                    .order_by(nodes.c.seq)
+                )
+            ).all()
+            above = await conn.scalar(
+                select(func.max(nodes.c.seq)).where(
+                    nodes.c.conversation_id == conversation_id, nodes.c.level == level + 1
+                )
+            )
+        full = len(orphans) // config.fanout
+        if full == 0:
+            if above is None:
+                return made
+            level += 1
+            continue
+        groups = [
+            [_summary_input(row) for row in orphans[i * config.fanout : (i + 1) * config.fanout]]
+            for i in range(full)
+        ]
+        next_seq = 0 if above is None else above + 1
+        for start in range(0, full, config.summary_batch):
+            batch = groups[start : start + config.summary_batch]
+            summaries = await _summarize_all(config, batch, level=level + 1)
+            async with transaction(engine) as conn:
+                for offset, (children, summary) in enumerate(zip(batch, summaries, strict=True)):
+                    await _insert_summary(
+                        conn,
+                        tenant_id=tenant_id,
+                        conversation_id=conversation_id,
+                        level=level + 1,
+                        seq=next_seq + start + offset,
+                        children=children,
+                        summary=summary,
+                        config=config,
+                        meta={},
+                    )
+        made += full
+        level += 1
+
+
+def _summary_input(row: Row[Any]) -> SummaryInput:
+    return SummaryInput(
+        node_id=row.id,
+        level=row.level,
+        role=None,
+        text=row.text,
+        facts=row.facts,
+        created_at=row.created_at,
+        seq_start=row.span_start,
+        seq_end=row.span_end,
+    )
+
+
+# -- shared ------------------------------------------------------------------------------------
+
+
+async def _summarize_all(
+    config: TreeConfig, groups: Sequence[Sequence[SummaryInput]], *, level: int
+) -> list[Summary]:
+    return list(
+        await asyncio.gather(
+            *(
+                config.summarizer.summarize(group, level=level, target_tokens=config.summary_tokens)
+                for group in groups
+            )
+        )
+    )
+
+
+async def _insert_summary(
+    conn: AsyncConnection,
+    *,
+    tenant_id: int,
+    conversation_id: int,
+    level: int,
+    seq: int,
+    children: Sequence[SummaryInput],
+    summary: Summary,
+    config: TreeConfig,
+    meta: dict[str, Any],
+) -> None:
+    """Insert one summary node and adopt its children; a duplicate is skipped."""
+    first, last = children[0], children[-1]
+    stamps = [child.created_at for child in children if child.created_at is not None]
+    node_id = await conn.scalar(
+        pg_insert(nodes)
+        .values(
+            tenant_id=tenant_id,
+            conversation_id=conversation_id,
+            level=level,
+            seq=seq,
+            span_start=first.seq_start,
+            span_end=last.seq_end,
+            text=summary.text,
+            facts=summary.facts,
+            method=summary.method,
+            model=summary.model,
+            token_count=tokens.count_text(summary.text, model=config.token_model),
+            meta={**meta, "children": len(children), **_period(stamps)},
+            **({"created_at": max(stamps)} if stamps else {}),
+        )
+        .on_conflict_do_nothing(constraint="uq_nodes_conversation_level_seq")
+        .returning(nodes.c.id)
+    )
+    if node_id is None:
+        log.info("summary already built", extra={"conversation_id": conversation_id})
+        return
+    await conn.execute(
+        update(nodes)
+        .where(nodes.c.id.in_([child.node_id for child in children]), nodes.c.parent_id.is_(None))
+        .values(parent_id=node_id)
+    )
+
+
+def _period(stamps: Sequence[datetime]) -> dict[str, str]:
+    if not stamps:
+        return {}
+    return {"started_at": min(stamps).isoformat(), "ended_at": max(stamps).isoformat()}

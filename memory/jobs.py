@@ -1,0 +1,797 @@
+"""The durable queue of background work, in Postgres (SPEC §9).
+
+Contract
+--------
+* `enqueue` inserts a job in the *caller's* transaction, so a job exists exactly when the data it
+  concerns was committed. With a `dedupe_key`, enqueueing while a job with that key is still
+  `queued` is a no-op (returns None); once that job is running, new work may queue behind it.
+  Enqueueing also NOTIFYs `memstrata_jobs`, which Postgres delivers at commit, so idle workers
+  wake at once; polling remains the safety net (delayed retries, expired leases, lost notices).
+* `claim` gives one job to one worker for a lease: status `running`, `attempts` + 1,
+  `locked_by`, `lease_until`. A running job whose lease ran out (its worker died or hung) is
+  claimable again, so a job may run more than once: every handler must be idempotent.
+* Work for one conversation runs one job at a time, in order of job id: a job is not claimable
+  while another job of its conversation is running (live lease or not: an expired one is
+  reclaimed first) or, for a queued job, while an older one is queued (even one waiting out a
+  backoff). A dead job no longer holds back the ones after it. Jobs without a conversation are
+  unordered. Claims of one conversation are serialised by a transaction-level advisory lock, and
+  the eligibility is re-checked under that lock with a fresh snapshot (see `claim`).
+* `extend_lease`, `complete` and `fail` act only while the caller still owns the claim (same
+  `locked_by` *and* `attempts`, which every claim increments): a worker whose job was reclaimed
+  cannot overwrite the new owner's state.
+* `fail` requeues with exponential backoff and jitter, or after `max_attempts` attempts moves the
+  job to `dead` (the dead letter), keeping `last_error`; `retry` revives it; `depth` and
+  `list_jobs` make both visible.
+* Every time is the database's `now()`, never a host's clock, so any number of `serve` and
+  `worker` processes on any machines may share one database.
+
+Statuses: queued → running → done; running → queued (retry later) or dead; dead → queued (retry).
+"""
+
+import asyncio
+import logging
+import os
+import random
+import socket
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Mapping
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any, Final
+
+import asyncpg
+from sqlalchemy import (
+    ColumnElement,
+    Integer,
+    Row,
+    Text,
+    and_,
+    case,
+    exists,
+    func,
+    literal,
+    literal_column,
+    or_,
+    select,
+    text,
+    update,
+)
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.exc import DBAPIError, IntegrityError
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
+
+from memory.errors import InvalidInput, NotFound, StorageUnavailable
+from memory.schema import jobs
+
+log = logging.getLogger(__name__)
+
+CHANNEL: Final = "memstrata_jobs"
+"""The LISTEN/NOTIFY channel on which `enqueue` and `retry` wake idle workers."""
+
+QUEUED: Final = "queued"
+RUNNING: Final = "running"
+DONE: Final = "done"
+DEAD: Final = "dead"
+STATUSES: Final = (QUEUED, RUNNING, DONE, DEAD)
+
+BACKOFF_BASE: Final = 1.0
+"""Seconds before the first retry; each further failure doubles it."""
+BACKOFF_CAP: Final = 300.0
+"""No retry waits longer than this many seconds."""
+
+MAX_ERROR_CHARS: Final = 4000
+"""`last_error` is cut to this length: a failing job must not bloat its row."""
+
+# Key space of our advisory locks: the two-int4 form `(namespace, key)`, which Postgres keeps apart
+# from the one-bigint form that `memory.db` uses for migrations, so the two can never collide.
+_LOCK_NAMESPACE: Final = 0x6A6F6273  # "jobs" in ASCII
+# How many eligible jobs one claim considers: enough that concurrent claimers, each skipping the
+# rows and conversations the others are taking, still find one.
+_CANDIDATES: Final = 16
+
+
+def _status(value: str) -> ColumnElement[str]:
+    # Statuses are written as SQL literals, not bound parameters, so that the planner can match
+    # the partial indexes (`WHERE status = 'queued'`) even in a cached generic plan, and so that
+    # ON CONFLICT can infer `uq_jobs_queued_dedupe`.
+    return literal_column(f"'{value}'", Text)
+
+
+_Q, _R, _DONE, _DEAD = (_status(s) for s in STATUSES)
+
+
+@dataclass(frozen=True)
+class Job:
+    """A job as claimed by a worker: what its handler needs, and the claim that owns it."""
+
+    id: int
+    kind: str
+    tenant_id: int | None
+    conversation_id: int | None
+    payload: dict[str, Any]
+    attempts: int
+    max_attempts: int
+    locked_by: str
+    lease_until: datetime
+
+
+@dataclass(frozen=True)
+class JobRecord:
+    """A job as the admin API shows it."""
+
+    id: int
+    kind: str
+    status: str
+    tenant_id: int | None
+    conversation_id: int | None
+    attempts: int
+    max_attempts: int
+    last_error: str | None
+    run_after: datetime
+    created_at: datetime
+    updated_at: datetime
+
+
+Handler = Callable[[Job], Awaitable[None]]
+"""Does the work of one job; raising records a failure (and a retry, or the dead letter)."""
+
+
+# --- Enqueueing (in the caller's transaction) ------------------------------------------------
+
+
+async def enqueue(
+    conn: AsyncConnection,
+    *,
+    kind: str,
+    tenant_id: int | None,
+    conversation_id: int | None,
+    payload: Mapping[str, Any] | None = None,
+    dedupe_key: str | None = None,
+    max_attempts: int = 5,
+    delay_seconds: float = 0,
+) -> int | None:
+    """Queue a job in the caller's transaction; its id, or None if deduplicated.
+
+    With `dedupe_key`, a job with the same key that is still queued makes this a no-op: the
+    queued job will do the same (idempotent) work. Nothing is visible to workers until commit.
+    """
+    if not kind:
+        raise InvalidInput("a job needs a kind", param="kind")
+    if max_attempts < 1:
+        raise InvalidInput("max_attempts must be at least 1", param="max_attempts")
+    if delay_seconds < 0:
+        raise InvalidInput("delay_seconds must not be negative", param="delay_seconds")
+    statement = pg_insert(jobs).values(
+        kind=kind,
+        tenant_id=tenant_id,
+        conversation_id=conversation_id,
+        payload=dict(payload or {}),
+        dedupe_key=dedupe_key,
+        max_attempts=max_attempts,
+        run_after=func.now() + timedelta(seconds=delay_seconds),
+    )
+    if dedupe_key is not None:
+        statement = statement.on_conflict_do_nothing(
+            index_elements=[jobs.c.dedupe_key], index_where=text("status = 'queued'")
+        )
+    job_id = await conn.scalar(statement.returning(jobs.c.id))
+    if job_id is None:
+        return None
+    if delay_seconds <= 0:
+        # Delivered only if and when the caller commits; a delayed job is found by polling.
+        await _notify(conn, kind)
+    return int(job_id)
+
+
+async def _notify(conn: AsyncConnection, kind: str) -> None:
+    # The payload is the kind only: notices are visible to every session of the database.
+    await conn.execute(select(func.pg_notify(CHANNEL, kind)))
+
+
+# --- Claiming and settling (each in a transaction of its own) --------------------------------
+
+
+@asynccontextmanager
+async def _storage(what: str) -> AsyncIterator[None]:
+    """Translate driver errors into `StorageUnavailable`, without the statement's parameters."""
+    try:
+        yield
+    except (OSError, DBAPIError) as exc:
+        cause = exc.orig if isinstance(exc, DBAPIError) else exc
+        raise StorageUnavailable(f"{what} failed: {type(cause).__name__}: {cause}") from exc
+
+
+def _eligible(job: Any) -> ColumnElement[bool]:
+    """Whether the row `job` (an alias of `jobs`) may be claimed now."""
+    other = jobs.alias("other")
+    now = func.now()
+    due = or_(
+        and_(job.c.status == _Q, job.c.run_after <= now),
+        # Its worker died or hung: reclaim it.
+        and_(job.c.status == _R, job.c.lease_until < now),
+    )
+    # One job per conversation at a time. Any running sibling blocks, even one whose lease has
+    # expired: that one is reclaimed first, so the conversation's order is kept.
+    sibling_running = exists().where(
+        other.c.conversation_id == job.c.conversation_id,
+        other.c.status == _R,
+        other.c.id != job.c.id,
+    )
+    # In order: an older queued sibling goes first, even while it waits out a backoff. Only a
+    # queued job waits for it; a reclaimed running job was already under way.
+    older_queued = exists().where(
+        other.c.conversation_id == job.c.conversation_id,
+        other.c.status == _Q,
+        other.c.id < job.c.id,
+    )
+    return and_(
+        due,
+        or_(
+            job.c.conversation_id.is_(None),
+            and_(~sibling_running, or_(job.c.status != _Q, ~older_queued)),
+        ),
+    )
+
+
+_JOB_COLUMNS = (
+    jobs.c.id,
+    jobs.c.kind,
+    jobs.c.tenant_id,
+    jobs.c.conversation_id,
+    jobs.c.payload,
+    jobs.c.attempts,
+    jobs.c.max_attempts,
+    jobs.c.locked_by,
+    jobs.c.lease_until,
+)
+
+
+def _job(row: Row[Any]) -> Job:
+    return Job(
+        id=row.id,
+        kind=row.kind,
+        tenant_id=row.tenant_id,
+        conversation_id=row.conversation_id,
+        payload=dict(row.payload or {}),
+        attempts=row.attempts,
+        max_attempts=row.max_attempts,
+        locked_by=row.locked_by,
+        lease_until=row.lease_until,
+    )
+
+
+async def claim(
+    engine: AsyncEngine,
+    *,
+    worker_id: str,
+    lease_seconds: float,
+    kinds: Collection[str] | None = None,
+) -> Job | None:
+    """Claim the oldest eligible job (of `kinds`, or of any kind) for `lease_seconds`, or None.
+
+    One transaction, in three steps, because a single statement cannot be safe: its snapshot is
+    taken before any lock it acquires, so it could decide on a state that a claim committed
+    meanwhile has already changed (two jobs of one conversation running at once).
+
+    1. List the oldest eligible jobs (no locks).
+    2. For a job with a conversation, `pg_try_advisory_xact_lock` on that conversation: held
+       until our commit, it makes claims of one conversation take turns; if another claimer
+       holds it, skip to the next candidate.
+    3. Re-check eligibility and take the row (`FOR UPDATE SKIP LOCKED`) in a new statement,
+       whose fresh snapshot sees every claim committed before we got the lock.
+    """
+    if lease_seconds <= 0:
+        raise InvalidInput("lease_seconds must be positive", param="lease_seconds")
+    wanted = None if kinds is None else list(kinds)
+    if wanted is not None and not wanted:
+        return None
+    candidate = jobs.alias("candidate")
+    listing = (
+        select(candidate.c.id, candidate.c.conversation_id)
+        .where(_eligible(candidate))
+        .order_by(candidate.c.id)
+        .limit(_CANDIDATES)
+    )
+    if wanted is not None:
+        listing = listing.where(candidate.c.kind.in_(wanted))
+    async with _storage("claiming a job"), engine.begin() as conn:
+        for job_id, conversation_id in (await conn.execute(listing)).all():
+            if conversation_id is not None and not await _lock_conversation(conn, conversation_id):
+                continue
+            job = await _take(conn, job_id=job_id, worker_id=worker_id, lease_seconds=lease_seconds)
+            if job is not None:
+                return job
+    return None
+
+
+async def _lock_conversation(conn: AsyncConnection, conversation_id: int) -> bool:
+    # Ids beyond 2^31 share a key with a smaller one: a harmless, momentary skip.
+    key = conversation_id % 2**31
+    locked = await conn.scalar(
+        select(
+            func.pg_try_advisory_xact_lock(literal(_LOCK_NAMESPACE, Integer), literal(key, Integer))
+        )
+    )
+    return bool(locked)
+
+
+async def _take(
+    conn: AsyncConnection, *, job_id: int, worker_id: str, lease_seconds: float
+) -> Job | None:
+    """Claim job `job_id` if it is still eligible and no one else is taking it."""
+    this = jobs.alias("this")
+    still_eligible = (
+        select(this.c.id)
+        .where(this.c.id == job_id, _eligible(this))
+        .with_for_update(of=this, skip_locked=True)
+        .scalar_subquery()
+    )
+    row = (
+        await conn.execute(
+            update(jobs)
+            .where(jobs.c.id == still_eligible)
+            .values(
+                status=_R,
+                attempts=jobs.c.attempts + 1,
+                locked_by=worker_id,
+                lease_until=func.now() + timedelta(seconds=lease_seconds),
+                updated_at=func.now(),
+            )
+            .returning(*_JOB_COLUMNS)
+        )
+    ).one_or_none()
+    return None if row is None else _job(row)
+
+
+def _owned(job: Job) -> ColumnElement[bool]:
+    # `attempts` grows with every claim, so (locked_by, attempts) names one claim: even another
+    # loop of the same worker that reclaimed the job is told apart.
+    return and_(
+        jobs.c.id == job.id,
+        jobs.c.status == _R,
+        jobs.c.locked_by == job.locked_by,
+        jobs.c.attempts == job.attempts,
+    )
+
+
+async def extend_lease(engine: AsyncEngine, *, job: Job, lease_seconds: float) -> bool:
+    """Push the lease to now + `lease_seconds`; False if the job is no longer ours."""
+    async with _storage(f"extending the lease of job {job.id}"), engine.begin() as conn:
+        kept = await conn.scalar(
+            update(jobs)
+            .where(_owned(job))
+            .values(
+                lease_until=func.now() + timedelta(seconds=lease_seconds), updated_at=func.now()
+            )
+            .returning(jobs.c.id)
+        )
+    return kept is not None
+
+
+async def complete(engine: AsyncEngine, *, job: Job) -> None:
+    """Mark the job done, unless another worker has reclaimed it meanwhile."""
+    async with _storage(f"completing job {job.id}"), engine.begin() as conn:
+        done = await conn.scalar(
+            update(jobs)
+            .where(_owned(job))
+            .values(status=_DONE, lease_until=None, finished_at=func.now(), updated_at=func.now())
+            .returning(jobs.c.id)
+        )
+    if done is None:
+        log.info("job %d (%s) was reclaimed by another worker; not marked done", job.id, job.kind)
+
+
+def backoff_seconds(
+    attempts: int, *, base: float = BACKOFF_BASE, cap: float = BACKOFF_CAP
+) -> float:
+    """The wait before retrying a job that failed its `attempts`-th attempt.
+
+    `base * 2^(attempts-1)`, capped at `cap`, with "equal jitter": uniformly in [d/2, d], so that
+    jobs which failed together (an outage) do not all come back at the same instant.
+    """
+    delay = min(cap, base * 2.0 ** min(max(attempts - 1, 0), 62))
+    return delay / 2 + random.uniform(0, delay / 2)
+
+
+async def fail(
+    engine: AsyncEngine,
+    *,
+    job: Job,
+    error: str,
+    backoff_base: float = BACKOFF_BASE,
+    backoff_cap: float = BACKOFF_CAP,
+) -> None:
+    """Record a failed attempt: requeue after a backoff, or dead-letter after `max_attempts`.
+
+    `last_error` keeps `error` either way. If, while this job ran, the same work was queued
+    again (same `dedupe_key`), that queued job will do it: this one is closed as done rather
+    than requeued beside it (the unique index allows one queued job per key).
+    """
+    delay = backoff_seconds(job.attempts, base=backoff_base, cap=backoff_cap)
+    duplicate = jobs.alias("duplicate")
+    queued_duplicate = exists().where(
+        duplicate.c.dedupe_key == jobs.c.dedupe_key,
+        duplicate.c.status == _Q,
+        duplicate.c.id != jobs.c.id,
+    )
+    exhausted = jobs.c.attempts >= jobs.c.max_attempts
+    settled = or_(exhausted, queued_duplicate)
+    statement = (
+        update(jobs)
+        .where(_owned(job))
+        .values(
+            status=case((exhausted, _DEAD), (queued_duplicate, _DONE), else_=_Q),
+            run_after=case(
+                (settled, jobs.c.run_after), else_=func.now() + timedelta(seconds=delay)
+            ),
+            finished_at=case((settled, func.now()), else_=None),
+            lease_until=None,
+            last_error=error[:MAX_ERROR_CHARS],
+            updated_at=func.now(),
+        )
+        .returning(jobs.c.status)
+    )
+    async with _storage(f"recording the failure of job {job.id}"):
+        try:
+            async with engine.begin() as conn:
+                status = await conn.scalar(statement)
+        except IntegrityError:
+            # A job with our key was queued after our snapshot: a second try sees it (and
+            # closes this one); a second conflict is left to the lease to sort out.
+            async with engine.begin() as conn:
+                status = await conn.scalar(statement)
+    if status is None:
+        log.info(
+            "job %d (%s) was reclaimed by another worker; failure not recorded", job.id, job.kind
+        )
+    elif status == DEAD:
+        log.warning("job %d (%s) is dead after %d attempts", job.id, job.kind, job.attempts)
+
+
+# --- Administration (in the caller's transaction) --------------------------------------------
+
+
+def _tenant_scope(tenant_id: int | None) -> list[ColumnElement[bool]]:
+    return [] if tenant_id is None else [jobs.c.tenant_id == tenant_id]
+
+
+async def retry(conn: AsyncConnection, *, job_id: int, tenant_id: int | None = None) -> bool:
+    """Queue a dead (or backing-off) job to run now, with its attempts reset.
+
+    Scoped to `tenant_id` when given. True if the job is now queued; False if it is running or
+    done, or if a job with the same `dedupe_key` is already queued (that one will do the work).
+    Raises `NotFound` if the job does not exist (for this tenant).
+    """
+    scope = [jobs.c.id == job_id, *_tenant_scope(tenant_id)]
+    revive = (
+        update(jobs)
+        .where(*scope, jobs.c.status.in_([_DEAD, _Q]))
+        .values(
+            status=_Q,
+            attempts=0,
+            run_after=func.now(),
+            locked_by=None,
+            lease_until=None,
+            finished_at=None,
+            updated_at=func.now(),
+        )
+        .returning(jobs.c.kind)
+    )
+    try:
+        # A savepoint, so that a duplicate key does not abort the caller's transaction.
+        async with conn.begin_nested():
+            kind = await conn.scalar(revive)
+    except IntegrityError:
+        return False
+    if kind is not None:
+        await _notify(conn, kind)
+        return True
+    if await conn.scalar(select(jobs.c.id).where(*scope)) is None:
+        raise NotFound(f"job {job_id} does not exist")
+    return False
+
+
+async def depth(conn: AsyncConnection, *, tenant_id: int | None = None) -> dict[str, int]:
+    """How many jobs are in each status, and `failures`: failed at least once and not done."""
+    failing = and_(jobs.c.last_error.is_not(None), jobs.c.status != _DONE)
+    rows = await conn.execute(
+        select(jobs.c.status, func.count(), func.count().filter(failing))
+        .where(*_tenant_scope(tenant_id))
+        .group_by(jobs.c.status)
+    )
+    counts = dict.fromkeys(STATUSES, 0)
+    counts["failures"] = 0
+    for status, count, failures in rows:
+        counts[status] = counts.get(status, 0) + int(count)
+        counts["failures"] += int(failures)
+    return counts
+
+
+async def list_jobs(
+    conn: AsyncConnection, *, status: str | None, tenant_id: int | None, limit: int = 100
+) -> list[JobRecord]:
+    """The newest jobs, of `status` if given, of `tenant_id` if given."""
+    if status is not None and status not in STATUSES:
+        raise InvalidInput(f"status must be one of {', '.join(STATUSES)}", param="status")
+    if not 1 <= limit <= 1000:
+        raise InvalidInput("limit must be between 1 and 1000", param="limit")
+    query = (
+        select(
+            jobs.c.id,
+            jobs.c.kind,
+            jobs.c.status,
+            jobs.c.tenant_id,
+            jobs.c.conversation_id,
+            jobs.c.attempts,
+            jobs.c.max_attempts,
+            jobs.c.last_error,
+            jobs.c.run_after,
+            jobs.c.created_at,
+            jobs.c.updated_at,
+        )
+        .where(*_tenant_scope(tenant_id))
+        .order_by(jobs.c.id.desc())
+        .limit(limit)
+    )
+    if status is not None:
+        query = query.where(jobs.c.status == _status(status))
+    return [
+        JobRecord(
+            id=row.id,
+            kind=row.kind,
+            status=row.status,
+            tenant_id=row.tenant_id,
+            conversation_id=row.conversation_id,
+            attempts=row.attempts,
+            max_attempts=row.max_attempts,
+            last_error=row.last_error,
+            run_after=row.run_after,
+            created_at=row.created_at,
+            updated_at=row.updated_at,
+        )
+        for row in await conn.execute(query)
+    ]
+
+
+# --- Workers ----------------------------------------------------------------------------------
+
+
+def default_worker_id() -> str:
+    """`host:pid:random`: unique per Worker, and says where a stuck job's worker lives."""
+    return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+
+
+def _describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"[:MAX_ERROR_CHARS]
+
+
+class Worker:
+    """Runs jobs with `handlers` (kind → handler), `concurrency` at a time.
+
+    Claims jobs of `kinds` (default: every kind; a job of a kind without a handler is failed,
+    so that it ends in the dead letter rather than sitting unseen in the queue).
+    """
+
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        handlers: Mapping[str, Handler],
+        *,
+        worker_id: str | None = None,
+        lease_seconds: float = 60,
+        poll_interval: float = 1.0,
+        concurrency: int = 1,
+        kinds: Collection[str] | None = None,
+        backoff_base: float = BACKOFF_BASE,
+        backoff_cap: float = BACKOFF_CAP,
+        listen: bool = True,
+    ) -> None:
+        if lease_seconds <= 0:
+            raise InvalidInput("lease_seconds must be positive", param="lease_seconds")
+        if poll_interval <= 0:
+            raise InvalidInput("poll_interval must be positive", param="poll_interval")
+        if concurrency < 1:
+            raise InvalidInput("concurrency must be at least 1", param="concurrency")
+        self.worker_id = worker_id or default_worker_id()
+        self._engine = engine
+        self._handlers = dict(handlers)
+        self._lease = lease_seconds
+        self._poll = poll_interval
+        self._concurrency = concurrency
+        self._kinds = None if kinds is None else tuple(kinds)
+        self._backoff_base = backoff_base
+        self._backoff_cap = backoff_cap
+        self._listen_enabled = listen
+        # Set by a NOTIFY on `CHANNEL`; idle loops wait on it or on the poll interval.
+        self._wake = asyncio.Event()
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Run jobs until `stop` is set; then finish the jobs in hand and return."""
+        listener = asyncio.create_task(self._listen(stop)) if self._listen_enabled else None
+        try:
+            async with asyncio.TaskGroup() as group:
+                for _ in range(self._concurrency):
+                    group.create_task(self._loop(stop))
+        finally:
+            if listener is not None:
+                if not stop.is_set():  # we are leaving on an error or a cancellation
+                    listener.cancel()
+                await asyncio.gather(listener, return_exceptions=True)
+
+    async def run_until_idle(self) -> int:
+        """Run jobs until none is eligible (delayed retries are not waited for); how many ran."""
+        ran = 0
+
+        async def loop() -> None:
+            nonlocal ran
+            # A loop that finishes a job always claims again, so a job unblocked by the last
+            # one to finish (the next of its conversation) is still run.
+            while (job := await self._claim()) is not None:
+                await self._execute(job)
+                ran += 1
+
+        async with asyncio.TaskGroup() as group:
+            for _ in range(self._concurrency):
+                group.create_task(loop())
+        return ran
+
+    async def _claim(self) -> Job | None:
+        return await claim(
+            self._engine, worker_id=self.worker_id, lease_seconds=self._lease, kinds=self._kinds
+        )
+
+    async def _loop(self, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            # Cleared before claiming, so a notice that arrives during the claim is not lost.
+            self._wake.clear()
+            try:
+                job = await self._claim()
+            except StorageUnavailable as exc:
+                log.warning("worker %s cannot claim jobs: %s", self.worker_id, exc)
+                await self._idle(stop, wake=False)
+                continue
+            if job is None:
+                await self._idle(stop, wake=True)
+            else:
+                await self._execute(job)
+
+    async def _idle(self, stop: asyncio.Event, *, wake: bool) -> None:
+        """Wait for `stop`, a notice (if `wake`), or the poll interval."""
+        waits = [asyncio.ensure_future(stop.wait())]
+        if wake:
+            waits.append(asyncio.ensure_future(self._wake.wait()))
+        try:
+            await asyncio.wait(waits, timeout=self._poll, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for waiting in waits:
+                waiting.cancel()
+            await asyncio.gather(*waits, return_exceptions=True)
+
+    async def _execute(self, job: Job) -> None:
+        """Run one claimed job and record its outcome; never raises for the job's own faults."""
+        handler = self._handlers.get(job.kind)
+        if handler is None:
+            log.warning("job %d (%s): worker %s has no handler", job.id, job.kind, self.worker_id)
+            known = ", ".join(sorted(self._handlers)) or "none"
+            await self._fail(
+                job,
+                f"no handler for job kind {job.kind!r} on worker {self.worker_id} "
+                f"(it handles: {known})",
+            )
+            return
+        work = asyncio.create_task(_run_handler(handler, job), name=f"job-{job.id}")
+        lost = asyncio.Event()
+        keeper = asyncio.create_task(self._keep_lease(job, work, lost))
+        try:
+            try:
+                await work
+            finally:
+                keeper.cancel()
+                await asyncio.gather(keeper, return_exceptions=True)
+        except asyncio.CancelledError:
+            current = asyncio.current_task()
+            if current is not None and current.cancelling():
+                raise  # we are being cancelled: the lease runs out and another worker retries
+            if lost.is_set():
+                log.warning(
+                    "job %d (%s): lease lost to another worker; abandoned", job.id, job.kind
+                )
+            else:
+                await self._fail(job, "the handler was cancelled")
+        except Exception as exc:
+            # Only the exception's type: its message may quote conversation contents. The full
+            # text is kept in the job's last_error, which only its tenant and the admin can read.
+            log.warning(
+                "job %d (%s) failed on attempt %d of %d: %s",
+                job.id,
+                job.kind,
+                job.attempts,
+                job.max_attempts,
+                type(exc).__name__,
+            )
+            await self._fail(job, _describe(exc))
+        else:
+            try:
+                await complete(self._engine, job=job)
+            except StorageUnavailable as exc:
+                # The lease runs out and the job runs again: handlers are idempotent.
+                log.warning("job %d (%s): could not be marked done: %s", job.id, job.kind, exc)
+
+    async def _fail(self, job: Job, error: str) -> None:
+        try:
+            await fail(
+                self._engine,
+                job=job,
+                error=error,
+                backoff_base=self._backoff_base,
+                backoff_cap=self._backoff_cap,
+            )
+        except StorageUnavailable as exc:
+            # The lease runs out and the job runs again, as if this attempt had not happened.
+            log.warning("job %d (%s): could not record its failure: %s", job.id, job.kind, exc)
+
+    async def _keep_lease(self, job: Job, work: asyncio.Task[None], lost: asyncio.Event) -> None:
+        """Extend the lease every third of it while `work` runs; cancel `work` if it is lost."""
+        while True:
+            await asyncio.sleep(self._lease / 3)
+            try:
+                kept = await extend_lease(self._engine, job=job, lease_seconds=self._lease)
+            except StorageUnavailable as exc:
+                # Keep trying: the lease has two more thirds to go.
+                log.warning("job %d (%s): could not extend its lease: %s", job.id, job.kind, exc)
+                continue
+            if not kept:
+                # Reclaimed by another worker: it runs the job now; running it twice at once
+                # would break the conversation's one-at-a-time order.
+                lost.set()
+                work.cancel()
+                return
+
+    async def _listen(self, stop: asyncio.Event) -> None:
+        """Hold a LISTEN connection that wakes idle loops; reconnect after a failure."""
+        dsn = self._engine.url.set(drivername="postgresql").render_as_string(hide_password=False)
+        while not stop.is_set():
+            try:
+                connection = await asyncpg.connect(
+                    dsn, server_settings={"application_name": "memstrata-listen"}
+                )
+            except (OSError, asyncpg.PostgresError) as exc:
+                log.warning("worker %s cannot LISTEN (polling instead): %s", self.worker_id, exc)
+            else:
+                try:
+                    await self._listen_on(connection, stop)
+                except (OSError, asyncpg.PostgresError) as exc:
+                    log.warning("worker %s lost its LISTEN connection: %s", self.worker_id, exc)
+                finally:
+                    await _close(connection)
+            if not stop.is_set():
+                await self._idle(stop, wake=False)
+
+    async def _listen_on(self, connection: Any, stop: asyncio.Event) -> None:
+        """Wake idle loops on every notice until `stop` is set or `connection` closes."""
+        closed = asyncio.Event()
+        connection.add_termination_listener(lambda _connection: closed.set())
+        await connection.add_listener(CHANNEL, lambda *_notice: self._wake.set())
+        # Notices sent while we were not listening are lost: have the loops look now.
+        self._wake.set()
+        waits = [asyncio.ensure_future(stop.wait()), asyncio.ensure_future(closed.wait())]
+        try:
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for waiting in waits:
+                waiting.cancel()
+            await asyncio.gather(*waits, return_exceptions=True)
+
+
+async def _close(connection: Any) -> None:
+    if connection.is_closed():
+        return
+    try:
+        await asyncio.wait_for(connection.close(), timeout=5)
+    except (OSError, asyncpg.PostgresError, TimeoutError):
+        connection.terminate()
+
+
+async def _run_handler(handler: Handler, job: Job) -> None:
+    await handler(job)

@@ -1,0 +1,171 @@
+"""The tables of memstrata, as SQLAlchemy Core metadata; Alembic migrations create them.
+
+One `nodes` table holds the whole hierarchy (SPEC §5): level 0 rows are messages, kept verbatim
+forever; level 1 rows summarize segments of consecutive messages; level k+1 rows summarize runs
+of level-k rows. Every node knows the span of message sequence numbers it covers and its parent,
+so any summary can be expanded down to the messages under it. `jobs` is the durable queue of
+background work. Tenants own everything, and every table that holds tenant data carries
+`tenant_id` so that each query can be scoped without a join.
+"""
+
+from typing import Final
+
+from pgvector.sqlalchemy import Vector
+from sqlalchemy import (
+    BigInteger,
+    Boolean,
+    Column,
+    Computed,
+    DateTime,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    MetaData,
+    SmallInteger,
+    Table,
+    Text,
+    UniqueConstraint,
+    func,
+    text,
+)
+from sqlalchemy.dialects.postgresql import JSONB, TSVECTOR
+
+EMBEDDING_DIM: Final = 384
+"""Width of `nodes.embedding`; every embedder must produce vectors of this size."""
+
+DEFAULT_TENANT: Final = "default"
+"""The tenant that owns everything while `MEMSTRATA_AUTH=off`."""
+
+metadata = MetaData()
+
+
+def _created_at() -> Column[object]:
+    return Column("created_at", DateTime(timezone=True), nullable=False, server_default=func.now())
+
+
+tenants = Table(
+    "tenants",
+    metadata,
+    Column("id", BigInteger, primary_key=True, autoincrement=True),
+    Column("name", Text, nullable=False, unique=True),
+    _created_at(),
+)
+
+api_keys = Table(
+    "api_keys",
+    metadata,
+    Column("id", BigInteger, primary_key=True, autoincrement=True),
+    Column("tenant_id", BigInteger, ForeignKey("tenants.id", ondelete="CASCADE"), nullable=False),
+    Column("name", Text, nullable=False, server_default=""),
+    Column("prefix", Text, nullable=False),
+    Column("key_hash", Text, nullable=False, unique=True),
+    _created_at(),
+    Column("revoked_at", DateTime(timezone=True)),
+)
+
+conversations = Table(
+    "conversations",
+    metadata,
+    Column("id", BigInteger, primary_key=True, autoincrement=True),
+    Column("tenant_id", BigInteger, ForeignKey("tenants.id", ondelete="CASCADE"), nullable=False),
+    Column("external_id", Text, nullable=False),
+    Column("user_id", Text),
+    # Hash of the whole stored message chain: an incoming history that contains it extends us.
+    Column("head_hash", Text),
+    Column("next_seq", Integer, nullable=False, server_default="0"),
+    Column("token_count", BigInteger, nullable=False, server_default="0"),
+    _created_at(),
+    Column("updated_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+    UniqueConstraint("tenant_id", "external_id", name="uq_conversations_tenant_external"),
+    Index("ix_conversations_head", "tenant_id", "head_hash"),
+    Index("ix_conversations_recent", "tenant_id", "updated_at"),
+)
+
+nodes = Table(
+    "nodes",
+    metadata,
+    Column("id", BigInteger, primary_key=True, autoincrement=True),
+    Column("tenant_id", BigInteger, ForeignKey("tenants.id", ondelete="CASCADE"), nullable=False),
+    Column(
+        "conversation_id",
+        BigInteger,
+        ForeignKey("conversations.id", ondelete="CASCADE"),
+        nullable=False,
+    ),
+    Column("level", SmallInteger, nullable=False),
+    # Level 0: the message's sequence number. Level k: the node's ordinal among level-k nodes.
+    Column("seq", Integer, nullable=False),
+    Column("span_start", Integer, nullable=False),
+    Column("span_end", Integer, nullable=False),
+    Column("parent_id", BigInteger, ForeignKey("nodes.id", ondelete="SET NULL")),
+    # Messages: the OpenAI message as received, split into the fields we query on.
+    Column("role", Text),
+    Column("name", Text),
+    Column("content", JSONB),
+    Column("tool_calls", JSONB),
+    Column("tool_call_id", Text),
+    Column("chain_hash", Text),
+    # Plain text of the node (message text, or a summary's narrative): what is searched.
+    Column("text", Text, nullable=False, server_default=""),
+    Column("facts", JSONB),
+    Column("method", Text),
+    Column("model", Text),
+    Column("token_count", Integer, nullable=False, server_default="0"),
+    Column("embedding", Vector(EMBEDDING_DIM)),
+    Column("tsv", TSVECTOR, Computed("to_tsvector('english', text)", persisted=True)),
+    Column("importance", Float, nullable=False, server_default="0"),
+    Column("pinned", Boolean, nullable=False, server_default=text("false")),
+    # 'complete', or 'incomplete' for a reply whose upstream stream was cut.
+    Column("status", Text, nullable=False, server_default="complete"),
+    Column("meta", JSONB, nullable=False, server_default=text("'{}'::jsonb")),
+    _created_at(),
+    UniqueConstraint("conversation_id", "level", "seq", name="uq_nodes_conversation_level_seq"),
+    Index("ix_nodes_tenant_level", "tenant_id", "level"),
+    Index("ix_nodes_parent", "parent_id"),
+    Index("ix_nodes_tsv", "tsv", postgresql_using="gin"),
+    Index(
+        "ix_nodes_embedding",
+        "embedding",
+        postgresql_using="hnsw",
+        postgresql_ops={"embedding": "vector_cosine_ops"},
+    ),
+    Index(
+        "ix_nodes_unembedded",
+        "conversation_id",
+        "id",
+        postgresql_where=text("embedding IS NULL"),
+    ),
+)
+
+jobs = Table(
+    "jobs",
+    metadata,
+    Column("id", BigInteger, primary_key=True, autoincrement=True),
+    Column("tenant_id", BigInteger, ForeignKey("tenants.id", ondelete="CASCADE")),
+    Column("conversation_id", BigInteger, ForeignKey("conversations.id", ondelete="CASCADE")),
+    Column("kind", Text, nullable=False),
+    Column("payload", JSONB, nullable=False, server_default=text("'{}'::jsonb")),
+    # At most one queued job per key: enqueueing the same work twice is a no-op.
+    Column("dedupe_key", Text),
+    # queued → running → done, or back to queued with a later run_after, or dead.
+    Column("status", Text, nullable=False, server_default="queued"),
+    Column("attempts", Integer, nullable=False, server_default="0"),
+    Column("max_attempts", Integer, nullable=False, server_default="5"),
+    Column("run_after", DateTime(timezone=True), nullable=False, server_default=func.now()),
+    Column("locked_by", Text),
+    Column("lease_until", DateTime(timezone=True)),
+    Column("last_error", Text),
+    _created_at(),
+    Column("updated_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+    Column("finished_at", DateTime(timezone=True)),
+    Index(
+        "uq_jobs_queued_dedupe",
+        "dedupe_key",
+        unique=True,
+        postgresql_where=text("status = 'queued'"),
+    ),
+    Index("ix_jobs_claim", "run_after", "id", postgresql_where=text("status = 'queued'")),
+    Index("ix_jobs_running", "conversation_id", postgresql_where=text("status = 'running'")),
+    Index("ix_jobs_status", "status"),
+)

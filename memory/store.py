@@ -1,0 +1,459 @@
+"""Storing and reading conversations and their messages: the verbatim, lossless layer.
+
+Every function takes the connection and keyword-only arguments, and is scoped by `tenant_id`:
+a conversation or node of another tenant behaves as missing. Writes that touch a conversation
+lock its row first (`FOR UPDATE`), so concurrent requests on one conversation get consecutive,
+never duplicated, sequence numbers and a consistent hash chain. Callers own the transaction:
+`ingest` and `append` do their work inside the caller's transaction so that queueing the
+background work commits or rolls back with the messages it concerns.
+"""
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+from sqlalchemy import Row, func, insert, select, update
+from sqlalchemy.dialects.postgresql import aggregate_order_by
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.ext.asyncio import AsyncConnection
+
+from memory import identity, tokens
+from memory.errors import NotFound
+from memory.schema import DEFAULT_TENANT, conversations, nodes, tenants
+
+MESSAGE_FIELDS = ("role", "name", "content", "tool_calls", "tool_call_id")
+"""Fields of an OpenAI message stored in columns; the rest are kept in `meta`."""
+
+
+@dataclass(frozen=True)
+class ConversationRef:
+    """A conversation as the request path needs it."""
+
+    id: int
+    external_id: str
+    created: bool
+
+
+@dataclass(frozen=True)
+class Appended:
+    """What `ingest` or `append` stored."""
+
+    conversation: ConversationRef
+    node_ids: list[int]
+    first_seq: int
+
+
+@dataclass(frozen=True)
+class MessageRecord:
+    """One stored message (a level-0 node)."""
+
+    node_id: int
+    seq: int
+    role: str
+    name: str | None
+    content: Any
+    tool_calls: list[dict[str, Any]] | None
+    tool_call_id: str | None
+    status: str
+    token_count: int
+    created_at: datetime
+    meta: dict[str, Any]
+
+    def as_openai(self) -> dict[str, Any]:
+        """The message in OpenAI's chat format, as the client sent or received it."""
+        message: dict[str, Any] = {**self.meta, "role": self.role, "content": self.content}
+        for key in ("name", "tool_calls", "tool_call_id"):
+            if getattr(self, key) is not None:
+                message[key] = getattr(self, key)
+        return message
+
+
+async def tenant_id_by_name(conn: AsyncConnection, *, name: str = DEFAULT_TENANT) -> int:
+    """The id of the tenant called `name`."""
+    found = await conn.scalar(select(tenants.c.id).where(tenants.c.name == name))
+    if found is None:
+        raise NotFound(f"tenant {name!r} does not exist")
+    return int(found)
+
+
+async def ingest(
+    conn: AsyncConnection,
+    *,
+    tenant_id: int,
+    external_id: str | None,
+    user: str | None,
+    messages: Sequence[Mapping[str, Any]],
+    model: str,
+    created_at: Sequence[datetime | None] | None = None,
+) -> Appended:
+    """Store the new part of an incoming history and say which conversation it belongs to.
+
+    With `external_id`, that conversation (created if new) receives the messages that come
+    after its stored chain; a history that does not contain its chain is taken as new messages
+    only. Without it, the conversation whose whole chain prefixes `messages` is extended, or a
+    new one is started. `created_at`, if given, holds one timestamp (or None: now) per message.
+    """
+    hashes = identity.chain(messages)
+    if external_id is not None:
+        conv, created = await _lock_or_create(
+            conn, tenant_id=tenant_id, external_id=external_id, user=user
+        )
+        start = _after_head(hashes, conv.head_hash)
+        if start is None:
+            start = await _repeated_system(conn, conversation_id=conv.id, messages=messages)
+    else:
+        conv, start, created = await _match_prefix(
+            conn, tenant_id=tenant_id, user=user, hashes=hashes
+        )
+    return await _append_locked(
+        conn,
+        tenant_id=tenant_id,
+        conv=conv,
+        created=created,
+        messages=messages[start:],
+        model=model,
+        created_at=created_at[start:] if created_at is not None else None,
+    )
+
+
+async def append(
+    conn: AsyncConnection,
+    *,
+    tenant_id: int,
+    conversation_id: int,
+    messages: Sequence[Mapping[str, Any]],
+    model: str,
+    status: str = "complete",
+    created_at: Sequence[datetime | None] | None = None,
+) -> Appended:
+    """Append `messages` to a stored conversation (a reply, or a bulk import)."""
+    conv = (
+        await conn.execute(
+            select(conversations)
+            .where(conversations.c.id == conversation_id, conversations.c.tenant_id == tenant_id)
+            .with_for_update()
+        )
+    ).one_or_none()
+    if conv is None:
+        raise NotFound(f"conversation {conversation_id} does not exist")
+    return await _append_locked(
+        conn,
+        tenant_id=tenant_id,
+        conv=conv,
+        created=False,
+        messages=messages,
+        model=model,
+        status=status,
+        created_at=created_at,
+    )
+
+
+async def find_conversation(
+    conn: AsyncConnection, *, tenant_id: int, external_id: str
+) -> ConversationRef:
+    """The conversation `external_id` of this tenant, or `NotFound`."""
+    found = await conn.scalar(
+        select(conversations.c.id).where(
+            conversations.c.tenant_id == tenant_id, conversations.c.external_id == external_id
+        )
+    )
+    if found is None:
+        raise NotFound(f"conversation {external_id!r} does not exist")
+    return ConversationRef(id=int(found), external_id=external_id, created=False)
+
+
+async def list_messages(
+    conn: AsyncConnection,
+    *,
+    tenant_id: int,
+    conversation_id: int,
+    after_seq: int = -1,
+    limit: int | None = None,
+) -> list[MessageRecord]:
+    """Stored messages of a conversation in order, from `after_seq + 1`."""
+    query = (
+        select(nodes)
+        .where(
+            nodes.c.tenant_id == tenant_id,
+            nodes.c.conversation_id == conversation_id,
+            nodes.c.level == 0,
+            nodes.c.seq > after_seq,
+        )
+        .order_by(nodes.c.seq)
+        .limit(limit)
+    )
+    return [_message_record(row) for row in await conn.execute(query)]
+
+
+# -- internals ---------------------------------------------------------------------------
+
+
+async def _lock_or_create(
+    conn: AsyncConnection, *, tenant_id: int, external_id: str, user: str | None
+) -> tuple[Row[Any], bool]:
+    inserted = await conn.scalar(
+        pg_insert(conversations)
+        .values(tenant_id=tenant_id, external_id=external_id, user_id=user)
+        .on_conflict_do_nothing(constraint="uq_conversations_tenant_external")
+        .returning(conversations.c.id)
+    )
+    conv = (
+        await conn.execute(
+            select(conversations)
+            .where(
+                conversations.c.tenant_id == tenant_id,
+                conversations.c.external_id == external_id,
+            )
+            .with_for_update()
+        )
+    ).one()
+    return conv, inserted is not None
+
+
+def _after_head(hashes: Sequence[str], head: str | None) -> int | None:
+    """Where the new messages start, or None when the history does not contain the head."""
+    if head is None:
+        return 0
+    try:
+        return hashes.index(head) + 1
+    except ValueError:
+        return None
+
+
+async def _repeated_system(
+    conn: AsyncConnection, *, conversation_id: int, messages: Sequence[Mapping[str, Any]]
+) -> int:
+    """Clients that send only new turns usually repeat their system prompt: store it once."""
+    if not messages or messages[0].get("role") not in ("system", "developer"):
+        return 0
+    stored = await conn.scalar(
+        select(nodes.c.content)
+        .where(
+            nodes.c.conversation_id == conversation_id,
+            nodes.c.level == 0,
+            nodes.c.role.in_(("system", "developer")),
+        )
+        .order_by(nodes.c.seq.desc())
+        .limit(1)
+    )
+    return 1 if stored == messages[0].get("content") else 0
+
+
+async def _match_prefix(
+    conn: AsyncConnection, *, tenant_id: int, user: str | None, hashes: Sequence[str]
+) -> tuple[Row[Any], int, bool]:
+    """Lock the conversation whose whole chain is the longest prefix of the history; return
+    it, where the new messages start, and whether it was created."""
+    position = {digest: index for index, digest in enumerate(hashes)}
+    for _attempt in range(3):
+        candidates = (
+            await conn.execute(
+                select(conversations.c.id, conversations.c.head_hash)
+                .where(
+                    conversations.c.tenant_id == tenant_id,
+                    conversations.c.head_hash.in_(hashes),
+                    conversations.c.user_id.is_not_distinct_from(user),
+                )
+                .order_by(conversations.c.updated_at.desc())
+            )
+        ).all()
+        if not candidates:
+            break
+        best = max(candidates, key=lambda row: position[row.head_hash])
+        conv = (
+            await conn.execute(
+                select(conversations).where(conversations.c.id == best.id).with_for_update()
+            )
+        ).one()
+        if conv.head_hash == best.head_hash:
+            return conv, position[conv.head_hash] + 1, False
+        # Another request extended it between our read and our lock: look again.
+    conv, _ = await _lock_or_create(
+        conn, tenant_id=tenant_id, external_id=identity.new_conversation_id(), user=user
+    )
+    return conv, 0, True
+
+
+async def _append_locked(
+    conn: AsyncConnection,
+    *,
+    tenant_id: int,
+    conv: Row[Any],
+    created: bool,
+    messages: Sequence[Mapping[str, Any]],
+    model: str,
+    status: str = "complete",
+    created_at: Sequence[datetime | None] | None = None,
+) -> Appended:
+    """Insert `messages` after the locked conversation's head and move the head."""
+    ref = ConversationRef(id=conv.id, external_id=conv.external_id, created=created)
+    if not messages:
+        return Appended(conversation=ref, node_ids=[], first_seq=conv.next_seq)
+    hashes = identity.chain(messages, conv.head_hash or identity.ROOT_HASH)
+    now = datetime.now(UTC)
+    rows = []
+    for offset, (message, digest) in enumerate(zip(messages, hashes, strict=True)):
+        text = tokens.message_text(message)
+        row: dict[str, Any] = {
+            "tenant_id": tenant_id,
+            "conversation_id": conv.id,
+            "level": 0,
+            "seq": conv.next_seq + offset,
+            "span_start": conv.next_seq + offset,
+            "span_end": conv.next_seq + offset,
+            **{field: message.get(field) for field in MESSAGE_FIELDS},
+            "chain_hash": digest,
+            "text": text,
+            "token_count": tokens.count_message(message, model=model),
+            "status": status,
+            "meta": {k: v for k, v in message.items() if k not in MESSAGE_FIELDS},
+        }
+        if created_at is not None:
+            row["created_at"] = created_at[offset] or now
+        rows.append(row)
+    result = await conn.execute(
+        insert(nodes).returning(nodes.c.id, sort_by_parameter_order=True), rows
+    )
+    node_ids = [int(node_id) for node_id in result.scalars()]
+    await conn.execute(
+        update(conversations)
+        .where(conversations.c.id == conv.id)
+        .values(
+            next_seq=conv.next_seq + len(rows),
+            head_hash=hashes[-1],
+            token_count=conversations.c.token_count + sum(row["token_count"] for row in rows),
+            updated_at=func.now(),
+        )
+    )
+    return Appended(conversation=ref, node_ids=node_ids, first_seq=conv.next_seq)
+
+
+def _message_record(row: Row[Any]) -> MessageRecord:
+    return MessageRecord(
+        node_id=row.id,
+        seq=row.seq,
+        role=row.role,
+        name=row.name,
+        content=row.content,
+        tool_calls=row.tool_calls,
+        tool_call_id=row.tool_call_id,
+        status=row.status,
+        token_count=row.token_count,
+        created_at=row.created_at,
+        meta=row.meta,
+    )
+
+
+# -- the tree ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class NodeRecord:
+    """One node of the hierarchy: a message (level 0) or a summary."""
+
+    id: int
+    conversation_id: int
+    level: int
+    seq: int
+    span_start: int
+    span_end: int
+    parent_id: int | None
+    children: list[int]
+    role: str | None
+    text: str
+    content: Any
+    facts: dict[str, list[str]] | None
+    method: str | None
+    model: str | None
+    token_count: int
+    importance: float
+    pinned: bool
+    status: str
+    embedded: bool
+    created_at: datetime
+    meta: dict[str, Any]
+
+
+async def level_counts(
+    conn: AsyncConnection, *, tenant_id: int, conversation_id: int
+) -> dict[int, int]:
+    """How many nodes each level of the conversation holds."""
+    rows = await conn.execute(
+        select(nodes.c.level, func.count())
+        .where(nodes.c.tenant_id == tenant_id, nodes.c.conversation_id == conversation_id)
+        .group_by(nodes.c.level)
+        .order_by(nodes.c.level)
+    )
+    return {int(level): int(count) for level, count in rows}
+
+
+async def list_nodes(
+    conn: AsyncConnection,
+    *,
+    tenant_id: int,
+    conversation_id: int,
+    min_level: int = 1,
+    max_level: int | None = None,
+) -> list[NodeRecord]:
+    """The conversation's nodes from `min_level` up (summaries by default), with children."""
+    query = select(nodes, *_node_extras()).where(
+        nodes.c.tenant_id == tenant_id,
+        nodes.c.conversation_id == conversation_id,
+        nodes.c.level >= min_level,
+    )
+    if max_level is not None:
+        query = query.where(nodes.c.level <= max_level)
+    rows = await conn.execute(query.order_by(nodes.c.level.desc(), nodes.c.seq))
+    return [_node_record(row) for row in rows]
+
+
+async def get_node(conn: AsyncConnection, *, tenant_id: int, node_id: int) -> NodeRecord:
+    """One node of this tenant, or `NotFound` (also for another tenant's node)."""
+    row = (
+        await conn.execute(
+            select(nodes, *_node_extras()).where(
+                nodes.c.id == node_id, nodes.c.tenant_id == tenant_id
+            )
+        )
+    ).one_or_none()
+    if row is None:
+        raise NotFound(f"node {node_id} does not exist")
+    return _node_record(row)
+
+
+def _node_extras() -> list[Any]:
+    child = nodes.alias("child")
+    children = (
+        select(func.array_agg(aggregate_order_by(child.c.id, child.c.seq)))
+        .where(child.c.parent_id == nodes.c.id)
+        .scalar_subquery()
+        .label("children")
+    )
+    return [children, nodes.c.embedding.is_not(None).label("embedded")]
+
+
+def _node_record(row: Row[Any]) -> NodeRecord:
+    return NodeRecord(
+        id=row.id,
+        conversation_id=row.conversation_id,
+        level=row.level,
+        seq=row.seq,
+        span_start=row.span_start,
+        span_end=row.span_end,
+        parent_id=row.parent_id,
+        children=list(row.children or []),
+        role=row.role,
+        text=row.text,
+        content=row.content,
+        facts=row.facts,
+        method=row.method,
+        model=row.model,
+        token_count=row.token_count,
+        importance=row.importance,
+        pinned=row.pinned,
+        status=row.status,
+        embedded=row.embedded,
+        created_at=row.created_at,
+        meta=row.meta,
+    )

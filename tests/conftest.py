@@ -1,0 +1,57 @@
+"""Shared fixtures: one real embedded Postgres + pgvector per test session, migrated once.
+
+Tests isolate themselves by tenant: the `tenant_id` fixture makes a fresh tenant, so no test
+sees another's rows and nothing needs truncating.
+"""
+
+import shutil
+import tempfile
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+from sqlalchemy import insert
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from memory.db import connect, migrate
+from memory.postgres import EmbeddedPostgres
+from memory.schema import tenants
+
+
+@pytest.fixture(scope="session")
+def postgres() -> Iterator[EmbeddedPostgres]:
+    """A real Postgres 18 + pgvector server for the whole session, on a throwaway folder."""
+    # Under /tmp and world-traversable: as root, the server runs as the `postgres` user.
+    folder = Path(tempfile.mkdtemp(prefix="memstrata-test-"))
+    folder.chmod(0o755)
+    server = EmbeddedPostgres(folder / "data", durable=False)
+    server.start()
+    yield server
+    server.stop()
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def database_url(postgres: EmbeddedPostgres) -> str:
+    return postgres.url
+
+
+@pytest.fixture(scope="session")
+async def engine(database_url: str) -> AsyncIterator[AsyncEngine]:
+    """A migrated engine on the session's server."""
+    engine = connect(database_url)
+    await migrate(engine)
+    yield engine
+    await engine.dispose()
+
+
+@pytest.fixture
+async def tenant_id(engine: AsyncEngine) -> int:
+    """A fresh tenant of this test's own."""
+    async with engine.begin() as conn:
+        created = await conn.scalar(
+            insert(tenants).values(name=f"test-{uuid.uuid4().hex}").returning(tenants.c.id)
+        )
+    assert created is not None
+    return int(created)

@@ -1,0 +1,455 @@
+"""Bad input is refused with a clear 4xx in OpenAI's error shape, and nothing is written.
+
+The app runs in-process (`create_app` + `httpx.ASGITransport`, its lifespan entered by hand,
+its state handed to each request the way a server does), so a test can pose as a non-loopback
+client; the upstream is the real fake server process, so "the upstream received nothing" is
+checked on what it actually recorded. "Nothing written" counts the default tenant's
+conversations, messages and queued jobs before and after each request.
+"""
+
+import dataclasses
+import json
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import httpx
+import pytest
+from fastapi import FastAPI
+from sqlalchemy import func, select
+from sqlalchemy.ext.asyncio import AsyncEngine
+from starlette.types import Receive, Scope, Send
+
+from gateway.app import create_app
+from gateway.deps import State
+from gateway.settings import Settings
+from memory.db import connect
+from memory.schema import conversations, jobs, nodes
+from tests.upstream import UpstreamServer, free_port
+
+MAX_BODY = 4096
+CHAT = "/v1/chat/completions"
+JSON_HEADERS = {"content-type": "application/json"}
+
+
+def _user(text: str = "hello") -> list[dict[str, Any]]:
+    return [{"role": "user", "content": text}]
+
+
+@pytest.fixture(scope="module")
+def upstream() -> Iterator[UpstreamServer]:
+    with UpstreamServer() as server:
+        yield server
+
+
+@pytest.fixture(autouse=True)
+def _fresh_upstream(upstream: UpstreamServer) -> None:
+    upstream.reset()
+
+
+@dataclasses.dataclass
+class InProcess:
+    """The app with its lifespan entered, and clients that reach it without a socket."""
+
+    app: FastAPI
+    state: State
+
+    def client(self, *, host: str = "127.0.0.1", state: State | None = None) -> httpx.AsyncClient:
+        """A client that connects from `host`; requests see `state` (default: the app's)."""
+        app, lifespan = self.app, {"memstrata": state or self.state}
+
+        async def asgi(scope: Scope, receive: Receive, send: Send) -> None:
+            # What a server does with the lifespan's state: a copy for each request.
+            scope["state"] = dict(lifespan)
+            await app(scope, receive, send)
+
+        transport = httpx.ASGITransport(app=asgi, client=(host, 1234))
+        return httpx.AsyncClient(transport=transport, base_url="http://testserver")
+
+
+@pytest.fixture(scope="module")
+async def gateway(database_url: str, upstream: UpstreamServer) -> AsyncIterator[InProcess]:
+    app = create_app(
+        Settings(
+            database_url=database_url,
+            upstream_base_url=upstream.url,  # type: ignore[arg-type]
+            max_body_bytes=MAX_BODY,
+            workers=0,
+        )
+    )
+    async with app.router.lifespan_context(app) as lifespan_state:
+        state = lifespan_state["memstrata"]
+        assert isinstance(state, State)
+        yield InProcess(app, state)
+
+
+@pytest.fixture
+async def client(gateway: InProcess) -> AsyncIterator[httpx.AsyncClient]:
+    async with gateway.client() as http:
+        yield http
+
+
+async def _counts(engine: AsyncEngine, tenant: int) -> dict[str, int]:
+    counts = {}
+    async with engine.connect() as conn:
+        for table in (conversations, nodes, jobs):
+            counts[table.name] = int(
+                await conn.scalar(
+                    select(func.count()).select_from(table).where(table.c.tenant_id == tenant)
+                )
+                or 0
+            )
+    return counts
+
+
+def _assert_openai_error(response: httpx.Response, status: int) -> dict[str, Any]:
+    assert response.status_code == status, response.text
+    assert response.headers["content-type"].startswith("application/json")
+    body = response.json()
+    assert set(body) == {"error"}
+    error = body["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert isinstance(error["message"], str) and error["message"]
+    assert isinstance(error["type"], str) and error["type"]
+    return dict(error)
+
+
+class _Refused:
+    """Run a request and check it was refused in OpenAI's shape with nothing written."""
+
+    def __init__(self, engine: AsyncEngine, state: State, upstream: UpstreamServer) -> None:
+        self.engine = engine
+        self.state = state
+        self.upstream = upstream
+
+    async def __call__(
+        self, status: int, send: Any, *, upstream_path: str | None = None
+    ) -> dict[str, Any]:
+        tenant = self.state.default_tenant_id
+        before = await _counts(self.engine, tenant)
+        response = await send()
+        error = _assert_openai_error(response, status)
+        assert await _counts(self.engine, tenant) == before, "a refused request wrote rows"
+        assert self.upstream.requests(upstream_path) == [], "a refused request went upstream"
+        return error
+
+
+@pytest.fixture
+def refused(engine: AsyncEngine, gateway: InProcess, upstream: UpstreamServer) -> _Refused:
+    return _Refused(engine, gateway.state, upstream)
+
+
+# -- control: a valid request through the same app does write and forward ------------------
+
+
+async def test_valid_request_writes_and_forwards(
+    client: httpx.AsyncClient, engine: AsyncEngine, gateway: InProcess, upstream: UpstreamServer
+) -> None:
+    tenant = gateway.state.default_tenant_id
+    before = await _counts(engine, tenant)
+    text = f"control {uuid.uuid4().hex}"
+    response = await client.post(CHAT, json={"model": "m", "messages": _user(text)})
+    assert response.status_code == 200, response.text
+    assert response.json()["choices"][0]["message"]["content"] == f"echo: {text}"
+    assert response.headers["x-memstrata-conversation"]
+    after = await _counts(engine, tenant)
+    assert after["conversations"] == before["conversations"] + 1
+    assert after["nodes"] == before["nodes"] + 2
+    assert len(upstream.requests(CHAT)) == 1
+
+
+# -- malformed bodies ----------------------------------------------------------------------
+
+MALFORMED = {
+    "truncated": b'{"model": "m", "messages": [',
+    "empty body": b"",
+    "not json": b"model=m&messages=hi",
+    "trailing garbage": b'{"model": "m", "messages": [{"role": "user", "content": "x"}]} x',
+    "NaN constant": (
+        b'{"model": "m", "messages": [{"role": "user", "content": "x"}], "temperature": NaN}'
+    ),
+    "Infinity constant": (
+        b'{"model": "m", "messages": [{"role": "user", "content": "x"}], "top_p": Infinity}'
+    ),
+    "invalid utf-8": b'{"model": "m", "messages": [{"role": "user", "content": "\xff\xfe"}]}',
+}
+
+
+@pytest.mark.parametrize("raw", MALFORMED.values(), ids=MALFORMED.keys())
+async def test_malformed_json_is_400(
+    client: httpx.AsyncClient, refused: _Refused, raw: bytes
+) -> None:
+    error = await refused(400, lambda: client.post(CHAT, content=raw, headers=JSON_HEADERS))
+    assert error["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize("raw", [b"[1, 2]", b'"hello"', b"null", b"42", b"true"])
+async def test_non_object_json_is_400(
+    client: httpx.AsyncClient, refused: _Refused, raw: bytes
+) -> None:
+    error = await refused(400, lambda: client.post(CHAT, content=raw, headers=JSON_HEADERS))
+    assert error["type"] == "invalid_request_error"
+
+
+# -- wrong shapes and types ----------------------------------------------------------------
+
+INVALID = {
+    "messages missing": ({"model": "m"}, "messages"),
+    "messages empty": ({"model": "m", "messages": []}, "messages"),
+    "messages a string": ({"model": "m", "messages": "hello"}, "messages"),
+    "messages null": ({"model": "m", "messages": None}, "messages"),
+    "message not an object": ({"model": "m", "messages": ["hello"]}, "messages.0"),
+    "model missing": ({"messages": _user()}, "model"),
+    "model an int": ({"model": 4, "messages": _user()}, "model"),
+    "model empty": ({"model": "", "messages": _user()}, "model"),
+    "unknown role": (
+        {"model": "m", "messages": [{"role": "wizard", "content": "x"}]},
+        "messages.0.role",
+    ),
+    "role missing": ({"model": "m", "messages": [{"content": "x"}]}, "messages.0.role"),
+    "content an int": (
+        {"model": "m", "messages": [{"role": "user", "content": 42}]},
+        "messages.0.content",
+    ),
+    "content an object": (
+        {"model": "m", "messages": [{"role": "user", "content": {"text": "x"}}]},
+        "messages.0.content",
+    ),
+    "content part not an object": (
+        {
+            "model": "m",
+            "messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, 5]}],
+        },
+        "messages.0.content",
+    ),
+    "user message without content": ({"model": "m", "messages": [{"role": "user"}]}, "messages.0"),
+    "tool message without tool_call_id": (
+        {
+            "model": "m",
+            "messages": [*_user(), {"role": "tool", "content": "42"}],
+        },
+        "messages.1",
+    ),
+    "assistant without content or tool calls": (
+        {"model": "m", "messages": [*_user(), {"role": "assistant"}]},
+        "messages.1",
+    ),
+    "tool_calls not a list": (
+        {
+            "model": "m",
+            "messages": [*_user(), {"role": "assistant", "tool_calls": "get_weather"}],
+        },
+        "messages.1.tool_calls",
+    ),
+    "tool call without function": (
+        {
+            "model": "m",
+            "messages": [*_user(), {"role": "assistant", "tool_calls": [{"id": "c1"}]}],
+        },
+        "messages.1.tool_calls.0",
+    ),
+    "name an int": (
+        {"model": "m", "messages": [{"role": "user", "content": "x", "name": 7}]},
+        "messages.0.name",
+    ),
+    "stream not a bool": ({"model": "m", "messages": _user(), "stream": "maybe"}, "stream"),
+    "user an int": ({"model": "m", "messages": _user(), "user": 12}, "user"),
+}
+
+
+@pytest.mark.parametrize(("body", "param"), INVALID.values(), ids=INVALID.keys())
+async def test_invalid_request_is_400(
+    client: httpx.AsyncClient, refused: _Refused, body: dict[str, Any], param: str
+) -> None:
+    error = await refused(400, lambda: client.post(CHAT, json=body))
+    assert error["type"] == "invalid_request_error"
+    assert error["param"] is not None and error["param"].startswith(param), error
+
+
+UNSTORABLE = {
+    "NUL in content": {"role": "user", "content": "a\u0000b"},
+    "NUL in a content part": {"role": "user", "content": [{"type": "text", "text": "a\u0000"}]},
+    "NUL in name": {"role": "user", "content": "x", "name": "a\u0000"},
+    "lone surrogate": {"role": "user", "content": "a\ud800b"},
+}
+
+
+@pytest.mark.parametrize("message", UNSTORABLE.values(), ids=UNSTORABLE.keys())
+async def test_text_postgres_cannot_store_is_400(
+    client: httpx.AsyncClient, refused: _Refused, message: dict[str, Any]
+) -> None:
+    # Valid JSON (as escapes), but Postgres text/jsonb cannot hold NUL or unpaired surrogates.
+    raw = json.dumps({"model": "m", "messages": [message]}).encode()
+    error = await refused(400, lambda: client.post(CHAT, content=raw, headers=JSON_HEADERS))
+    assert error["param"] is not None and error["param"].startswith("messages.0")
+
+
+# -- oversize bodies -----------------------------------------------------------------------
+
+
+def _oversize_body() -> bytes:
+    body = json.dumps({"model": "m", "messages": _user("x" * (MAX_BODY + 100))}).encode()
+    assert len(body) > MAX_BODY
+    return body
+
+
+async def test_oversize_body_with_content_length_is_413(
+    client: httpx.AsyncClient, refused: _Refused
+) -> None:
+    raw = _oversize_body()
+    error = await refused(413, lambda: client.post(CHAT, content=raw, headers=JSON_HEADERS))
+    assert error["code"] == "request_too_large"
+
+
+async def test_oversize_chunked_body_without_content_length_is_413(
+    client: httpx.AsyncClient, refused: _Refused
+) -> None:
+    raw = _oversize_body()
+
+    async def chunks() -> AsyncIterator[bytes]:
+        for start in range(0, len(raw), 1000):
+            yield raw[start : start + 1000]
+
+    def send() -> Any:
+        request = client.build_request("POST", CHAT, content=chunks(), headers=JSON_HEADERS)
+        assert "content-length" not in request.headers
+        assert request.headers["transfer-encoding"] == "chunked"
+        return client.send(request)
+
+    error = await refused(413, send)
+    assert error["code"] == "request_too_large"
+
+
+async def test_lying_small_content_length_is_still_413(
+    client: httpx.AsyncClient, refused: _Refused
+) -> None:
+    raw = _oversize_body()
+
+    async def chunks() -> AsyncIterator[bytes]:
+        yield raw
+
+    def send() -> Any:
+        request = client.build_request(
+            "POST", CHAT, content=chunks(), headers={**JSON_HEADERS, "content-length": "100"}
+        )
+        return client.send(request)
+
+    await refused(413, send)
+
+
+async def test_oversize_embeddings_body_is_413(
+    client: httpx.AsyncClient, refused: _Refused
+) -> None:
+    raw = json.dumps({"model": "e", "input": "x" * (MAX_BODY + 100)}).encode()
+    await refused(413, lambda: client.post("/v1/embeddings", content=raw, headers=JSON_HEADERS))
+
+
+async def test_body_just_under_the_limit_is_accepted(
+    client: httpx.AsyncClient, upstream: UpstreamServer
+) -> None:
+    text = f"{uuid.uuid4().hex} "
+    envelope = len(json.dumps({"model": "m", "messages": _user(text)}).encode())
+    body = {"model": "m", "messages": _user(text + "y" * (MAX_BODY - envelope))}
+    assert len(json.dumps(body).encode()) == MAX_BODY
+    response = await client.post(CHAT, content=json.dumps(body).encode(), headers=JSON_HEADERS)
+    assert response.status_code == 200, response.text
+    assert len(upstream.requests(CHAT)) == 1
+
+
+# -- conversation ids ----------------------------------------------------------------------
+
+BAD_IDS = {
+    "too long": "c" * 129,
+    "space and bang": "my conv!",
+    "slash": "conv/1",
+    "empty": "",
+    "percent": "conv%201",
+}
+
+
+@pytest.mark.parametrize("conversation", BAD_IDS.values(), ids=BAD_IDS.keys())
+async def test_bad_conversation_id_is_400(
+    client: httpx.AsyncClient, refused: _Refused, conversation: str
+) -> None:
+    body = {"model": "m", "messages": _user()}
+    error = await refused(
+        400,
+        lambda: client.post(CHAT, json=body, headers={"X-Memstrata-Conversation": conversation}),
+    )
+    assert error["param"] == "X-Memstrata-Conversation"
+
+
+async def test_longest_valid_conversation_id_is_accepted(client: httpx.AsyncClient) -> None:
+    conversation = ("A-z0.9_:" + uuid.uuid4().hex) * 8
+    conversation = conversation[:128]
+    response = await client.post(
+        CHAT,
+        json={"model": "m", "messages": _user()},
+        headers={"X-Memstrata-Conversation": conversation},
+    )
+    assert response.status_code == 200, response.text
+    assert response.headers["x-memstrata-conversation"] == conversation
+
+
+# -- admin ---------------------------------------------------------------------------------
+
+
+async def test_admin_refuses_non_loopback_clients(
+    client: httpx.AsyncClient, gateway: InProcess
+) -> None:
+    conversation = f"admin-{uuid.uuid4().hex}"
+    created = await client.post(
+        CHAT,
+        json={"model": "m", "messages": _user()},
+        headers={"X-Memstrata-Conversation": conversation},
+    )
+    assert created.status_code == 200
+    path = f"/admin/conversations/{conversation}/messages"
+    assert (await client.get(path)).status_code == 200
+    async with gateway.client(host="10.0.0.5") as remote:
+        error = _assert_openai_error(await remote.get(path), 403)
+        assert error["type"] == "permission_error"
+        # Unknown conversations are refused the same way: nothing is revealed.
+        _assert_openai_error(await remote.get("/admin/conversations/nope/messages"), 403)
+
+
+async def test_admin_unknown_conversation_is_404(client: httpx.AsyncClient) -> None:
+    response = await client.get(f"/admin/conversations/unknown-{uuid.uuid4().hex}/messages")
+    error = _assert_openai_error(response, 404)
+    assert error["type"] == "not_found_error"
+
+
+async def test_admin_bad_conversation_id_is_400(client: httpx.AsyncClient) -> None:
+    _assert_openai_error(await client.get(f"/admin/conversations/{'c' * 129}/messages"), 400)
+
+
+# -- other routes --------------------------------------------------------------------------
+
+
+async def test_unknown_route_is_404_openai_shape(client: httpx.AsyncClient) -> None:
+    _assert_openai_error(await client.get("/v1/nothing-here"), 404)
+
+
+async def test_wrong_method_is_405_openai_shape(client: httpx.AsyncClient) -> None:
+    _assert_openai_error(await client.get(CHAT), 405)
+
+
+async def test_healthz_and_readyz(client: httpx.AsyncClient) -> None:
+    healthz = await client.get("/healthz")
+    assert (healthz.status_code, healthz.json()) == (200, {"status": "ok"})
+    readyz = await client.get("/readyz")
+    assert (readyz.status_code, readyz.json()) == (200, {"status": "ok", "database": "ok"})
+
+
+async def test_readyz_answers_503_when_the_database_is_unreachable(gateway: InProcess) -> None:
+    unreachable = connect(f"postgresql+asyncpg://nobody@127.0.0.1:{free_port()}/none")
+    try:
+        state = dataclasses.replace(gateway.state, engine=unreachable)
+        async with gateway.client(state=state) as http:
+            healthz = await http.get("/healthz")
+            readyz = await http.get("/readyz")
+    finally:
+        await unreachable.dispose()
+    assert healthz.status_code == 200  # the process is up ...
+    assert readyz.status_code == 503  # ... but not ready
+    assert readyz.json()["status"] == "unavailable"

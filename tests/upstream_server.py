@@ -1,0 +1,728 @@
+"""A real, scriptable OpenAI-compatible upstream server for end-to-end tests and benchmarks.
+
+Run it with ``python -m tests.upstream_server --host 127.0.0.1 --port P
+[--chunk-delay S] [--latency S] [--max-recorded N]`` (uvicorn, log level warning, no access
+log), or build the ASGI app with :func:`create_upstream_app`. ``tests/upstream.py`` wraps the
+subprocess for pytest fixtures.
+
+OpenAI surface (every request under ``/v1`` is recorded and consumes one scripted behaviour):
+
+* ``POST /v1/chat/completions`` -- default answer: assistant content ``"echo: " + <text of
+  the last user message>`` (``""`` when there is none), ``model`` echoed, ``id`` ``chatcmpl-...``,
+  ``object``, ``created``, ``choices[0].finish_reason`` (``"stop"``) and ``usage`` (word counts).
+  With ``"stream": true``: ``text/event-stream``, one ``chat.completion.chunk`` per word (the
+  first one carries ``delta.role``), then a chunk with an empty delta and the finish_reason,
+  then, if ``stream_options.include_usage``, a chunk with ``choices: []`` and ``usage`` (all
+  earlier chunks then carry ``"usage": null``), then ``data: [DONE]``. Chunks are written as
+  produced, ``chunk_delay`` seconds apart. Tool calls (only when the request has non-empty
+  ``tools`` and the behaviour has ``tool_calls``): non-stream ``message.tool_calls`` with
+  ``content: null`` and finish_reason ``"tool_calls"``; stream: per call, a first delta with
+  ``index``, ``id``, ``type`` and ``function.name`` + ``arguments: ""``, then deltas carrying
+  argument fragments.
+* ``GET /v1/models`` -- a list of a few models.
+* ``POST /v1/embeddings`` -- deterministic unit vectors seeded by the SHA-256 of each input,
+  dimension ``dimensions`` or 384, ``encoding_format`` ``float`` or ``base64`` (float32
+  little-endian, which the official SDK requests by default), with ``index`` and ``usage``.
+* Any other ``/v1`` path answers 404 in OpenAI's error shape. Errors are always
+  ``{"error": {"message", "type", "param", "code"}}``.
+
+Control plane (never recorded, never consumes behaviours):
+
+* ``POST /_control/script`` -- body: a JSON list of behaviours (or one behaviour object),
+  appended to a FIFO queue. Answers ``{"queued": <queue length>}``.
+* ``GET /_control/script`` -- ``{"queue": [...], "default": {...}}``.
+* ``POST /_control/default`` -- body: one behaviour object, the persistent default; ``{}``
+  resets it.
+* ``GET /_control/requests[?path=/v1/...]`` -- the recorded requests, oldest first.
+* ``DELETE /_control/requests`` -- clears the recorded requests, the queue and the default.
+
+A behaviour is a JSON object with any of these keys (unknown keys are rejected with 400):
+
+* ``status`` (int), ``body`` (JSON value or string), ``headers`` (object of strings): when
+  ``status >= 400`` or ``body`` is present the server answers exactly that (``body`` defaults
+  to an OpenAI error body matching ``status``; ``status`` defaults to 200; a string body is
+  sent as ``text/plain``). ``headers`` are added to every kind of answer.
+* ``delay`` (seconds): sleep before answering (on top of the server's ``latency``).
+* ``chunk_delay`` (seconds): overrides the server's chunk delay for this stream.
+* ``reply`` (str): the assistant content instead of the echo.
+* ``tool_calls``: list of ``{"name": str, "arguments": object | str, "id"?: str}``.
+* ``finish_reason`` (str): overrides ``"stop"`` / ``"tool_calls"``.
+* ``cut_after`` (int): stream -- send that many content/tool chunks (at most all of them),
+  then close the TCP connection without the terminating chunk, the finish chunk or ``[DONE]``
+  (the client sees an incomplete chunked body); non-stream (and non-chat) -- close the
+  connection without any response.
+* ``match`` (str): the behaviour only applies to a request whose match text contains it
+  (chat: text of the last user message; embeddings: the inputs joined by newlines;
+  models: ``""``).
+* ``path`` (str): the behaviour only applies to requests on exactly this path.
+
+Queue semantics: strict FIFO. Each ``/v1`` request looks only at the head of the queue; if the
+head applies (its ``match`` / ``path`` filters pass) it is popped and used, otherwise the head
+stays queued and the default behaviour is used. The default itself is subject to its own
+``match`` / ``path`` filters (if they fail, the plain echo behaviour is used).
+
+Each recorded request is ``{"method", "path", "query", "headers" (lowercased names),
+"body" (parsed JSON or null), "raw_body" (only when the body is not JSON), "received_at"
+(``time.time()``), "behaviour" (the behaviour applied), "request_id" (the
+``x-request-id`` answered)}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import contextlib
+import hashlib
+import json
+import math
+import random
+import re
+import struct
+import time
+import uuid
+from collections import deque
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from typing import Any, Final
+
+import uvicorn
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
+
+JSON = Any
+Behaviour = dict[str, Any]
+
+DEFAULT_EMBEDDING_DIMENSIONS: Final = 384
+SYSTEM_FINGERPRINT: Final = "fp_memstrata_upstream"
+MODELS: Final = ("gpt-4o-mini", "gpt-4o", "text-embedding-3-small")
+_ABORT_SCOPE_KEY: Final = "memstrata.abort_connection"
+_ARGUMENT_FRAGMENT_CHARS: Final = 8
+
+_ERROR_TYPES: Final[dict[int, tuple[str, str | None]]] = {
+    400: ("invalid_request_error", None),
+    401: ("invalid_request_error", "invalid_api_key"),
+    403: ("permission_error", None),
+    404: ("invalid_request_error", None),
+    409: ("invalid_request_error", None),
+    422: ("invalid_request_error", None),
+    429: ("requests", "rate_limit_exceeded"),
+    500: ("server_error", None),
+    502: ("server_error", None),
+    503: ("server_error", None),
+}
+
+_BEHAVIOUR_KEYS: Final = frozenset(
+    {
+        "status",
+        "body",
+        "headers",
+        "delay",
+        "chunk_delay",
+        "reply",
+        "tool_calls",
+        "finish_reason",
+        "cut_after",
+        "match",
+        "path",
+    }
+)
+
+AbortConnection = Callable[[], Awaitable[None]]
+
+
+class ConnectionCutError(Exception):
+    """Raised inside the app to cut the connection when the transport is not reachable."""
+
+
+class BehaviourError(ValueError):
+    """A scripted behaviour is malformed."""
+
+
+def error_body(
+    message: str, *, status: int = 400, param: str | None = None, code: str | None = None
+) -> dict[str, Any]:
+    """An OpenAI-shaped error body for ``status``."""
+    err_type, default_code = _ERROR_TYPES.get(
+        status, ("server_error" if status >= 500 else "invalid_request_error", None)
+    )
+    return {
+        "error": {
+            "message": message,
+            "type": err_type,
+            "param": param,
+            "code": code if code is not None else default_code,
+        }
+    }
+
+
+def _error_response(
+    message: str,
+    *,
+    status: int = 400,
+    param: str | None = None,
+    code: str | None = None,
+    headers: Mapping[str, str] | None = None,
+) -> JSONResponse:
+    return JSONResponse(
+        error_body(message, status=status, param=param, code=code), status, headers=headers
+    )
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def validate_behaviour(raw: object) -> Behaviour:
+    """Check a behaviour object and return a copy; raise :class:`BehaviourError` if malformed."""
+    if not isinstance(raw, dict):
+        raise BehaviourError(f"a behaviour must be a JSON object, got {type(raw).__name__}")
+    unknown = sorted(set(raw) - _BEHAVIOUR_KEYS)
+    if unknown:
+        raise BehaviourError(f"unknown behaviour keys {unknown}; known: {sorted(_BEHAVIOUR_KEYS)}")
+    if "status" in raw and not (
+        isinstance(raw["status"], int)
+        and not isinstance(raw["status"], bool)
+        and 100 <= raw["status"] <= 599
+    ):
+        raise BehaviourError("'status' must be an int in 100..599")
+    if "headers" in raw and not (
+        isinstance(raw["headers"], dict)
+        and all(isinstance(k, str) and isinstance(v, str) for k, v in raw["headers"].items())
+    ):
+        raise BehaviourError("'headers' must be an object of strings")
+    for key in ("delay", "chunk_delay"):
+        if key in raw and not (_is_number(raw[key]) and raw[key] >= 0):
+            raise BehaviourError(f"'{key}' must be a number >= 0")
+    if "cut_after" in raw and not (
+        isinstance(raw["cut_after"], int)
+        and not isinstance(raw["cut_after"], bool)
+        and raw["cut_after"] >= 0
+    ):
+        raise BehaviourError("'cut_after' must be an int >= 0")
+    for key in ("reply", "finish_reason", "match", "path"):
+        if key in raw and not isinstance(raw[key], str):
+            raise BehaviourError(f"'{key}' must be a string")
+    if "tool_calls" in raw:
+        calls = raw["tool_calls"]
+        if not isinstance(calls, list) or not calls:
+            raise BehaviourError("'tool_calls' must be a non-empty list")
+        for call in calls:
+            if not (
+                isinstance(call, dict)
+                and isinstance(call.get("name"), str)
+                and set(call) <= {"name", "arguments", "id"}
+                and isinstance(call.get("arguments", {}), dict | str)
+                and isinstance(call.get("id", ""), str)
+            ):
+                raise BehaviourError(
+                    "each tool call must be {'name': str, 'arguments': object|str, 'id'?: str}"
+                )
+    return dict(raw)
+
+
+def _content_text(content: object) -> str:
+    """Text of a message ``content`` (a string or a list of content parts)."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "".join(
+            part["text"]
+            for part in content
+            if isinstance(part, dict) and isinstance(part.get("text"), str)
+        )
+    return ""
+
+
+def last_user_text(body: Mapping[str, Any]) -> str:
+    """Text of the last ``user`` message of a chat completion request (``""`` if none)."""
+    messages = body.get("messages")
+    if not isinstance(messages, list):
+        return ""
+    for message in reversed(messages):
+        if isinstance(message, dict) and message.get("role") == "user":
+            return _content_text(message.get("content"))
+    return ""
+
+
+def _word_count(text: str) -> int:
+    return len(text.split())
+
+
+def _split_words(text: str) -> list[str]:
+    """Split ``text`` into word pieces whose concatenation is exactly ``text``."""
+    pieces: list[str] = re.findall(r"\s*\S+", text)
+    if not pieces:
+        return [text]
+    consumed = sum(len(piece) for piece in pieces)
+    pieces[-1] += text[consumed:]
+    return pieces
+
+
+def embedding_vector(text: str, dimensions: int) -> list[float]:
+    """A deterministic unit vector for ``text`` (seeded by its SHA-256)."""
+    seed = int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "big")
+    rng = random.Random(seed)
+    vector = [rng.gauss(0.0, 1.0) for _ in range(dimensions)]
+    norm = math.sqrt(sum(x * x for x in vector)) or 1.0
+    return [x / norm for x in vector]
+
+
+class UpstreamState:
+    """Mutable in-memory state: recorded requests, the behaviour queue and the default."""
+
+    def __init__(self, *, chunk_delay: float, latency: float, max_recorded: int) -> None:
+        self.chunk_delay = chunk_delay
+        self.latency = latency
+        self.requests: deque[dict[str, Any]] = deque(maxlen=max_recorded)
+        self.queue: deque[Behaviour] = deque()
+        self.default: Behaviour = {}
+
+    @staticmethod
+    def _applies(behaviour: Behaviour, path: str, match_text: str) -> bool:
+        if "path" in behaviour and behaviour["path"] != path:
+            return False
+        return "match" not in behaviour or behaviour["match"] in match_text
+
+    def next_behaviour(self, path: str, match_text: str) -> Behaviour:
+        """Pop the queue head if it applies, else return the default (or ``{}``)."""
+        if self.queue and self._applies(self.queue[0], path, match_text):
+            return self.queue.popleft()
+        if self._applies(self.default, path, match_text):
+            return dict(self.default)
+        return {}
+
+    def reset(self) -> None:
+        self.requests.clear()
+        self.queue.clear()
+        self.default = {}
+
+
+class _UpstreamApp(Starlette):
+    """Starlette app that exposes a way to cut the TCP connection to its handlers.
+
+    The server (uvicorn) passes its per-request cycle's bound ``send``; its ``transport`` is
+    what lets a handler close the socket with no (or an incomplete) response.
+    """
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            transport = getattr(getattr(send, "__self__", None), "transport", None)
+            if transport is not None:
+
+                async def abort() -> None:
+                    transport.close()
+                    # Wait for the server to notice, so it neither logs an error nor
+                    # writes a 500 after the handler returns.
+                    with contextlib.suppress(TimeoutError):
+                        async with asyncio.timeout(2.0):
+                            while (await receive())["type"] != "http.disconnect":
+                                pass
+
+                scope[_ABORT_SCOPE_KEY] = abort
+        await super().__call__(scope, receive, send)
+
+
+async def _abort_connection(request: Request) -> None:
+    abort: AbortConnection | None = request.scope.get(_ABORT_SCOPE_KEY)
+    if abort is None:
+        raise ConnectionCutError("scripted connection cut")
+    await abort()
+
+
+def create_upstream_app(
+    *, chunk_delay: float = 0.0, latency: float = 0.0, max_recorded: int = 100_000
+) -> Starlette:
+    """Build the fake upstream ASGI app.
+
+    ``chunk_delay``: seconds between stream chunks; ``latency``: seconds slept before every
+    ``/v1`` answer; ``max_recorded``: how many requests are kept (oldest dropped first).
+    """
+    state = UpstreamState(chunk_delay=chunk_delay, latency=latency, max_recorded=max_recorded)
+
+    async def record(request: Request, match_text: Callable[[JSON], str]) -> tuple[JSON, Behaviour]:
+        raw = await request.body()
+        entry: dict[str, Any] = {
+            "method": request.method,
+            "path": request.url.path,
+            "query": request.url.query,
+            "headers": {},
+            "body": None,
+            "received_at": time.time(),
+        }
+        for name, value in request.headers.items():
+            key = name.lower()
+            entry["headers"][key] = (
+                f"{entry['headers'][key]}, {value}" if key in entry["headers"] else value
+            )
+        body: JSON = None
+        if raw:
+            try:
+                body = json.loads(raw)
+            except ValueError:
+                entry["raw_body"] = raw.decode("utf-8", "replace")
+        entry["body"] = body
+        behaviour = state.next_behaviour(request.url.path, match_text(body))
+        entry["behaviour"] = behaviour
+        entry["request_id"] = f"req_{uuid.uuid4().hex}"
+        state.requests.append(entry)
+        request.state.request_id = entry["request_id"]
+        wait = state.latency + float(behaviour.get("delay", 0.0))
+        if wait > 0:
+            await asyncio.sleep(wait)
+        return body, behaviour
+
+    def headers_for(request: Request, behaviour: Behaviour) -> dict[str, str]:
+        return {"x-request-id": request.state.request_id, **behaviour.get("headers", {})}
+
+    def scripted_response(request: Request, behaviour: Behaviour) -> Response | None:
+        """The scripted error/raw answer, or ``None`` to go on with the normal answer."""
+        headers = headers_for(request, behaviour)
+        status = behaviour.get("status")
+        if "body" in behaviour or (status is not None and status >= 400):
+            status = status if status is not None else 200
+            body = behaviour.get("body", error_body(f"Scripted error {status}", status=status))
+            if isinstance(body, str):
+                return PlainTextResponse(body, status, headers=headers)
+            return JSONResponse(body, status, headers=headers)
+        return None
+
+    def json_response(request: Request, behaviour: Behaviour, payload: JSON) -> JSONResponse:
+        return JSONResponse(
+            payload, behaviour.get("status", 200), headers=headers_for(request, behaviour)
+        )
+
+    async def chat_completions(request: Request) -> Response:
+        body, behaviour = await record(
+            request, lambda b: last_user_text(b) if isinstance(b, dict) else ""
+        )
+        if (scripted := scripted_response(request, behaviour)) is not None:
+            return scripted
+        stream = isinstance(body, dict) and bool(body.get("stream"))
+        if "cut_after" in behaviour and not stream:
+            await _abort_connection(request)
+            return Response(status_code=500)  # never reaches the client
+        headers = headers_for(request, behaviour)
+        if not isinstance(body, dict):
+            return _error_response(
+                "We could not parse the JSON body of your request.", headers=headers
+            )
+        model = body.get("model")
+        if not isinstance(model, str) or not model:
+            return _error_response(
+                "you must provide a model parameter", param="model", headers=headers
+            )
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            return _error_response(
+                "'messages' must be a non-empty array",
+                param="messages",
+                code="invalid_type",
+                headers=headers,
+            )
+
+        reply: str = behaviour.get("reply", "echo: " + last_user_text(body))
+        tool_calls: list[dict[str, str]] = []
+        if behaviour.get("tool_calls") and body.get("tools"):
+            for call in behaviour["tool_calls"]:
+                arguments = call.get("arguments", {})
+                tool_calls.append(
+                    {
+                        "id": call.get("id") or f"call_{uuid.uuid4().hex[:24]}",
+                        "name": call["name"],
+                        "arguments": arguments
+                        if isinstance(arguments, str)
+                        else json.dumps(arguments),
+                    }
+                )
+        content: str | None = behaviour.get("reply") if tool_calls else reply
+        finish_reason: str = behaviour.get("finish_reason", "tool_calls" if tool_calls else "stop")
+        prompt_tokens = sum(
+            _word_count(_content_text(m.get("content"))) + 3
+            for m in messages
+            if isinstance(m, dict)
+        )
+        completion_tokens = _word_count(content or "") + sum(
+            _word_count(c["arguments"]) + 1 for c in tool_calls
+        )
+        usage = {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+        }
+        completion_id = f"chatcmpl-{uuid.uuid4().hex[:29]}"
+        created = int(time.time())
+
+        if not stream:
+            message: dict[str, Any] = {"role": "assistant", "content": content, "refusal": None}
+            if tool_calls:
+                message["tool_calls"] = [
+                    {
+                        "id": c["id"],
+                        "type": "function",
+                        "function": {"name": c["name"], "arguments": c["arguments"]},
+                    }
+                    for c in tool_calls
+                ]
+            return json_response(
+                request,
+                behaviour,
+                {
+                    "id": completion_id,
+                    "object": "chat.completion",
+                    "created": created,
+                    "model": model,
+                    "system_fingerprint": SYSTEM_FINGERPRINT,
+                    "choices": [
+                        {
+                            "index": 0,
+                            "message": message,
+                            "logprobs": None,
+                            "finish_reason": finish_reason,
+                        }
+                    ],
+                    "usage": usage,
+                },
+            )
+
+        stream_options = body.get("stream_options")
+        include_usage = isinstance(stream_options, dict) and bool(
+            stream_options.get("include_usage")
+        )
+
+        def chunk(
+            delta: dict[str, Any], finish: str | None = None, *, choices: bool = True
+        ) -> bytes:
+            payload: dict[str, Any] = {
+                "id": completion_id,
+                "object": "chat.completion.chunk",
+                "created": created,
+                "model": model,
+                "system_fingerprint": SYSTEM_FINGERPRINT,
+                "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]
+                if choices
+                else [],
+            }
+            if include_usage:
+                payload["usage"] = None if choices else usage
+            return f"data: {json.dumps(payload)}\n\n".encode()
+
+        deltas: list[dict[str, Any]] = []
+        if content is not None:
+            deltas.extend({"content": piece} for piece in _split_words(content))
+        for index, call in enumerate(tool_calls):
+            deltas.append(
+                {
+                    "tool_calls": [
+                        {
+                            "index": index,
+                            "id": call["id"],
+                            "type": "function",
+                            "function": {"name": call["name"], "arguments": ""},
+                        }
+                    ]
+                }
+            )
+            args = call["arguments"]
+            for start in range(0, len(args), _ARGUMENT_FRAGMENT_CHARS):
+                fragment = args[start : start + _ARGUMENT_FRAGMENT_CHARS]
+                deltas.append(
+                    {"tool_calls": [{"index": index, "function": {"arguments": fragment}}]}
+                )
+        # ``deltas`` is never empty: there is content (maybe "") or at least one tool call.
+        deltas[0] = {"role": "assistant", "content": None, **deltas[0], "refusal": None}
+
+        delay = float(behaviour.get("chunk_delay", state.chunk_delay))
+        cut_after: int | None = behaviour.get("cut_after")
+
+        async def events() -> AsyncIterator[bytes]:
+            for number, delta in enumerate(deltas):
+                if cut_after is not None and number >= cut_after:
+                    break
+                if number and delay:
+                    await asyncio.sleep(delay)
+                yield chunk(delta)
+            if cut_after is not None:
+                await _abort_connection(request)
+                return
+            if delay:
+                await asyncio.sleep(delay)
+            yield chunk({}, finish_reason)
+            if include_usage:
+                yield chunk({}, choices=False)
+            yield b"data: [DONE]\n\n"
+
+        return StreamingResponse(
+            events(),
+            behaviour.get("status", 200),
+            headers={"cache-control": "no-cache", **headers_for(request, behaviour)},
+            media_type="text/event-stream",
+        )
+
+    def embedding_inputs(body: JSON) -> list[str] | None:
+        if not isinstance(body, dict):
+            return None
+        raw = body.get("input")
+        if isinstance(raw, str):
+            return [raw]
+        if isinstance(raw, list) and raw:
+            if all(isinstance(item, int) for item in raw):
+                return [json.dumps(raw)]
+            if all(isinstance(item, str | list) for item in raw):
+                return [item if isinstance(item, str) else json.dumps(item) for item in raw]
+        return None
+
+    async def embeddings(request: Request) -> Response:
+        body, behaviour = await record(request, lambda b: "\n".join(embedding_inputs(b) or []))
+        if (scripted := scripted_response(request, behaviour)) is not None:
+            return scripted
+        if "cut_after" in behaviour:
+            await _abort_connection(request)
+            return Response(status_code=500)
+        headers = headers_for(request, behaviour)
+        inputs = embedding_inputs(body)
+        if inputs is None or not isinstance(body, dict):
+            return _error_response(
+                "'input' must be a non-empty string or array",
+                param="input",
+                code="invalid_type",
+                headers=headers,
+            )
+        model = body.get("model")
+        if not isinstance(model, str) or not model:
+            return _error_response(
+                "you must provide a model parameter", param="model", headers=headers
+            )
+        dimensions = body.get("dimensions", DEFAULT_EMBEDDING_DIMENSIONS)
+        if not isinstance(dimensions, int) or isinstance(dimensions, bool) or dimensions < 1:
+            return _error_response(
+                "'dimensions' must be a positive integer", param="dimensions", headers=headers
+            )
+        encoding = body.get("encoding_format", "float")
+        if encoding not in ("float", "base64"):
+            return _error_response(
+                "'encoding_format' must be 'float' or 'base64'",
+                param="encoding_format",
+                headers=headers,
+            )
+        data: list[dict[str, Any]] = []
+        for index, text in enumerate(inputs):
+            vector = embedding_vector(text, dimensions)
+            encoded: list[float] | str = (
+                vector
+                if encoding == "float"
+                else base64.b64encode(struct.pack(f"<{dimensions}f", *vector)).decode()
+            )
+            data.append({"object": "embedding", "index": index, "embedding": encoded})
+        tokens = sum(max(1, _word_count(text)) for text in inputs)
+        return json_response(
+            request,
+            behaviour,
+            {
+                "object": "list",
+                "data": data,
+                "model": model,
+                "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+            },
+        )
+
+    async def models(request: Request) -> Response:
+        _, behaviour = await record(request, lambda _b: "")
+        if (scripted := scripted_response(request, behaviour)) is not None:
+            return scripted
+        if "cut_after" in behaviour:
+            await _abort_connection(request)
+            return Response(status_code=500)
+        return json_response(
+            request,
+            behaviour,
+            {
+                "object": "list",
+                "data": [
+                    {"id": name, "object": "model", "created": 1_700_000_000, "owned_by": "system"}
+                    for name in MODELS
+                ],
+            },
+        )
+
+    async def unknown_v1(request: Request) -> Response:
+        _, behaviour = await record(request, lambda _b: "")
+        if (scripted := scripted_response(request, behaviour)) is not None:
+            return scripted
+        return _error_response(
+            f"Invalid URL ({request.method} {request.url.path})",
+            status=404,
+            headers=headers_for(request, behaviour),
+        )
+
+    async def control_script(request: Request) -> Response:
+        if request.method == "GET":
+            return JSONResponse({"queue": list(state.queue), "default": state.default})
+        try:
+            raw = await request.json()
+            items = raw if isinstance(raw, list) else [raw]
+            behaviours = [validate_behaviour(item) for item in items]
+        except (ValueError, BehaviourError) as exc:
+            return _error_response(str(exc))
+        state.queue.extend(behaviours)
+        return JSONResponse({"queued": len(state.queue)})
+
+    async def control_default(request: Request) -> Response:
+        try:
+            state.default = validate_behaviour(await request.json())
+        except (ValueError, BehaviourError) as exc:
+            return _error_response(str(exc))
+        return JSONResponse({"default": state.default})
+
+    async def control_requests(request: Request) -> Response:
+        if request.method == "DELETE":
+            state.reset()
+            return JSONResponse({"cleared": True})
+        path = request.query_params.get("path")
+        return JSONResponse([r for r in state.requests if path is None or r["path"] == path])
+
+    app = _UpstreamApp(
+        routes=[
+            Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+            Route("/v1/embeddings", embeddings, methods=["POST"]),
+            Route("/v1/models", models, methods=["GET"]),
+            Route(
+                "/v1/{rest:path}",
+                unknown_v1,
+                methods=["GET", "POST", "PUT", "PATCH", "DELETE"],
+            ),
+            Route("/_control/script", control_script, methods=["GET", "POST"]),
+            Route("/_control/default", control_default, methods=["POST"]),
+            Route("/_control/requests", control_requests, methods=["GET", "DELETE"]),
+        ]
+    )
+    app.state.upstream = state
+    return app
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Command-line entry point: serve the fake upstream with uvicorn."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--chunk-delay", type=float, default=0.0)
+    parser.add_argument("--latency", type=float, default=0.0)
+    parser.add_argument("--max-recorded", type=int, default=100_000)
+    args = parser.parse_args(argv)
+    app = create_upstream_app(
+        chunk_delay=args.chunk_delay, latency=args.latency, max_recorded=args.max_recorded
+    )
+    uvicorn.run(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level="warning",
+        access_log=False,
+        timeout_graceful_shutdown=1,
+    )
+
+
+if __name__ == "__main__":
+    main()
