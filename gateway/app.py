@@ -11,7 +11,6 @@ import logging
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 
-import httpx
 from fastapi import FastAPI
 
 from gateway import background
@@ -19,7 +18,7 @@ from gateway.deps import State
 from gateway.errors import install_handlers
 from gateway.routes import admin, health, openai
 from gateway.settings import Settings
-from gateway.upstream import Upstream
+from gateway.upstream import Upstream, make_client
 from memory import store, tokens
 from memory.db import connect, migrate, transaction
 from memory.postgres import EmbeddedPostgres
@@ -42,11 +41,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                 url = embedded.url
             engine = connect(url, pool_size=settings.db_pool_size)
             stack.push_async_callback(engine.dispose)
-            client = httpx.AsyncClient(
-                timeout=httpx.Timeout(
-                    settings.upstream_timeout, connect=settings.upstream_connect_timeout
-                ),
-                limits=httpx.Limits(max_connections=1000, max_keepalive_connections=100),
+            client = make_client(
+                timeout=settings.upstream_timeout, connect_timeout=settings.upstream_connect_timeout
             )
             stack.push_async_callback(client.aclose)
             # Load the tokenizer now rather than on the first request.

@@ -8,13 +8,20 @@ start the embedded server under `MEMSTRATA_DATA_DIR`.
 import asyncio
 import logging
 import signal
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 import click
 import uvicorn
+from sqlalchemy.ext.asyncio import AsyncEngine
+from tqdm import tqdm
 
+from gateway import background, importer
 from gateway.settings import Settings
+from gateway.upstream import make_client
+from memory import identity
 from memory.db import connect, migrate
 from memory.errors import MemstrataError
 from memory.postgres import EmbeddedPostgres
@@ -128,3 +135,100 @@ def db() -> None:
         asyncio.run(wait())
     finally:
         server.stop()
+
+
+@main.command()
+@click.option("--concurrency", type=int, default=1, show_default=True, help="Jobs run at once.")
+def worker(concurrency: int) -> None:
+    """Run background workers only (any number of processes may share one database)."""
+    settings = _settings()
+    _logging(settings)
+
+    async def run(url: str) -> None:
+        engine = connect(url, pool_size=settings.db_pool_size)
+        client = make_client(
+            timeout=settings.upstream_timeout, connect_timeout=settings.upstream_connect_timeout
+        )
+        try:
+            await migrate(engine)
+            config = background.tree_config(settings, client, background.embedder(settings, client))
+            runner = background.worker(engine, settings, config, concurrency=concurrency)
+            stop = asyncio.Event()
+            loop = asyncio.get_running_loop()
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                loop.add_signal_handler(sig, stop.set)
+            click.echo(f"worker {runner.worker_id} running; Ctrl-C to stop", err=True)
+            await runner.run(stop)
+        finally:
+            await client.aclose()
+            await engine.dispose()
+
+    with _database(settings) as url:
+        try:
+            asyncio.run(run(url))
+        except MemstrataError as exc:
+            raise click.ClickException(str(exc)) from exc
+
+
+@main.command("import")
+@click.argument("file", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.option("--conversation", help="Conversation id (default: the file's name).")
+@click.option("--model", default="gpt-4o", show_default=True, help="Tokenizer for counting.")
+@click.option("--batch", type=int, default=1000, show_default=True, help="Messages per commit.")
+@click.option("--wait", is_flag=True, help="Also build the summary tree here, then exit.")
+def import_command(
+    file: Path, conversation: str | None, model: str, batch: int, wait: bool
+) -> None:
+    """Import messages from FILE: JSONL (one OpenAI message a line) or JSON (a list of
+    messages, or {"messages": [...]}); each message may carry `created_at`. Importing the same
+    file again adds nothing."""
+    settings = _settings()
+    _logging(settings)
+    try:
+        messages, stamps = importer.read_messages(file)
+        external_id = identity.validate_conversation_id(
+            conversation or importer.conversation_id_for(file)
+        )
+    except MemstrataError as exc:
+        raise click.ClickException(str(exc)) from exc
+
+    async def run(url: str) -> None:
+        engine = connect(url, pool_size=settings.db_pool_size)
+        try:
+            await migrate(engine)
+            with tqdm(total=len(messages), unit="msg", desc=f"import {external_id}") as bar:
+                imported = await importer.import_messages(
+                    engine,
+                    external_id=external_id,
+                    messages=messages,
+                    created_at=stamps,
+                    model=model,
+                    batch=batch,
+                    progress=bar.update,
+                )
+            click.echo(f"{imported} messages imported into {external_id}", err=True)
+            if wait:
+                await _build_here(engine, settings)
+        finally:
+            await engine.dispose()
+
+    with _database(settings) as url:
+        try:
+            asyncio.run(run(url))
+        except MemstrataError as exc:
+            raise click.ClickException(str(exc)) from exc
+
+
+async def _build_here(engine: AsyncEngine, settings: Settings) -> None:
+    """Run the queued background work in this process until none is left."""
+    client = make_client(
+        timeout=settings.upstream_timeout, connect_timeout=settings.upstream_connect_timeout
+    )
+    try:
+        config = background.tree_config(settings, client, background.embedder(settings, client))
+        runner = background.worker(engine, settings, config, concurrency=1)
+        started = time.perf_counter()
+        ran = await runner.run_until_idle()
+        click.echo(f"{ran} jobs run in {time.perf_counter() - started:.1f}s", err=True)
+    finally:
+        await client.aclose()

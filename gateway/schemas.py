@@ -8,9 +8,30 @@ goes upstream is the client's own JSON, not a re-serialisation of these models.
 from datetime import datetime
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 Role = Literal["system", "developer", "user", "assistant", "tool", "function"]
+
+
+def _storable(value: Any) -> bool:
+    """Whether Postgres can hold every string in `value` (text and jsonb refuse NUL
+    characters and unpaired surrogates, which JSON escapes can still carry)."""
+    if isinstance(value, str):
+        if "\x00" in value:
+            return False
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return False
+        return True
+    if isinstance(value, dict):
+        return all(_storable(key) and _storable(item) for key, item in value.items())
+    if isinstance(value, list):
+        return all(_storable(item) for item in value)
+    return True
+
+
+_UNSTORABLE = "text must not contain NUL characters (\\u0000) or unpaired surrogates"
 
 
 class ToolCallFunction(BaseModel):
@@ -36,6 +57,13 @@ class ChatMessage(BaseModel):
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
 
+    @model_validator(mode="before")
+    @classmethod
+    def _storable_text(cls, data: Any) -> Any:
+        if not _storable(data):
+            raise ValueError(_UNSTORABLE)
+        return data
+
     @model_validator(mode="after")
     def _required_parts(self) -> "ChatMessage":
         if self.role == "tool" and not self.tool_call_id:
@@ -60,6 +88,13 @@ class ChatCompletionRequest(BaseModel):
     messages: list[ChatMessage] = Field(min_length=1)
     stream: bool = False
     user: str | None = None
+
+    @field_validator("user")
+    @classmethod
+    def _storable_user(cls, value: str | None) -> str | None:
+        if not _storable(value):
+            raise ValueError(_UNSTORABLE)
+        return value
 
 
 class ImportMessage(ChatMessage):

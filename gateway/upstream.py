@@ -101,3 +101,11 @@ def relayed_headers(response: httpx.Response) -> dict[str, str]:
 def _name(exc: Exception) -> str:
     detail = str(exc)
     return f"{type(exc).__name__}: {detail}" if detail else type(exc).__name__
+
+
+def make_client(*, timeout: float, connect_timeout: float) -> httpx.AsyncClient:
+    """The pooled client every upstream call of a process goes through."""
+    return httpx.AsyncClient(
+        timeout=httpx.Timeout(timeout, connect=connect_timeout),
+        limits=httpx.Limits(max_connections=1000, max_keepalive_connections=100),
+    )

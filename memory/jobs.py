@@ -9,7 +9,9 @@ Contract
   wake at once; polling remains the safety net (delayed retries, expired leases, lost notices).
 * `claim` gives one job to one worker for a lease: status `running`, `attempts` + 1,
   `locked_by`, `lease_until`. A running job whose lease ran out (its worker died or hung) is
-  claimable again, so a job may run more than once: every handler must be idempotent.
+  claimable again, so a job may run more than once: every handler must be idempotent. Expired
+  leases are reclaimed first, then queued jobs are taken in order of due time (`run_after`,
+  then id).
 * Work for one conversation runs one job at a time, in order of job id: a job is not claimable
   while another job of its conversation is running (live lease or not: an expired one is
   reclaimed first) or, for a queued job, while an older one is queued (even one waiting out a
@@ -43,10 +45,14 @@ from typing import Any, Final
 import asyncpg
 from sqlalchemy import (
     ColumnElement,
+    Executable,
     Integer,
+    Interval,
     Row,
+    Subquery,
     Text,
     and_,
+    bindparam,
     case,
     exists,
     func,
@@ -55,9 +61,11 @@ from sqlalchemy import (
     or_,
     select,
     text,
+    union_all,
     update,
 )
 from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.engine import URL
 from sqlalchemy.exc import DBAPIError, IntegrityError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
@@ -202,38 +210,6 @@ async def _storage(what: str) -> AsyncIterator[None]:
         raise StorageUnavailable(f"{what} failed: {type(cause).__name__}: {cause}") from exc
 
 
-def _eligible(job: Any) -> ColumnElement[bool]:
-    """Whether the row `job` (an alias of `jobs`) may be claimed now."""
-    other = jobs.alias("other")
-    now = func.now()
-    due = or_(
-        and_(job.c.status == _Q, job.c.run_after <= now),
-        # Its worker died or hung: reclaim it.
-        and_(job.c.status == _R, job.c.lease_until < now),
-    )
-    # One job per conversation at a time. Any running sibling blocks, even one whose lease has
-    # expired: that one is reclaimed first, so the conversation's order is kept.
-    sibling_running = exists().where(
-        other.c.conversation_id == job.c.conversation_id,
-        other.c.status == _R,
-        other.c.id != job.c.id,
-    )
-    # In order: an older queued sibling goes first, even while it waits out a backoff. Only a
-    # queued job waits for it; a reclaimed running job was already under way.
-    older_queued = exists().where(
-        other.c.conversation_id == job.c.conversation_id,
-        other.c.status == _Q,
-        other.c.id < job.c.id,
-    )
-    return and_(
-        due,
-        or_(
-            job.c.conversation_id.is_(None),
-            and_(~sibling_running, or_(job.c.status != _Q, ~older_queued)),
-        ),
-    )
-
-
 _JOB_COLUMNS = (
     jobs.c.id,
     jobs.c.kind,
@@ -261,6 +237,125 @@ def _job(row: Row[Any]) -> Job:
     )
 
 
+def _sibling_running(job: Any) -> ColumnElement[bool]:
+    """Another job of `job`'s conversation is running (false for a job without one)."""
+    other = jobs.alias("running_sibling")
+    # Even one whose lease has expired blocks: that one is reclaimed first, so the
+    # conversation's order is kept.
+    return exists().where(
+        other.c.conversation_id == job.c.conversation_id,
+        other.c.status == _R,
+        other.c.id != job.c.id,
+    )
+
+
+def _older_queued(job: Any) -> ColumnElement[bool]:
+    """An older job of `job`'s conversation is queued (false for a job without one)."""
+    other = jobs.alias("queued_sibling")
+    # Even one waiting out a backoff: the conversation's work is applied in order.
+    return exists().where(
+        other.c.conversation_id == job.c.conversation_id,
+        other.c.status == _Q,
+        other.c.id < job.c.id,
+    )
+
+
+# `job` is an alias of `jobs`. A NULL conversation_id equals nothing, so the sibling tests are
+# false for jobs without a conversation: those are unordered. The tests are top-level ANDs, so
+# that the planner may turn them into anti-joins.
+
+
+def _startable(job: Any) -> ColumnElement[bool]:
+    """A queued job that is due and first in its conversation's line."""
+    return and_(
+        job.c.status == _Q,
+        job.c.run_after <= func.now(),
+        ~_sibling_running(job),
+        ~_older_queued(job),
+    )
+
+
+def _reclaimable(job: Any) -> ColumnElement[bool]:
+    """A running job whose worker died or hung (its lease ran out)."""
+    return and_(job.c.status == _R, job.c.lease_until < func.now(), ~_sibling_running(job))
+
+
+def _eligible(job: Any) -> ColumnElement[bool]:
+    return or_(_startable(job), _reclaimable(job))
+
+
+def _candidates(*, by_kind: bool) -> Executable:
+    """The jobs a claim tries, in order: reclaims first (they started earliest), then queued
+    jobs by due time; with `by_kind`, only those of the kinds bound to `kinds`.
+
+    Two branches, so that each reads only its own partial index (`ix_jobs_running`,
+    `ix_jobs_claim`) and never the ever-growing history of done jobs.
+    """
+    branches: list[Subquery] = []
+    for priority, condition, due in (
+        (0, _reclaimable, "lease_until"),
+        (1, _startable, "run_after"),
+    ):
+        job = jobs.alias("candidate")
+        branch = (
+            select(
+                job.c.id,
+                job.c.conversation_id,
+                literal(priority, Integer).label("priority"),
+                job.c[due].label("due"),
+            )
+            .where(condition(job))
+            .order_by(job.c[due], job.c.id)
+            .limit(_CANDIDATES)
+        )
+        if by_kind:
+            branch = branch.where(job.c.kind.in_(bindparam("kinds", expanding=True)))
+        branches.append(branch.subquery())
+    reclaims, queued = branches
+    both = union_all(select(reclaims), select(queued)).subquery("both")
+    return (
+        select(both.c.id, both.c.conversation_id)
+        .order_by(both.c.priority, both.c.due, both.c.id)
+        .limit(_CANDIDATES)
+    )
+
+
+def _take_statement() -> Executable:
+    """Claim job `:job_id` for `:worker_id` and `:lease` if it is still eligible and no one else
+    is taking it (SKIP LOCKED)."""
+    this = jobs.alias("this")
+    still_eligible = (
+        select(this.c.id)
+        .where(this.c.id == bindparam("job_id"), _eligible(this))
+        .with_for_update(of=this, skip_locked=True)
+        .scalar_subquery()
+    )
+    return (
+        update(jobs)
+        .where(jobs.c.id == still_eligible)
+        .values(
+            status=_R,
+            attempts=jobs.c.attempts + 1,
+            locked_by=bindparam("worker_id"),
+            lease_until=func.now() + bindparam("lease", type_=Interval()),
+            updated_at=func.now(),
+        )
+        .returning(*_JOB_COLUMNS)
+    )
+
+
+# The claim's statements are built once: building these aliased, nested constructs costs more
+# than running them. They are immutable SQL, with every varying value a bound parameter.
+_LIST_ANY: Final = _candidates(by_kind=False)
+_LIST_KINDS: Final = _candidates(by_kind=True)
+_TAKE: Final = _take_statement()
+_TRY_LOCK: Final = select(
+    func.pg_try_advisory_xact_lock(
+        literal(_LOCK_NAMESPACE, Integer), bindparam("key", type_=Integer)
+    )
+)
+
+
 async def claim(
     engine: AsyncEngine,
     *,
@@ -268,13 +363,13 @@ async def claim(
     lease_seconds: float,
     kinds: Collection[str] | None = None,
 ) -> Job | None:
-    """Claim the oldest eligible job (of `kinds`, or of any kind) for `lease_seconds`, or None.
+    """Claim the job due longest (of `kinds`, or of any kind) for `lease_seconds`, or None.
 
     One transaction, in three steps, because a single statement cannot be safe: its snapshot is
     taken before any lock it acquires, so it could decide on a state that a claim committed
     meanwhile has already changed (two jobs of one conversation running at once).
 
-    1. List the oldest eligible jobs (no locks).
+    1. List the first eligible jobs (no locks): expired leases, then queued jobs by due time.
     2. For a job with a conversation, `pg_try_advisory_xact_lock` on that conversation: held
        until our commit, it makes claims of one conversation take turns; if another claimer
        holds it, skip to the next candidate.
@@ -286,17 +381,12 @@ async def claim(
     wanted = None if kinds is None else list(kinds)
     if wanted is not None and not wanted:
         return None
-    candidate = jobs.alias("candidate")
-    listing = (
-        select(candidate.c.id, candidate.c.conversation_id)
-        .where(_eligible(candidate))
-        .order_by(candidate.c.id)
-        .limit(_CANDIDATES)
-    )
-    if wanted is not None:
-        listing = listing.where(candidate.c.kind.in_(wanted))
     async with _storage("claiming a job"), engine.begin() as conn:
-        for job_id, conversation_id in (await conn.execute(listing)).all():
+        if wanted is None:
+            listed = await conn.execute(_LIST_ANY)
+        else:
+            listed = await conn.execute(_LIST_KINDS, {"kinds": wanted})
+        for job_id, conversation_id in listed.all():
             if conversation_id is not None and not await _lock_conversation(conn, conversation_id):
                 continue
             job = await _take(conn, job_id=job_id, worker_id=worker_id, lease_seconds=lease_seconds)
@@ -307,38 +397,16 @@ async def claim(
 
 async def _lock_conversation(conn: AsyncConnection, conversation_id: int) -> bool:
     # Ids beyond 2^31 share a key with a smaller one: a harmless, momentary skip.
-    key = conversation_id % 2**31
-    locked = await conn.scalar(
-        select(
-            func.pg_try_advisory_xact_lock(literal(_LOCK_NAMESPACE, Integer), literal(key, Integer))
-        )
-    )
-    return bool(locked)
+    return bool(await conn.scalar(_TRY_LOCK, {"key": conversation_id % 2**31}))
 
 
 async def _take(
     conn: AsyncConnection, *, job_id: int, worker_id: str, lease_seconds: float
 ) -> Job | None:
-    """Claim job `job_id` if it is still eligible and no one else is taking it."""
-    this = jobs.alias("this")
-    still_eligible = (
-        select(this.c.id)
-        .where(this.c.id == job_id, _eligible(this))
-        .with_for_update(of=this, skip_locked=True)
-        .scalar_subquery()
-    )
     row = (
         await conn.execute(
-            update(jobs)
-            .where(jobs.c.id == still_eligible)
-            .values(
-                status=_R,
-                attempts=jobs.c.attempts + 1,
-                locked_by=worker_id,
-                lease_until=func.now() + timedelta(seconds=lease_seconds),
-                updated_at=func.now(),
-            )
-            .returning(*_JOB_COLUMNS)
+            _TAKE,
+            {"job_id": job_id, "worker_id": worker_id, "lease": timedelta(seconds=lease_seconds)},
         )
     ).one_or_none()
     return None if row is None else _job(row)
@@ -557,6 +625,23 @@ async def list_jobs(
 # --- Workers ----------------------------------------------------------------------------------
 
 
+_DSN_OPTIONS: Final = frozenset(
+    {"sslmode", "sslcert", "sslkey", "sslrootcert", "sslcrl", "sslpassword", "sslnegotiation"}
+)
+
+
+def _listen_dsn(url: URL) -> str:
+    """The engine's URL as a plain asyncpg DSN, keeping the TLS options asyncpg understands.
+
+    The other query options are SQLAlchemy's own (asyncpg would send them to the server as
+    settings and fail), and SQLAlchemy's `ssl=` is asyncpg's `sslmode=`.
+    """
+    query = {k: v for k, v in url.query.items() if k in _DSN_OPTIONS}
+    if "ssl" in url.query and "sslmode" not in query:
+        query["sslmode"] = url.query["ssl"]
+    return url.set(drivername="postgresql", query=query).render_as_string(hide_password=False)
+
+
 def default_worker_id() -> str:
     """`host:pid:random`: unique per Worker, and says where a stuck job's worker lives."""
     return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
@@ -750,15 +835,24 @@ class Worker:
 
     async def _listen(self, stop: asyncio.Event) -> None:
         """Hold a LISTEN connection that wakes idle loops; reconnect after a failure."""
-        dsn = self._engine.url.set(drivername="postgresql").render_as_string(hide_password=False)
+        dsn = _listen_dsn(self._engine.url)
+        failures = 0
         while not stop.is_set():
             try:
                 connection = await asyncpg.connect(
                     dsn, server_settings={"application_name": "memstrata-listen"}
                 )
             except (OSError, asyncpg.PostgresError) as exc:
-                log.warning("worker %s cannot LISTEN (polling instead): %s", self.worker_id, exc)
+                failures += 1
+                # Once per outage, not once per poll: polling carries on meanwhile.
+                log.log(
+                    logging.WARNING if failures == 1 else logging.DEBUG,
+                    "worker %s cannot LISTEN (polling instead): %s",
+                    self.worker_id,
+                    exc,
+                )
             else:
+                failures = 0
                 try:
                     await self._listen_on(connection, stop)
                 except (OSError, asyncpg.PostgresError) as exc:

@@ -167,5 +167,11 @@ jobs = Table(
     ),
     Index("ix_jobs_claim", "run_after", "id", postgresql_where=text("status = 'queued'")),
     Index("ix_jobs_running", "conversation_id", postgresql_where=text("status = 'running'")),
+    Index(
+        "ix_jobs_queued_conversation",
+        "conversation_id",
+        "id",
+        postgresql_where=text("status = 'queued'"),
+    ),
     Index("ix_jobs_status", "status"),
 )

@@ -149,6 +149,29 @@ async def append(
     )
 
 
+async def open_conversation(
+    conn: AsyncConnection, *, tenant_id: int, external_id: str, user: str | None = None
+) -> tuple[ConversationRef, int]:
+    """The conversation `external_id`, created if missing and locked until the transaction
+    ends, and the number of messages it holds."""
+    conv, created = await _lock_or_create(
+        conn, tenant_id=tenant_id, external_id=external_id, user=user
+    )
+    return ConversationRef(id=conv.id, external_id=external_id, created=created), conv.next_seq
+
+
+async def resume_point(
+    conn: AsyncConnection, *, conversation_id: int, messages: Sequence[Mapping[str, Any]]
+) -> int:
+    """How many leading `messages` the conversation already holds: an import that is run
+    again, or resumed after a failure, continues after them instead of storing them twice."""
+    head = await conn.scalar(
+        select(conversations.c.head_hash).where(conversations.c.id == conversation_id)
+    )
+    start = _after_head(identity.chain(messages), head)
+    return 0 if start is None else start
+
+
 async def find_conversation(
     conn: AsyncConnection, *, tenant_id: int, external_id: str
 ) -> ConversationRef:

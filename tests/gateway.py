@@ -53,7 +53,8 @@ class GatewayProcess:
             }
         )
         env.update({f"MEMSTRATA_{key.upper()}": str(value) for key, value in settings.items()})
-        self._log: IO[bytes] = tempfile.TemporaryFile()
+        self._log: IO[bytes] = tempfile.TemporaryFile()  # noqa: SIM115 - closed in stop()
+        self._final_logs: str | None = None
         self._process = subprocess.Popen(
             [sys.executable, "-m", "gateway", "serve"],
             cwd=REPO_ROOT,
@@ -67,6 +68,7 @@ class GatewayProcess:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self._process.poll() is not None:
+                self.stop()
                 raise GatewayStartError(f"gateway exited early:\n{self.logs()}")
             try:
                 if httpx.get(f"{self.root_url}/healthz", timeout=1).status_code == 200:
@@ -78,10 +80,14 @@ class GatewayProcess:
         raise GatewayStartError(f"gateway not ready after {timeout}s:\n{self.logs()}")
 
     def logs(self) -> str:
+        """Everything the process wrote (stdout and stderr), also after `stop()`."""
+        if self._final_logs is not None:
+            return self._final_logs
         self._log.seek(0)
         return self._log.read().decode(errors="replace")
 
     def stop(self) -> None:
+        """Terminate the process (kill it after 15 s) and close its log. Idempotent."""
         if self._process.poll() is None:
             self._process.terminate()
             try:
@@ -89,6 +95,9 @@ class GatewayProcess:
             except subprocess.TimeoutExpired:
                 self._process.kill()
                 self._process.wait()
+        if self._final_logs is None:
+            self._final_logs = self.logs()
+            self._log.close()
 
     def __enter__(self) -> Self:
         return self

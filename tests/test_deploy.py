@@ -65,7 +65,7 @@ def _environment(service: dict[str, Any]) -> dict[str, str]:
     return {key: _interpolate(value) for key, value in env.items()}
 
 
-def _command(value: object) -> list[str]:
+def _command(value: Any) -> list[str]:
     if value is None:
         return []
     return shlex.split(value) if isinstance(value, str) else [str(part) for part in value]
@@ -211,7 +211,8 @@ def _containers(deployment: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def _main_container(deployment: dict[str, Any]) -> dict[str, Any]:
-    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    containers: list[dict[str, Any]] = deployment["spec"]["template"]["spec"]["containers"]
+    (container,) = containers
     return container
 
 
@@ -242,7 +243,8 @@ def _settings_from(env: dict[str, str]) -> Settings:
         for key, value in env.items()
         if key.startswith(ENV_PREFIX)
     }
-    return Settings(_env_file=None, **values)  # type: ignore[call-arg]
+    # model_validate skips the settings sources: the values are validated, nothing else is read.
+    return Settings.model_validate(values)
 
 
 # --- compose tests -------------------------------------------------------------------------------
@@ -260,16 +262,16 @@ def test_db_is_pgvector_with_its_data_on_a_named_volume() -> None:
     assert db["image"].startswith("pgvector/pgvector:"), db["image"]
     env = _environment(db)
     assert env.get("POSTGRES_USER") and env.get("POSTGRES_PASSWORD") and env.get("POSTGRES_DB")
-    mounts = {}
+    mounts: dict[str, str] = {}
     for volume in db.get("volumes", []):
         if isinstance(volume, dict):
             mounts[volume["target"]] = volume["source"]
         else:
             source, target = str(volume).split(":")[:2]
             mounts[target] = source
-    source = mounts.get("/var/lib/postgresql/data")
-    assert source is not None, f"nothing mounted on the data directory: {mounts}"
-    assert source in (compose.get("volumes") or {}), f"{source} is not a named volume"
+    data = mounts.get("/var/lib/postgresql/data")
+    assert data is not None, f"nothing mounted on the data directory: {mounts}"
+    assert data in (compose.get("volumes") or {}), f"{data} is not a named volume"
 
 
 def test_db_and_gateway_have_healthchecks_and_the_worker_opts_out() -> None:

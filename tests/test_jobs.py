@@ -10,11 +10,11 @@ import random
 import time
 import uuid
 from collections import defaultdict
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import pytest
-from sqlalchemy import insert, select, text, update
+from sqlalchemy import delete, insert, make_url, select, text, update
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from memory import jobs
@@ -24,8 +24,13 @@ from memory.schema import jobs as jobs_table
 
 
 @pytest.fixture
-def kind() -> str:
-    return f"test-{uuid.uuid4().hex[:12]}"
+async def kind(engine: AsyncEngine) -> AsyncIterator[str]:
+    """A job kind of this test's own; its jobs are deleted afterwards, so that no other test's
+    worker (which may claim every kind) finds them."""
+    name = f"test-{uuid.uuid4().hex[:12]}"
+    yield name
+    async with engine.begin() as conn:
+        await conn.execute(delete(jobs_table).where(jobs_table.c.kind == name))
 
 
 async def new_conversation(engine: AsyncEngine, tenant_id: int) -> int:
@@ -270,7 +275,7 @@ async def test_a_claim_in_progress_keeps_others_off_its_conversation(
         claim_1 = await claimer_1.begin()
         assert await jobs._lock_conversation(claimer_1, conv)
         taken = await jobs._take(claimer_1, job_id=newer, worker_id="claimer-1", lease_seconds=30)
-        assert taken is not None
+        assert taken is not None and older is not None and older < newer
 
         await late.commit()
         assert await eligible(engine, kind) == [older]  # claimer 2's view
@@ -446,6 +451,22 @@ async def test_an_expired_lease_is_reclaimed(
     await jobs.complete(engine, job=reclaimed)
     stored = await row(engine, first)
     assert stored.status == "done" and stored.finished_at is not None
+
+
+async def test_a_claim_is_told_apart_from_an_earlier_claim_by_the_same_worker(
+    engine: AsyncEngine, tenant_id: int, kind: str
+) -> None:
+    """Two loops of one Worker share its id: the attempt number tells their claims apart."""
+    job_id = await put(engine, kind=kind, tenant_id=tenant_id)
+    stale = await take(engine, kind, worker="same", lease=0.1)
+    await asyncio.sleep(0.15)
+    current = await take(engine, kind, worker="same")
+    assert stale is not None and current is not None and current.attempts == 2
+    assert not await jobs.extend_lease(engine, job=stale, lease_seconds=30)
+    await jobs.complete(engine, job=stale)
+    assert (await row(engine, job_id)).status == "running"
+    await jobs.complete(engine, job=current)
+    assert (await row(engine, job_id)).status == "done"
 
 
 async def test_extend_lease_keeps_the_job(engine: AsyncEngine, tenant_id: int, kind: str) -> None:
@@ -742,6 +763,13 @@ async def test_stop_finishes_the_current_job_then_returns(
     assert finished == [first]
     assert (await row(engine, first)).status == "done"
     assert (await row(engine, second)).status == "queued"
+
+
+def test_the_listen_connection_uses_the_engine_url_as_asyncpg_understands_it() -> None:
+    url = make_url(
+        "postgresql+asyncpg://u:p%40ss@db:5433/app?ssl=require&prepared_statement_cache_size=0"
+    )
+    assert jobs._listen_dsn(url) == "postgresql://u:p%40ss@db:5433/app?sslmode=require"
 
 
 async def test_notify_wakes_an_idle_worker(engine: AsyncEngine, tenant_id: int, kind: str) -> None:

@@ -137,6 +137,13 @@ def upgrade() -> None:
     )
     op.create_index("ix_jobs_status", "jobs", ["status"], unique=False)
     op.create_index(
+        "ix_jobs_queued_conversation",
+        "jobs",
+        ["conversation_id", "id"],
+        unique=False,
+        postgresql_where=sa.text("status = 'queued'"),
+    )
+    op.create_index(
         "uq_jobs_queued_dedupe",
         "jobs",
         ["dedupe_key"],

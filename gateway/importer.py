@@ -1,0 +1,85 @@
+"""`memstrata import`: messages from a file into a conversation, in batches, resumable.
+
+A file is JSONL (one OpenAI-format message a line) or JSON (a list of messages, or an object
+with `messages`); each message may carry `created_at` (ISO 8601). Every message is validated
+before anything is written. The import continues after the messages the conversation already
+holds (same hash chain), so running it twice, or again after a failure, stores nothing twice.
+"""
+
+import json
+import re
+from collections.abc import Callable, Sequence
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from gateway.schemas import ImportMessage
+from memory import hierarchy, store
+from memory.db import transaction
+from memory.errors import InvalidInput
+
+
+def read_messages(path: Path) -> tuple[list[dict[str, Any]], list[datetime | None]]:
+    """The messages of `path` as OpenAI dicts, and their `created_at` (None where absent)."""
+    raw = path.read_text(encoding="utf-8")
+    try:
+        if path.suffix == ".jsonl" or (raw.lstrip()[:1] == "{" and "\n{" in raw.strip()):
+            items: Any = [json.loads(line) for line in raw.splitlines() if line.strip()]
+        else:
+            items = json.loads(raw)
+    except ValueError as exc:
+        raise InvalidInput(f"{path}: not valid JSON or JSONL: {exc}") from exc
+    if isinstance(items, dict):
+        items = items.get("messages")
+    if not isinstance(items, list) or not items:
+        raise InvalidInput(f"{path}: expected a non-empty list of messages")
+    messages, stamps = [], []
+    for number, item in enumerate(items, start=1):
+        try:
+            message = ImportMessage.model_validate(item)
+        except ValidationError as exc:
+            raise InvalidInput(f"{path}: message {number}: {exc.errors()[0]['msg']}") from exc
+        messages.append(message.model_dump(exclude={"created_at"}, exclude_none=True))
+        stamps.append(message.created_at)
+    return messages, stamps
+
+
+def conversation_id_for(path: Path) -> str:
+    """A conversation id made from the file's name."""
+    return re.sub(r"[^A-Za-z0-9._:-]", "-", path.stem)[:128] or "import"
+
+
+async def import_messages(
+    engine: AsyncEngine,
+    *,
+    tenant_id: int | None = None,
+    external_id: str,
+    messages: Sequence[dict[str, Any]],
+    created_at: Sequence[datetime | None],
+    model: str,
+    batch: int,
+    progress: Callable[[int], object] = lambda _: None,
+) -> int:
+    """Append what the conversation lacks of `messages`, `batch` per transaction, and queue
+    the summary tree's build; returns how many messages were stored."""
+    async with transaction(engine) as conn:
+        tenant = tenant_id if tenant_id is not None else await store.tenant_id_by_name(conn)
+        ref, _ = await store.open_conversation(conn, tenant_id=tenant, external_id=external_id)
+        start = await store.resume_point(conn, conversation_id=ref.id, messages=messages)
+    progress(start)
+    for offset in range(start, len(messages), batch):
+        async with transaction(engine) as conn:
+            await store.append(
+                conn,
+                tenant_id=tenant,
+                conversation_id=ref.id,
+                messages=messages[offset : offset + batch],
+                created_at=created_at[offset : offset + batch],
+                model=model,
+            )
+            await hierarchy.enqueue(conn, tenant_id=tenant, conversation_id=ref.id)
+        progress(min(batch, len(messages) - offset))
+    return len(messages) - start
