@@ -37,7 +37,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             if url is None:
                 embedded = EmbeddedPostgres(settings.data_dir)
                 await asyncio.to_thread(embedded.start)
-                stack.push_callback(embedded.stop_if_started)
+                stack.push_async_callback(asyncio.to_thread, embedded.stop_if_started)
                 url = embedded.url
             engine = connect(url, pool_size=settings.db_pool_size)
             stack.push_async_callback(engine.dispose)

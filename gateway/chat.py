@@ -99,7 +99,7 @@ async def complete(request: Request, state: State, *, tenant_id: int) -> Respons
             "/chat/completions",
             headers=upstream.headers_for(request.headers),
             json=body,
-            stream=chat.stream,
+            stream=bool(chat.stream),
         )
     except GatewayError as exc:
         exc.headers.update(turn.headers())

@@ -8,7 +8,7 @@ goes upstream is the client's own JSON, not a re-serialisation of these models.
 from datetime import datetime
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator, model_validator
 
 Role = Literal["system", "developer", "user", "assistant", "tool", "function"]
 
@@ -86,7 +86,7 @@ class ChatCompletionRequest(BaseModel):
     model_config = ConfigDict(extra="allow")
     model: str = Field(min_length=1)
     messages: list[ChatMessage] = Field(min_length=1)
-    stream: bool = False
+    stream: StrictBool | None = None
     user: str | None = None
 
     @field_validator("user")

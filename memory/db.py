@@ -9,10 +9,11 @@ translated to `StorageUnavailable` / `SchemaMismatch` here.
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import Any, TypeAlias
 
 from alembic import command
 from alembic.config import Config
-from sqlalchemy import text
+from sqlalchemy import Row, text
 from sqlalchemy.engine import Connection
 from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
@@ -20,6 +21,9 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_en
 from memory.errors import SchemaMismatch, StorageUnavailable
 
 ALEMBIC_INI = Path(__file__).resolve().parent.parent / "alembic.ini"
+AnyRow: TypeAlias = Row[*tuple[Any, ...]]
+"""A result row of any shape (SQLAlchemy types rows by their columns)."""
+
 _MIGRATION_LOCK = 7_240_311  # arbitrary, constant advisory-lock key for migrations
 
 

@@ -24,12 +24,12 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import Row, bindparam, func, select, update
+from sqlalchemy import bindparam, func, select, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from memory import importance, jobs, tokens
-from memory.db import transaction
+from memory.db import AnyRow, transaction
 from memory.embeddings import Embedder
 from memory.jobs import Job
 from memory.schema import nodes
@@ -230,7 +230,7 @@ async def _segment(
     return len(closed)
 
 
-def _segment_messages(rows: Sequence[Row[Any]]) -> list[SegmentMessage]:
+def _segment_messages(rows: Sequence[AnyRow]) -> list[SegmentMessage]:
     called: dict[str, str] = {}
     messages = []
     for row in rows:
@@ -259,7 +259,7 @@ def _reason(segment: Segment) -> str:
     return str(segment.reason)
 
 
-def _message_input(row: Row[Any]) -> SummaryInput:
+def _message_input(row: AnyRow) -> SummaryInput:
     return SummaryInput(
         node_id=row.id,
         level=0,
@@ -337,7 +337,7 @@ async def _roll_up(
         level += 1
 
 
-def _summary_input(row: Row[Any]) -> SummaryInput:
+def _summary_input(row: AnyRow) -> SummaryInput:
     return SummaryInput(
         node_id=row.id,
         level=row.level,

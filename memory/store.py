@@ -13,12 +13,13 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from sqlalchemy import Row, func, insert, select, update
+from sqlalchemy import func, insert, select, update
 from sqlalchemy.dialects.postgresql import aggregate_order_by
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from memory import identity, tokens
+from memory.db import AnyRow
 from memory.errors import NotFound
 from memory.schema import DEFAULT_TENANT, conversations, nodes, tenants
 
@@ -214,7 +215,7 @@ async def list_messages(
 
 async def _lock_or_create(
     conn: AsyncConnection, *, tenant_id: int, external_id: str, user: str | None
-) -> tuple[Row[Any], bool]:
+) -> tuple[AnyRow, bool]:
     inserted = await conn.scalar(
         pg_insert(conversations)
         .values(tenant_id=tenant_id, external_id=external_id, user_id=user)
@@ -265,7 +266,7 @@ async def _repeated_system(
 
 async def _match_prefix(
     conn: AsyncConnection, *, tenant_id: int, user: str | None, hashes: Sequence[str]
-) -> tuple[Row[Any], int, bool]:
+) -> tuple[AnyRow, int, bool]:
     """Lock the conversation whose whole chain is the longest prefix of the history; return
     it, where the new messages start, and whether it was created."""
     position = {digest: index for index, digest in enumerate(hashes)}
@@ -302,7 +303,7 @@ async def _append_locked(
     conn: AsyncConnection,
     *,
     tenant_id: int,
-    conv: Row[Any],
+    conv: AnyRow,
     created: bool,
     messages: Sequence[Mapping[str, Any]],
     model: str,
@@ -352,7 +353,7 @@ async def _append_locked(
     return Appended(conversation=ref, node_ids=node_ids, first_seq=conv.next_seq)
 
 
-def _message_record(row: Row[Any]) -> MessageRecord:
+def _message_record(row: AnyRow) -> MessageRecord:
     return MessageRecord(
         node_id=row.id,
         seq=row.seq,
@@ -456,7 +457,7 @@ def _node_extras() -> list[Any]:
     return [children, nodes.c.embedding.is_not(None).label("embedded")]
 
 
-def _node_record(row: Row[Any]) -> NodeRecord:
+def _node_record(row: AnyRow) -> NodeRecord:
     return NodeRecord(
         id=row.id,
         conversation_id=row.conversation_id,

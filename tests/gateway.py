@@ -40,9 +40,7 @@ class GatewayProcess:
         self.port = free_port()
         self.root_url = f"http://127.0.0.1:{self.port}"
         self.url = f"{self.root_url}/v1"
-        env = {
-            key: value for key, value in os.environ.items() if not key.startswith("MEMSTRATA_")
-        }
+        env = {key: value for key, value in os.environ.items() if not key.startswith("MEMSTRATA_")}
         env.update(
             {
                 "MEMSTRATA_DATABASE_URL": database_url,

@@ -13,7 +13,7 @@ import asyncio
 import struct
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from typing import Any
 
 import httpx
@@ -159,7 +159,9 @@ def summary(messages: list[Message]) -> list[tuple[int, str, Any, str]]:
     return [(m["seq"], m["role"], m["content"], m["status"]) for m in messages]
 
 
-def expected(history: list[Message], status: str = "complete") -> list[tuple[int, str, Any, str]]:
+def expected(
+    history: Sequence[Mapping[str, Any]], status: str = "complete"
+) -> list[tuple[int, str, Any, str]]:
     return [(seq, m["role"], m.get("content"), status) for seq, m in enumerate(history)]
 
 
@@ -354,16 +356,19 @@ async def test_header_mode_with_only_new_messages(
         user = {"role": "user", "content": unique(f"header turn {turn}")}
         # Clients that send only new turns usually repeat their system prompt.
         messages: list[Any] = [system, user] if turn < 2 else [user]
-        stream = turn == 2
-        raw = await aclient.chat.completions.with_raw_response.create(
-            model="m", messages=messages, stream=stream, extra_headers=headers
-        )
-        assert raw.headers[HEADER] == conversation
-        if stream:
-            parsed = raw.parse()
-            content = "".join([c.choices[0].delta.content or "" async for c in parsed if c.choices])
+        if turn == 2:
+            raw_stream = await aclient.chat.completions.with_raw_response.create(
+                model="m", messages=messages, stream=True, extra_headers=headers
+            )
+            assert raw_stream.headers[HEADER] == conversation
+            chunks = raw_stream.parse()
+            content = "".join([c.choices[0].delta.content or "" async for c in chunks if c.choices])
         else:
-            content = raw.parse().choices[0].message.content
+            raw = await aclient.chat.completions.with_raw_response.create(
+                model="m", messages=messages, extra_headers=headers
+            )
+            assert raw.headers[HEADER] == conversation
+            content = raw.parse().choices[0].message.content or ""
         assert content == f"echo: {user['content']}"
         assert upstream.requests(CHAT)[-1]["body"]["messages"][-1] == user
         stored_history += [user, {"role": "assistant", "content": content}]
@@ -419,7 +424,7 @@ def test_unknown_fields_reach_the_upstream_untouched(
 def test_raw_body_reaches_the_upstream_as_sent(
     http: httpx.Client, upstream: UpstreamServer
 ) -> None:
-    body = {
+    body: dict[str, Any] = {
         "zeta_first": {"keeps": ["order", "and", "types", 1, 1.5, False, None]},
         "model": "m",
         "messages": [
