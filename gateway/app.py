@@ -61,6 +61,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                 upstream=Upstream(
                     client, base_url=settings.upstream_url, api_key=settings.upstream_api_key
                 ),
+                embedder=embed,
                 default_tenant_id=default_tenant,
             )
             log.info("memstrata ready", extra={"upstream": settings.upstream_url})

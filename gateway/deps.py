@@ -11,6 +11,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from gateway.errors import GatewayError
 from gateway.settings import Settings
 from gateway.upstream import Upstream
+from memory.embeddings import Embedder
 
 
 @dataclass
@@ -20,6 +21,7 @@ class State:
     settings: Settings
     engine: AsyncEngine
     upstream: Upstream
+    embedder: Embedder
     default_tenant_id: int
 
 

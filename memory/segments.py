@@ -50,7 +50,7 @@ import math
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 import numpy.typing as npt
@@ -89,7 +89,8 @@ class SegmentMessage:
     role: str
     text: str
     token_count: int
-    embedding: Sequence[float] | None
+    #: Any width; pass a numpy array as is (about twice as fast as a list of floats).
+    embedding: Sequence[float] | npt.NDArray[np.floating[Any]] | None
     #: Function names of the message's ``tool_calls`` (for a ``tool`` message: the called
     #: function's name if known, else empty).
     tool_names: tuple[str, ...] = ()
@@ -328,7 +329,9 @@ def _families(message: SegmentMessage) -> list[str]:
 # --- the open segment ---------------------------------------------------------------------------
 
 
-def _unit(embedding: Sequence[float] | None) -> npt.NDArray[np.float64] | None:
+def _unit(
+    embedding: Sequence[float] | npt.NDArray[np.floating[Any]] | None,
+) -> npt.NDArray[np.float64] | None:
     if embedding is None or len(embedding) == 0:
         return None
     vector = np.asarray(embedding, dtype=np.float64)

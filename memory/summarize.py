@@ -681,10 +681,15 @@ class ExtractiveSummarizer:
         tokens = encoding.encode_ordinary(text)
         if len(tokens) <= budget:
             return text
-        cut = encoding.decode(tokens[: max(budget - 1, 0)]).rstrip()
-        while cut and self._count(cut + "…") > budget:
-            cut = cut[:-1]
-        return cut + "…" if cut else ""
+        # With an ellipsis when there is room for one; decoding a cut and encoding it again can
+        # come out a token longer, hence the shrinking.
+        for keep, suffix in ((budget - 1, "…"), (budget, "")):
+            while keep > 0:
+                cut = encoding.decode(tokens[:keep]).rstrip() + suffix
+                if cut.strip() and self._count(cut) <= budget:
+                    return cut
+                keep -= 1
+        return ""
 
 
 # --- LLM ----------------------------------------------------------------------------------------
@@ -860,14 +865,15 @@ class LLMSummarizer:
                 raise ProviderError("summary upstream stopped at its length limit")
             # A model that ignored the format still wrote a summary; its facts come from the
             # input, which holds them verbatim.
-            narrative = content.strip()
+            fence = _FENCE_RE.fullmatch(content.strip())
+            narrative = (fence.group(1) if fence else content).strip()
             facts.merge_children([extract_facts(items)])
         else:
             narrative = next(
                 (
-                    value.strip()
+                    text
                     for key in ("narrative", "summary", "text")
-                    if isinstance(value := obj.get(key), str) and value.strip()
+                    if (text := " ".join(_string_list(obj.get(key))).strip())
                 ),
                 "",
             )
@@ -918,15 +924,20 @@ class FallbackSummarizer:
             try:
                 return await self.primary.summarize(items, level=level, target_tokens=target_tokens)
             except ProviderError as exc:
+                now = time.monotonic()
+                # Summaries are made in concurrent batches: once one failure has been reported,
+                # those already in flight need not repeat it at warning level.
+                severity = logging.WARNING if now >= self._skip_until else logging.DEBUG
                 # ProviderError messages carry status and error kind, never conversation text.
-                log.warning(
+                log.log(
+                    severity,
                     "summarizer %s failed (%s); using %s%s",
                     type(self.primary).__name__,
                     exc,
                     type(self.fallback).__name__,
                     f" for the next {self.cooldown:g}s" if self.cooldown > 0 else "",
                 )
-                self._skip_until = time.monotonic() + self.cooldown
+                self._skip_until = now + self.cooldown
         return await self.fallback.summarize(items, level=level, target_tokens=target_tokens)
 
 

@@ -13,8 +13,10 @@ import math
 import random
 import time
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 import pytest
 
 from memory.segments import (
@@ -45,7 +47,7 @@ def msg(
     text: str = "some message",
     *,
     role: str = "user",
-    emb: Sequence[float] | None = None,
+    emb: Sequence[float] | npt.NDArray[np.floating[Any]] | None = None,
     tokens: int = 10,
     tools: tuple[str, ...] = (),
     seq: int | None = None,
@@ -171,7 +173,7 @@ def test_policy_validates_its_values() -> None:
         {"max_messages": 0},
     ):
         with pytest.raises(ValueError):
-            SegmentPolicy(**bad)  # type: ignore[arg-type]
+            SegmentPolicy(**bad)
 
 
 # --- tool families ------------------------------------------------------------------------------
