@@ -16,8 +16,8 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from gateway.settings import Settings
 from memory import hierarchy
 from memory.embeddings import Embedder, make_embedder
-from memory.jobs import Worker
 from memory.segments import SegmentPolicy
+from memory.worker import Worker
 
 log = logging.getLogger(__name__)
 

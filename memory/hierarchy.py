@@ -33,7 +33,7 @@ from memory.db import AnyRow, transaction
 from memory.embeddings import Embedder
 from memory.jobs import Job
 from memory.schema import nodes
-from memory.segments import Segment, SegmentMessage, SegmentPolicy, split
+from memory.segments import SegmentMessage, SegmentPolicy, split
 from memory.summarize import Summarizer, Summary, SummaryInput
 
 log = logging.getLogger(__name__)
@@ -225,7 +225,7 @@ async def _segment(
                     children=groups[offset],
                     summary=summary,
                     config=config,
-                    meta={"reason": _reason(segment)},
+                    meta={"reason": segment.reason},
                 )
     return len(closed)
 
@@ -241,22 +241,17 @@ def _segment_messages(rows: Sequence[AnyRow]) -> list[SegmentMessage]:
             called[str(call.get("id"))] = name
         if row.role == "tool" and row.tool_call_id in called:
             names = (called[row.tool_call_id],)
-        embedding = row.embedding
         messages.append(
             SegmentMessage(
                 seq=row.seq,
                 role=row.role,
                 text=row.text,
                 token_count=row.token_count,
-                embedding=list(embedding) if embedding is not None else None,
+                embedding=row.embedding,
                 tool_names=names,
             )
         )
     return messages
-
-
-def _reason(segment: Segment) -> str:
-    return str(segment.reason)
 
 
 def _message_input(row: AnyRow) -> SummaryInput:

@@ -334,7 +334,13 @@ def _unit(
 ) -> npt.NDArray[np.float64] | None:
     if embedding is None or len(embedding) == 0:
         return None
-    vector = np.asarray(embedding, dtype=np.float64)
+    first = embedding[0]
+    if isinstance(first, np.floating) and not isinstance(embedding, np.ndarray):
+        # list(ndarray) gives numpy scalars, which numpy converts several times faster to their
+        # own dtype (exactly) than to float64 one by one.
+        vector = np.asarray(embedding, dtype=first.dtype).astype(np.float64)
+    else:
+        vector = np.asarray(embedding, dtype=np.float64)
     norm = math.sqrt(float(vector.dot(vector)))
     if norm == 0.0 or not math.isfinite(norm):
         return None

@@ -21,6 +21,7 @@ from memory import jobs
 from memory.errors import InvalidInput, NotFound
 from memory.schema import conversations, tenants
 from memory.schema import jobs as jobs_table
+from memory.worker import Worker, _listen_dsn
 
 
 @pytest.fixture
@@ -394,7 +395,7 @@ async def test_two_workers_run_every_job_once_in_conversation_order(
             stop.set()
 
     workers = [
-        jobs.Worker(
+        Worker(
             engine,
             {kind: handle},
             kinds=[kind],
@@ -488,12 +489,12 @@ async def test_worker_keeps_the_lease_of_a_long_job(
         runs.append(job.locked_by)
         await asyncio.sleep(0.8)  # well past the 0.3 s lease
 
-    owner = jobs.Worker(engine, {kind: slow}, kinds=[kind], worker_id="owner", lease_seconds=0.3)
+    owner = Worker(engine, {kind: slow}, kinds=[kind], worker_id="owner", lease_seconds=0.3)
     owned = asyncio.create_task(owner.run_until_idle())
     await eventually(lambda: asyncio.sleep(0, bool(runs)))
     # A rival polling all along never finds the job's lease expired.
     stop = asyncio.Event()
-    rival = jobs.Worker(
+    rival = Worker(
         engine, {kind: slow}, kinds=[kind], worker_id="rival", poll_interval=0.05, listen=False
     )
     rival_run = asyncio.create_task(rival.run(stop))
@@ -522,7 +523,7 @@ async def test_a_worker_that_lost_its_lease_abandons_the_job(
             cancelled.set()
             raise
 
-    worker = jobs.Worker(engine, {kind: hang}, kinds=[kind], worker_id="slow", lease_seconds=0.3)
+    worker = Worker(engine, {kind: hang}, kinds=[kind], worker_id="slow", lease_seconds=0.3)
     running = asyncio.create_task(worker.run_until_idle())
     await asyncio.wait_for(started.wait(), 5)
     # Another worker takes over, as if this one's lease had run out (e.g. it was paused).
@@ -590,7 +591,7 @@ async def test_worker_retries_until_success(engine: AsyncEngine, tenant_id: int,
             raise ConnectionError("provider unavailable")
         stop.set()
 
-    worker = jobs.Worker(
+    worker = Worker(
         engine, {kind: flaky}, kinds=[kind], poll_interval=0.02, backoff_base=0.02, listen=False
     )
     await asyncio.wait_for(worker.run(stop), 10)
@@ -612,7 +613,7 @@ async def test_dead_letter_after_max_attempts_is_visible_and_retryable(
         calls.append(job.attempts)
         raise ValueError("cannot summarize 'my secret diary entry'")
 
-    worker = jobs.Worker(engine, {kind: broken}, kinds=[kind], backoff_base=0.01)
+    worker = Worker(engine, {kind: broken}, kinds=[kind], backoff_base=0.01)
     with caplog.at_level(logging.INFO, logger="memory.jobs"):
         ran = await worker.run_until_idle()
         await asyncio.sleep(0.03)  # the backoff of the first failure
@@ -642,7 +643,7 @@ async def test_dead_letter_after_max_attempts_is_visible_and_retryable(
     async def fixed(job: jobs.Job) -> None:
         pass
 
-    assert await jobs.Worker(engine, {kind: fixed}, kinds=[kind]).run_until_idle() == 1
+    assert await Worker(engine, {kind: fixed}, kinds=[kind]).run_until_idle() == 1
     async with engine.connect() as conn:
         counts = await jobs.depth(conn, tenant_id=tenant_id)
     assert counts == {"queued": 0, "running": 0, "done": 1, "dead": 0, "failures": 0}
@@ -671,7 +672,7 @@ async def test_unknown_kind_is_failed_with_a_clear_error(
     async def other(job: jobs.Job) -> None:
         raise AssertionError("not this handler")
 
-    worker = jobs.Worker(engine, {"something-else": other}, kinds=[kind], worker_id="w1")
+    worker = Worker(engine, {"something-else": other}, kinds=[kind], worker_id="w1")
     assert await worker.run_until_idle() == 1
     stored = await row(engine, job_id)
     assert stored.status == "dead"
@@ -758,7 +759,7 @@ async def test_stop_finishes_the_current_job_then_returns(
         await asyncio.sleep(0.1)
         finished.append(job.id)
 
-    worker = jobs.Worker(engine, {kind: handle}, kinds=[kind], poll_interval=0.05)
+    worker = Worker(engine, {kind: handle}, kinds=[kind], poll_interval=0.05)
     await asyncio.wait_for(worker.run(stop), 5)
     assert finished == [first]
     assert (await row(engine, first)).status == "done"
@@ -769,7 +770,7 @@ def test_the_listen_connection_uses_the_engine_url_as_asyncpg_understands_it() -
     url = make_url(
         "postgresql+asyncpg://u:p%40ss@db:5433/app?ssl=require&prepared_statement_cache_size=0"
     )
-    assert jobs._listen_dsn(url) == "postgresql://u:p%40ss@db:5433/app?sslmode=require"
+    assert _listen_dsn(url) == "postgresql://u:p%40ss@db:5433/app?sslmode=require"
 
 
 async def test_notify_wakes_an_idle_worker(engine: AsyncEngine, tenant_id: int, kind: str) -> None:
@@ -780,7 +781,7 @@ async def test_notify_wakes_an_idle_worker(engine: AsyncEngine, tenant_id: int, 
 
     stop = asyncio.Event()
     # A poll interval far beyond the test's patience: only the notice can wake it.
-    worker = jobs.Worker(engine, {kind: handle}, kinds=[kind], poll_interval=60)
+    worker = Worker(engine, {kind: handle}, kinds=[kind], poll_interval=60)
     running = asyncio.create_task(worker.run(stop))
     try:
         await asyncio.sleep(0.3)  # let it go idle and start listening

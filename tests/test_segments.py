@@ -137,6 +137,10 @@ def test_embeddings_of_another_width_are_an_error() -> None:
 def test_numpy_embeddings_work_like_lists() -> None:
     open_segment = [msg(emb=np.array(E1, dtype=np.float32)), msg(emb=np.array(E1))]
     assert close_reason(open_segment, msg(emb=np.array(E2, dtype=np.float32)), POLICY) == "shift"
+    # list(array) holds numpy scalars, as a row from pgvector turned into a list does.
+    scalars = [msg(emb=list(np.array(E1, dtype=np.float32))) for _ in range(2)]
+    assert close_reason(scalars, msg(emb=list(np.array(E2, dtype=np.float32))), POLICY) == "shift"
+    assert close_reason(scalars, msg(emb=list(np.array(E1, dtype=np.float32))), POLICY) is None
 
 
 # --- caps ---------------------------------------------------------------------------------------

@@ -486,7 +486,7 @@ async def test_llm_http_error_keeps_its_cause(
 async def test_llm_timeout_and_unreachable(
     upstream: UpstreamServer, client: httpx.AsyncClient
 ) -> None:
-    upstream.script({"delay": 2.0})
+    upstream.script({"delay": 1.0})
     with pytest.raises(ProviderError, match="timed out") as caught:
         await llm(upstream, client, timeout=0.2).summarize(CONVERSATION, level=1, target_tokens=9)
     assert isinstance(caught.value.__cause__, httpx.TimeoutException)
@@ -497,7 +497,7 @@ async def test_llm_timeout_and_unreachable(
     with pytest.raises(ProviderError, match="unreachable") as caught:
         await dead.summarize(CONVERSATION, level=1, target_tokens=9)
     assert isinstance(caught.value.__cause__, httpx.TransportError)
-    await asyncio.sleep(2.0)  # let the delayed answer finish before the next test resets
+    await asyncio.sleep(1.0)  # let the delayed answer finish before the next test resets
 
 
 # --- auto ---------------------------------------------------------------------------------------

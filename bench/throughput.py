@@ -1,0 +1,424 @@
+"""Background throughput: messages per second from import to a fully summarized tree.
+
+    python -m bench.throughput --messages 10000 [--runs 1x1,2x4] [--max-length 256] [--profile]
+
+Starts its own embedded Postgres (pgvector) in a temporary folder, `durable=False` (fsync,
+synchronous_commit and full_page_writes off, as in the test suite; `--durable` for the real
+thing), and for each run (`CONCURRENCYxCONVERSATIONS`) makes a fresh database, migrates it,
+imports `--messages` synthetic messages (`tests/synthetic.py`, split evenly over the
+conversations) with `gateway.importer.import_messages` -- which also queues the build jobs --
+and then runs the queued `hierarchy` jobs through a `memory.jobs.Worker` with that concurrency
+until the queue is idle, extractive summaries, local embeddings. Import and processing are timed
+separately; the headline is `messages / (import + processing)`.
+
+Phases are instrumented by wrapping, not by sampling: the embedder and the summarizer are
+wrapped (time spent in `embed` and in `summarize`, per level), and so are the builder's three
+steps (`_embed_pending`, `_segment`, `_roll_up`) and `segments.split`; what a step spends
+outside its embedder / summarizer / split calls is database work and Python glue. Times are
+summed over concurrent jobs, so with concurrency > 1 they add up to more than the wall time.
+
+Results are printed and written to `bench/results/throughput.json`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import cProfile
+import contextlib
+import importlib.metadata
+import io
+import json
+import os
+import platform
+import pstats
+import shutil
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from collections.abc import Awaitable, Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import asyncpg
+from sqlalchemy import func, insert, select
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from gateway import importer
+from memory import hierarchy, tokens
+from memory.db import connect, migrate
+from memory.embeddings import LocalEmbedder
+from memory.worker import Worker
+from memory.postgres import EmbeddedPostgres
+from memory.schema import jobs, nodes, tenants
+from memory.segments import SegmentPolicy
+from memory.summarize import ExtractiveSummarizer, Summary, SummaryInput
+from tests import synthetic
+
+RESULTS = Path(__file__).resolve().parent / "results" / "throughput.json"
+TARGET = 500.0  # messages per second, import to fully summarized
+
+
+class Timers:
+    """Seconds and calls per label, summed."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = defaultdict(float)
+        self.calls: dict[str, int] = defaultdict(int)
+        self.items: dict[str, int] = defaultdict(int)
+
+    def add(self, label: str, seconds: float, items: int = 0) -> None:
+        self.seconds[label] += seconds
+        self.calls[label] += 1
+        self.items[label] += items
+
+    def report(self) -> dict[str, dict[str, float]]:
+        return {
+            label: {
+                "seconds": round(self.seconds[label], 3),
+                "calls": self.calls[label],
+                **({"items": self.items[label]} if self.items[label] else {}),
+            }
+            for label in sorted(self.seconds)
+        }
+
+
+class TimedEmbedder:
+    def __init__(self, inner: LocalEmbedder, timers: Timers) -> None:
+        self.inner = inner
+        self.name = inner.name
+        self.dim = inner.dim
+        self.timers = timers
+
+    async def embed(self, texts: Sequence[str]) -> list[list[float]]:
+        started = time.perf_counter()
+        try:
+            return await self.inner.embed(texts)
+        finally:
+            self.timers.add("embed", time.perf_counter() - started, len(texts))
+
+
+class TimedSummarizer:
+    def __init__(self, inner: ExtractiveSummarizer, timers: Timers) -> None:
+        self.inner = inner
+        self.timers = timers
+
+    async def summarize(
+        self, items: Sequence[SummaryInput], *, level: int, target_tokens: int
+    ) -> Summary:
+        started = time.perf_counter()
+        try:
+            return await self.inner.summarize(items, level=level, target_tokens=target_tokens)
+        finally:
+            label = "summarize level 1" if level == 1 else "summarize level 2+"
+            self.timers.add(label, time.perf_counter() - started, len(items))
+
+
+@contextlib.contextmanager
+def instrumented(timers: Timers) -> Iterator[None]:
+    """Time the builder's steps and `split` by wrapping them in `memory.hierarchy`."""
+    originals: dict[str, Any] = {}
+
+    def wrap_async(name: str, label: str) -> None:
+        original: Callable[..., Awaitable[int]] = getattr(hierarchy, name)
+        originals[name] = original
+
+        async def timed(*args: Any, **kwargs: Any) -> int:
+            started = time.perf_counter()
+            try:
+                return await original(*args, **kwargs)
+            finally:
+                timers.add(label, time.perf_counter() - started)
+
+        setattr(hierarchy, name, timed)
+
+    split = hierarchy.split
+    originals["split"] = split
+
+    def timed_split(*args: Any, **kwargs: Any) -> Any:
+        started = time.perf_counter()
+        try:
+            return split(*args, **kwargs)
+        finally:
+            timers.add("split", time.perf_counter() - started)
+
+    hierarchy.split = timed_split  # type: ignore[assignment]
+    wrap_async("_embed_pending", "step embed_pending")
+    wrap_async("_segment", "step segment")
+    wrap_async("_roll_up", "step roll_up")
+    try:
+        yield
+    finally:
+        for name, original in originals.items():
+            setattr(hierarchy, name, original)
+
+
+@dataclass(frozen=True)
+class Run:
+    concurrency: int
+    conversations: int
+
+    @property
+    def label(self) -> str:
+        return f"{self.concurrency}x{self.conversations}"
+
+
+def parse_runs(text: str) -> list[Run]:
+    runs = []
+    for part in text.split(","):
+        concurrency, _, conversations = part.strip().partition("x")
+        runs.append(Run(int(concurrency), int(conversations or 1)))
+    return runs
+
+
+async def fresh_database(server_url: str, name: str) -> str:
+    dsn = server_url.replace("postgresql+asyncpg://", "postgresql://")
+    connection = await asyncpg.connect(dsn)
+    try:
+        await connection.execute(f'DROP DATABASE IF EXISTS "{name}"')
+        await connection.execute(f'CREATE DATABASE "{name}"')
+    finally:
+        await connection.close()
+    return server_url.rsplit("/", 1)[0] + "/" + name
+
+
+async def one_run(
+    server_url: str,
+    run: Run,
+    *,
+    conversation: synthetic.Conversation,
+    embedder: LocalEmbedder,
+    import_batch: int,
+    profile: bool,
+) -> dict[str, Any]:
+    url = await fresh_database(server_url, f"bench_{run.label}")
+    engine = connect(url, pool_size=max(4, run.concurrency * 2))
+    timers = Timers()
+    try:
+        await migrate(engine)
+        async with engine.begin() as conn:
+            tenant = await conn.scalar(
+                insert(tenants).values(name=f"bench-{run.label}").returning(tenants.c.id)
+            )
+        assert tenant is not None
+        total = len(conversation.messages)
+        share = -(-total // run.conversations)
+
+        started = time.perf_counter()
+        for number in range(run.conversations):
+            part = slice(number * share, min((number + 1) * share, total))
+            await importer.import_messages(
+                engine,
+                tenant_id=int(tenant),
+                external_id=f"bench-{number}",
+                messages=conversation.messages[part],
+                created_at=conversation.created_at[part],
+                model="gpt-4o",
+                batch=import_batch,
+            )
+        import_seconds = time.perf_counter() - started
+
+        config = hierarchy.TreeConfig(
+            embedder=TimedEmbedder(embedder, timers),
+            summarizer=TimedSummarizer(ExtractiveSummarizer("gpt-4o"), timers),
+            policy=SegmentPolicy(),
+        )
+        worker = Worker(
+            engine,
+            {hierarchy.JOB_KIND: hierarchy.handler(engine, config)},
+            concurrency=run.concurrency,
+            listen=False,
+        )
+        profiler = cProfile.Profile() if profile else None
+        started = time.perf_counter()
+        with instrumented(timers):
+            if profiler is not None:
+                profiler.enable()
+            jobs_run = await worker.run_until_idle()
+            if profiler is not None:
+                profiler.disable()
+        process_seconds = time.perf_counter() - started
+
+        async with engine.connect() as conn:
+            levels = dict(
+                (
+                    await conn.execute(
+                        select(nodes.c.level, func.count())
+                        .where(nodes.c.tenant_id == tenant)
+                        .group_by(nodes.c.level)
+                        .order_by(nodes.c.level)
+                    )
+                ).all()
+            )
+            unembedded = await conn.scalar(
+                select(func.count()).where(
+                    nodes.c.tenant_id == tenant, nodes.c.embedding.is_(None)
+                )
+            )
+            statuses = dict(
+                (
+                    await conn.execute(
+                        select(jobs.c.status, func.count())
+                        .where(jobs.c.tenant_id == tenant)
+                        .group_by(jobs.c.status)
+                    )
+                ).all()
+            )
+    finally:
+        await engine.dispose()
+
+    result: dict[str, Any] = {
+        "run": run.label,
+        "concurrency": run.concurrency,
+        "conversations": run.conversations,
+        "jobs_run": jobs_run,
+        "job_statuses": statuses,
+        "levels": {str(level): count for level, count in levels.items()},
+        "unembedded_after": unembedded,
+        "import_seconds": round(import_seconds, 3),
+        "process_seconds": round(process_seconds, 3),
+        "import_messages_per_second": round(total / import_seconds, 1),
+        "process_messages_per_second": round(total / process_seconds, 1),
+        "messages_per_second": round(total / (import_seconds + process_seconds), 1),
+        "phases": timers.report(),
+        "phase_split": phase_split(timers, process_seconds),
+    }
+    if profiler is not None:
+        out = io.StringIO()
+        pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(25)
+        result["profile_top_tottime"] = out.getvalue().splitlines()
+    return result
+
+
+def phase_split(timers: Timers, wall: float) -> dict[str, float]:
+    """Seconds per phase: embedding, segmentation + level-1 summaries, roll-ups, the rest."""
+    s = timers.seconds
+    embed_step = s["step embed_pending"]
+    segment_step = s["step segment"]
+    rollup_step = s["step roll_up"]
+    return {
+        "embedding (model)": round(s["embed"], 3),
+        "embedding step, DB and glue": round(embed_step - s["embed"], 3),
+        "segmentation (split)": round(s["split"], 3),
+        "level-1 summaries (extractive)": round(s["summarize level 1"], 3),
+        "segment step, DB and glue": round(
+            segment_step - s["split"] - s["summarize level 1"], 3
+        ),
+        "roll-up summaries (extractive)": round(s["summarize level 2+"], 3),
+        "roll-up step, DB and glue": round(rollup_step - s["summarize level 2+"], 3),
+        "outside the steps (claims, job bookkeeping)": round(
+            wall - embed_step - segment_step - rollup_step, 3
+        ),
+    }
+
+
+def machine() -> dict[str, Any]:
+    versions = {}
+    for package in ("onnxruntime", "tokenizers", "numpy", "sqlalchemy", "asyncpg", "tiktoken"):
+        with contextlib.suppress(importlib.metadata.PackageNotFoundError):
+            versions[package] = importlib.metadata.version(package)
+    return {
+        "cpu_count": os.cpu_count(),
+        "cpu_affinity": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "python": sys.version.split()[0],
+        "versions": versions,
+    }
+
+
+async def main_async(args: argparse.Namespace) -> dict[str, Any]:
+    folder = Path(tempfile.mkdtemp(prefix="memstrata-bench-"))
+    folder.chmod(0o755)  # as root the server runs as `postgres`, which must reach it
+    server = EmbeddedPostgres(folder / "data", durable=args.durable)
+    conversation = synthetic.generate(args.messages, seed=args.seed, with_tools=True)
+    texts = [tokens.message_text(m) for m in conversation.messages]
+    embedder = LocalEmbedder(max_length=args.max_length)
+    await embedder.warmup()
+    await embedder.embed(["warm up the session"] * 8)
+    started = time.perf_counter()
+    try:
+        await asyncio.to_thread(server.start)
+        results = []
+        for run in parse_runs(args.runs):
+            print(f"run {run.label}: concurrency {run.concurrency}, "
+                  f"{run.conversations} conversation(s) ...", file=sys.stderr, flush=True)
+            result = await one_run(
+                server.url,
+                run,
+                conversation=conversation,
+                embedder=embedder,
+                import_batch=args.import_batch,
+                profile=args.profile,
+            )
+            print(json.dumps({k: v for k, v in result.items() if k != "profile_top_tottime"},
+                             indent=1), file=sys.stderr, flush=True)
+            results.append(result)
+        server_version = await server_version_of(server.url)
+    finally:
+        await asyncio.to_thread(server.stop)
+        shutil.rmtree(folder, ignore_errors=True)
+    return {
+        "benchmark": "throughput",
+        "target_messages_per_second": TARGET,
+        "machine": machine(),
+        "postgres": server_version,
+        "settings": {
+            "messages": args.messages,
+            "seed": args.seed,
+            "summary_mode": "extractive",
+            "embedder": f"local {embedder.name}, max_length {args.max_length}",
+            "segment_policy": "default (shift 0.30, token cap 2048, max 64 messages)",
+            "fanout": 8,
+            "import_batch": args.import_batch,
+            "durable": args.durable,
+            "mean_message_chars": round(sum(map(len, texts)) / max(len(texts), 1), 1),
+            "mean_message_tokens": round(
+                sum(tokens.count_text(t, model="gpt-4o") for t in texts) / max(len(texts), 1), 1
+            ),
+        },
+        "runs": results,
+        "total_seconds": round(time.perf_counter() - started, 1),
+    }
+
+
+async def server_version_of(url: str) -> str:
+    connection = await asyncpg.connect(url.replace("postgresql+asyncpg://", "postgresql://"))
+    try:
+        return str(await connection.fetchval("SELECT version()"))
+    finally:
+        await connection.close()
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--messages", type=int, default=10_000)
+    parser.add_argument("--seed", type=int, default=7)
+    parser.add_argument(
+        "--runs",
+        default="1x1,1x4,2x4",
+        help="comma-separated CONCURRENCYxCONVERSATIONS (default: 1x1,1x4,2x4)",
+    )
+    parser.add_argument("--max-length", type=int, default=256, help="embedder token truncation")
+    parser.add_argument("--import-batch", type=int, default=1000)
+    parser.add_argument("--durable", action="store_true", help="fsync on (default: off)")
+    parser.add_argument("--profile", action="store_true", help="cProfile the processing")
+    parser.add_argument("--output", type=Path, default=RESULTS)
+    args = parser.parse_args(argv)
+    report = asyncio.run(main_async(args))
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text(json.dumps(report, indent=2) + "\n")
+    for run in report["runs"]:
+        print(
+            f"{run['run']:>5}: import {run['import_messages_per_second']:>7.1f} msg/s, "
+            f"processing {run['process_messages_per_second']:>7.1f} msg/s, "
+            f"import→summarized {run['messages_per_second']:>7.1f} msg/s "
+            f"(target {TARGET:.0f})"
+        )
+    print(f"written to {args.output}")
+
+
+if __name__ == "__main__":
+    main()
