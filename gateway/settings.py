@@ -9,7 +9,7 @@ class by a test, so a field added here must be documented there.
 from pathlib import Path
 from typing import Literal
 
-from pydantic import AnyHttpUrl, Field, field_validator
+from pydantic import AnyHttpUrl, Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 OnOff = Literal["on", "off"]
@@ -57,6 +57,16 @@ class Settings(BaseSettings):
     segment_token_cap: int = Field(default=2048, ge=64)
     fanout: int = Field(default=8, ge=2, le=64)
 
+    # Tenants and admin
+    auth: OnOff = "off"
+    admin_token: SecretStr | None = None
+    key_grace_seconds: float = Field(default=300.0, ge=0)
+
+    # Operations
+    fail_open: OnOff = "off"
+    log_format: Literal["json", "text"] = "json"
+    metrics_refresh_seconds: float = Field(default=5.0, ge=0)
+
     @field_validator("database_url")
     @classmethod
     def _asyncpg_url(cls, value: str | None) -> str | None:
@@ -67,6 +77,16 @@ class Settings(BaseSettings):
             if value.startswith(prefix):
                 return "postgresql+asyncpg://" + value[len(prefix) :]
         raise ValueError("MEMSTRATA_DATABASE_URL must be a postgresql:// URL")
+
+    @field_validator("admin_token")
+    @classmethod
+    def _strong_admin_token(cls, value: SecretStr | None) -> SecretStr | None:
+        """An empty token means none; a short one is refused (it would be guessable)."""
+        if value is None or value.get_secret_value() == "":
+            return None
+        if len(value.get_secret_value()) < 16:
+            raise ValueError("MEMSTRATA_ADMIN_TOKEN must be at least 16 characters")
+        return value
 
     @property
     def upstream_url(self) -> str:

@@ -62,6 +62,7 @@ api_keys = Table(
     Column("key_hash", Text, nullable=False, unique=True),
     _created_at(),
     Column("revoked_at", DateTime(timezone=True)),
+    Index("ix_api_keys_tenant", "tenant_id"),
 )
 
 conversations = Table(
@@ -75,11 +76,17 @@ conversations = Table(
     Column("head_hash", Text),
     Column("next_seq", Integer, nullable=False, server_default="0"),
     Column("token_count", BigInteger, nullable=False, server_default="0"),
+    # Answered chat requests, the prompt tokens sent upstream for them, and the tokens their
+    # whole histories would have cost (migration 0002).
+    Column("requests", Integer, nullable=False, server_default="0"),
+    Column("tokens_sent", BigInteger, nullable=False, server_default="0"),
+    Column("tokens_full", BigInteger, nullable=False, server_default="0"),
     _created_at(),
     Column("updated_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
     UniqueConstraint("tenant_id", "external_id", name="uq_conversations_tenant_external"),
     Index("ix_conversations_head", "tenant_id", "head_hash"),
     Index("ix_conversations_recent", "tenant_id", "updated_at"),
+    Index("ix_conversations_tenant_id", "tenant_id", "id"),
 )
 
 nodes = Table(

@@ -23,14 +23,13 @@ import httpx
 import pytest
 
 from memory.errors import ProviderError
+from memory.facts import FACT_KEYS, extract_facts
 from memory.summarize import (
-    FACT_KEYS,
     ExtractiveSummarizer,
     FallbackSummarizer,
     LLMSummarizer,
     Summary,
     SummaryInput,
-    extract_facts,
     make_summarizer,
 )
 from memory.tokens import count_text
