@@ -37,3 +37,12 @@ format: install
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache
+
+# Performance benchmarks (bench/README.md): results in bench/results/, report in docs/benchmarks.md.
+.PHONY: bench bench-quick
+
+bench: install
+	$(BIN)/python -m bench
+
+bench-quick: install
+	$(BIN)/python -m bench --quick

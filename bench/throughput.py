@@ -7,7 +7,7 @@ synchronous_commit and full_page_writes off, as in the test suite; `--durable` f
 thing), and for each run (`CONCURRENCYxCONVERSATIONS`) makes a fresh database, migrates it,
 imports `--messages` synthetic messages (`tests/synthetic.py`, split evenly over the
 conversations) with `gateway.importer.import_messages` -- which also queues the build jobs --
-and then runs the queued `hierarchy` jobs through a `memory.jobs.Worker` with that concurrency
+and then runs the queued `hierarchy` jobs through a `memory.worker.Worker` with that concurrency
 until the queue is idle, extractive summaries, local embeddings. Import and processing are timed
 separately; the headline is `messages / (import + processing)`.
 
@@ -24,8 +24,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import cProfile
 import contextlib
+import contextvars
+import cProfile
 import importlib.metadata
 import io
 import json
@@ -44,17 +45,16 @@ from typing import Any
 
 import asyncpg
 from sqlalchemy import func, insert, select
-from sqlalchemy.ext.asyncio import AsyncEngine
 
 from gateway import importer
-from memory import hierarchy, tokens
+from memory import hierarchy, segments, tokens
 from memory.db import connect, migrate
 from memory.embeddings import LocalEmbedder
-from memory.worker import Worker
 from memory.postgres import EmbeddedPostgres
 from memory.schema import jobs, nodes, tenants
 from memory.segments import SegmentPolicy
 from memory.summarize import ExtractiveSummarizer, Summary, SummaryInput
+from memory.worker import Worker
 from tests import synthetic
 
 RESULTS = Path(__file__).resolve().parent / "results" / "throughput.json"
@@ -85,6 +85,11 @@ class Timers:
         }
 
 
+# What `_embed_pending` is embedding: a build embeds its new messages first, then (in its last
+# step) the summaries it made.
+EMBEDDING: contextvars.ContextVar[str] = contextvars.ContextVar("embedding", default="messages")
+
+
 class TimedEmbedder:
     def __init__(self, inner: LocalEmbedder, timers: Timers) -> None:
         self.inner = inner
@@ -97,7 +102,9 @@ class TimedEmbedder:
         try:
             return await self.inner.embed(texts)
         finally:
-            self.timers.add("embed", time.perf_counter() - started, len(texts))
+            seconds = time.perf_counter() - started
+            self.timers.add("embed", seconds, len(texts))
+            self.timers.add(f"embed {EMBEDDING.get()}", seconds, len(texts))
 
 
 class TimedSummarizer:
@@ -134,7 +141,7 @@ def instrumented(timers: Timers) -> Iterator[None]:
 
         setattr(hierarchy, name, timed)
 
-    split = hierarchy.split
+    split = segments.split
     originals["split"] = split
 
     def timed_split(*args: Any, **kwargs: Any) -> Any:
@@ -144,8 +151,22 @@ def instrumented(timers: Timers) -> Iterator[None]:
         finally:
             timers.add("split", time.perf_counter() - started)
 
-    hierarchy.split = timed_split  # type: ignore[assignment]
+    # `hierarchy` calls the `split` it imported: replace that name.
+    setattr(hierarchy, "split", timed_split)  # noqa: B010
     wrap_async("_embed_pending", "step embed_pending")
+    embed_pending = hierarchy._embed_pending
+    calls: dict[int, int] = defaultdict(int)
+
+    async def labelled(*args: Any, **kwargs: Any) -> int:
+        conversation = int(kwargs["conversation_id"])
+        calls[conversation] += 1
+        token = EMBEDDING.set("messages" if calls[conversation] % 2 else "summaries")
+        try:
+            return await embed_pending(*args, **kwargs)
+        finally:
+            EMBEDDING.reset(token)
+
+    hierarchy._embed_pending = labelled
     wrap_async("_segment", "step segment")
     wrap_async("_roll_up", "step roll_up")
     try:
@@ -184,10 +205,33 @@ async def fresh_database(server_url: str, name: str) -> str:
     return server_url.rsplit("/", 1)[0] + "/" + name
 
 
+def postgres_cpu_seconds(pgdata: Path) -> float:
+    """User + system CPU seconds of the postmaster and its live children (the backends)."""
+    try:
+        postmaster = int((pgdata / "postmaster.pid").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 0.0
+    ticks = os.sysconf("SC_CLK_TCK")
+    total = 0
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            # Fields after the command (which may hold spaces) start at ")".
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        pid, ppid = int(entry.name), int(fields[1])
+        if pid == postmaster or ppid == postmaster:
+            total += int(fields[11]) + int(fields[12])  # utime, stime
+    return total / ticks
+
+
 async def one_run(
     server_url: str,
     run: Run,
     *,
+    pgdata: Path,
     conversation: synthetic.Conversation,
     embedder: LocalEmbedder,
     import_batch: int,
@@ -232,6 +276,8 @@ async def one_run(
             listen=False,
         )
         profiler = cProfile.Profile() if profile else None
+        load_before = os.getloadavg()
+        cpu_before, pg_before = time.process_time(), postgres_cpu_seconds(pgdata)
         started = time.perf_counter()
         with instrumented(timers):
             if profiler is not None:
@@ -240,9 +286,12 @@ async def one_run(
             if profiler is not None:
                 profiler.disable()
         process_seconds = time.perf_counter() - started
+        python_cpu = time.process_time() - cpu_before
+        postgres_cpu = postgres_cpu_seconds(pgdata) - pg_before
+        load_after = os.getloadavg()
 
         async with engine.connect() as conn:
-            levels = dict(
+            levels: dict[int, int] = dict(
                 (
                     await conn.execute(
                         select(nodes.c.level, func.count())
@@ -253,11 +302,9 @@ async def one_run(
                 ).all()
             )
             unembedded = await conn.scalar(
-                select(func.count()).where(
-                    nodes.c.tenant_id == tenant, nodes.c.embedding.is_(None)
-                )
+                select(func.count()).where(nodes.c.tenant_id == tenant, nodes.c.embedding.is_(None))
             )
-            statuses = dict(
+            statuses: dict[str, int] = dict(
                 (
                     await conn.execute(
                         select(jobs.c.status, func.count())
@@ -282,6 +329,16 @@ async def one_run(
         "import_messages_per_second": round(total / import_seconds, 1),
         "process_messages_per_second": round(total / process_seconds, 1),
         "messages_per_second": round(total / (import_seconds + process_seconds), 1),
+        "cpu_seconds_during_processing": {
+            "python (event loop + embedding threads)": round(python_cpu, 1),
+            "postgres (all backends)": round(postgres_cpu, 1),
+        },
+        # What the processing would take on this many otherwise idle cores, if CPU-bound:
+        # a contention-independent estimate (the box is shared; wall times depend on load).
+        "cpu_bound_estimate_messages_per_second": round(
+            total / max((python_cpu + postgres_cpu) / (os.cpu_count() or 1), 1e-9), 1
+        ),
+        "load_average_before_after": [round(load_before[0], 2), round(load_after[0], 2)],
         "phases": timers.report(),
         "phase_split": phase_split(timers, process_seconds),
     }
@@ -300,16 +357,17 @@ def phase_split(timers: Timers, wall: float) -> dict[str, float]:
     rollup_step = s["step roll_up"]
     return {
         "embedding (model)": round(s["embed"], 3),
+        "  of which messages": round(s["embed messages"], 3),
+        "  of which summaries": round(s["embed summaries"], 3),
         "embedding step, DB and glue": round(embed_step - s["embed"], 3),
         "segmentation (split)": round(s["split"], 3),
         "level-1 summaries (extractive)": round(s["summarize level 1"], 3),
-        "segment step, DB and glue": round(
-            segment_step - s["split"] - s["summarize level 1"], 3
-        ),
+        "segment step, DB and glue": round(segment_step - s["split"] - s["summarize level 1"], 3),
         "roll-up summaries (extractive)": round(s["summarize level 2+"], 3),
         "roll-up step, DB and glue": round(rollup_step - s["summarize level 2+"], 3),
+        # Meaningful with concurrency 1 only (with more, step times overlap).
         "outside the steps (claims, job bookkeeping)": round(
-            wall - embed_step - segment_step - rollup_step, 3
+            max(wall - embed_step - segment_step - rollup_step, 0.0), 3
         ),
     }
 
@@ -330,8 +388,9 @@ def machine() -> dict[str, Any]:
 
 
 async def main_async(args: argparse.Namespace) -> dict[str, Any]:
-    folder = Path(tempfile.mkdtemp(prefix="memstrata-bench-"))
-    folder.chmod(0o755)  # as root the server runs as `postgres`, which must reach it
+    # As root the server runs as `postgres`, which must reach the folder.
+    folder = Path(await asyncio.to_thread(tempfile.mkdtemp, prefix="memstrata-bench-"))
+    await asyncio.to_thread(folder.chmod, 0o755)
     server = EmbeddedPostgres(folder / "data", durable=args.durable)
     conversation = synthetic.generate(args.messages, seed=args.seed, with_tools=True)
     texts = [tokens.message_text(m) for m in conversation.messages]
@@ -343,18 +402,28 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         await asyncio.to_thread(server.start)
         results = []
         for run in parse_runs(args.runs):
-            print(f"run {run.label}: concurrency {run.concurrency}, "
-                  f"{run.conversations} conversation(s) ...", file=sys.stderr, flush=True)
+            print(
+                f"run {run.label}: concurrency {run.concurrency}, "
+                f"{run.conversations} conversation(s) ...",
+                file=sys.stderr,
+                flush=True,
+            )
             result = await one_run(
                 server.url,
                 run,
+                pgdata=server.pgdata,
                 conversation=conversation,
                 embedder=embedder,
                 import_batch=args.import_batch,
                 profile=args.profile,
             )
-            print(json.dumps({k: v for k, v in result.items() if k != "profile_top_tottime"},
-                             indent=1), file=sys.stderr, flush=True)
+            print(
+                json.dumps(
+                    {k: v for k, v in result.items() if k != "profile_top_tottime"}, indent=1
+                ),
+                file=sys.stderr,
+                flush=True,
+            )
             results.append(result)
         server_version = await server_version_of(server.url)
     finally:
@@ -415,7 +484,9 @@ def main(argv: Sequence[str] | None = None) -> None:
             f"{run['run']:>5}: import {run['import_messages_per_second']:>7.1f} msg/s, "
             f"processing {run['process_messages_per_second']:>7.1f} msg/s, "
             f"import→summarized {run['messages_per_second']:>7.1f} msg/s "
-            f"(target {TARGET:.0f})"
+            f"(target {TARGET:.0f}; CPU-bound estimate "
+            f"{run['cpu_bound_estimate_messages_per_second']:.1f} msg/s; "
+            f"load {run['load_average_before_after']})"
         )
     print(f"written to {args.output}")
 

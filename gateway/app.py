@@ -13,9 +13,12 @@ from contextlib import AsyncExitStack, asynccontextmanager
 
 from fastapi import FastAPI
 
-from gateway import background
+from gateway import background, mcp, metrics
+from gateway.auth import KeyGrace
 from gateway.deps import State
 from gateway.errors import install_handlers
+from gateway.logs import RequestIdMiddleware
+from gateway.metrics import Metrics, MetricsMiddleware
 from gateway.routes import admin, health, openai
 from gateway.settings import Settings
 from gateway.upstream import Upstream, make_client
@@ -29,6 +32,8 @@ log = logging.getLogger(__name__)
 def create_app(settings: Settings | None = None) -> FastAPI:
     """The gateway app; `settings` default to the environment's."""
     settings = settings or Settings()
+    app_metrics = Metrics(refresh_seconds=settings.metrics_refresh_seconds)
+    mcp_endpoint = mcp.McpEndpoint()
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[dict[str, State]]:
@@ -53,17 +58,37 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             embed = background.embedder(settings, client)
             if settings.workers > 0:
                 config = background.tree_config(settings, client, embed)
-                runner = background.worker(engine, settings, config, concurrency=settings.workers)
+                runner = background.worker(
+                    engine,
+                    settings,
+                    config,
+                    concurrency=settings.workers,
+                    observe=app_metrics.observe_job,
+                )
                 await stack.enter_async_context(background.running(runner))
             state = State(
                 settings=settings,
                 engine=engine,
                 upstream=Upstream(
-                    client, base_url=settings.upstream_url, api_key=settings.upstream_api_key
+                    client,
+                    base_url=settings.upstream_url,
+                    api_key=settings.upstream_api_key,
+                    forward_client_auth=settings.auth == "off",
+                    observe=app_metrics.observe_upstream,
                 ),
                 embedder=embed,
                 default_tenant_id=default_tenant,
+                metrics=app_metrics,
+                key_grace=KeyGrace(
+                    seconds=settings.key_grace_seconds if settings.fail_open == "on" else 0
+                ),
             )
+            if settings.auth == "on" and not settings.upstream_api_key:
+                log.warning(
+                    "MEMSTRATA_AUTH is on and MEMSTRATA_UPSTREAM_API_KEY is unset: "
+                    "requests go upstream without a key"
+                )
+            await stack.enter_async_context(mcp_endpoint.running())
             log.info("memstrata ready", extra={"upstream": settings.upstream_url})
             yield {"memstrata": state}
 
@@ -77,4 +102,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(openai.router)
     app.include_router(admin.router)
     app.include_router(health.router)
+    app.include_router(metrics.router)
+    app.include_router(mcp_endpoint.router)
+    # Added last is outermost: every request gets its id before it is counted.
+    app.add_middleware(MetricsMiddleware, metrics=app_metrics, routes=app.router)
+    app.add_middleware(RequestIdMiddleware)
     return app

@@ -17,7 +17,7 @@ from gateway.settings import Settings
 from memory import hierarchy
 from memory.embeddings import Embedder, make_embedder
 from memory.segments import SegmentPolicy
-from memory.worker import Worker
+from memory.worker import JobObserver, Worker
 
 log = logging.getLogger(__name__)
 
@@ -59,14 +59,20 @@ def tree_config(
 
 
 def worker(
-    engine: AsyncEngine, settings: Settings, config: hierarchy.TreeConfig, *, concurrency: int
+    engine: AsyncEngine,
+    settings: Settings,
+    config: hierarchy.TreeConfig,
+    *,
+    concurrency: int,
+    observe: JobObserver | None = None,
 ) -> Worker:
-    """A job worker with every handler memstrata has."""
+    """A job worker with every handler memstrata has; `observe` is told each job's outcome."""
     return Worker(
         engine,
         {hierarchy.JOB_KIND: hierarchy.handler(engine, config)},
         lease_seconds=settings.job_lease_seconds,
         concurrency=concurrency,
+        observe=observe,
     )
 
 

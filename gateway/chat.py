@@ -3,9 +3,12 @@
 The client's messages are stored (and their background processing queued) in one transaction
 before anything goes upstream, so an upstream failure never loses them. The prompt is then
 assembled from memory, forwarded and relayed (`gateway.relay`); the reply is recorded by the
-`Turn` when it is complete.
+`Turn` when it is complete. When the database is down during the store or assembly step, the
+request is forwarded unchanged or refused with 503, as `gateway.degraded` decides.
 """
 
+import functools
+import json
 import logging
 import time
 from typing import Any
@@ -14,14 +17,18 @@ from fastapi import Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from pydantic import ValidationError
+from sqlalchemy import select
+from sqlalchemy.ext.asyncio import AsyncConnection
 
-from gateway import relay
+from gateway import degraded, relay
 from gateway.deps import State, read_json
 from gateway.errors import GatewayError
 from gateway.schemas import ChatCompletionRequest
 from gateway.turn import CONVERSATION_HEADER, Turn
-from memory import hierarchy, identity, store
+from memory import context, hierarchy, identity, store, tokens
 from memory.db import transaction
+from memory.errors import ProviderError, StorageUnavailable
+from memory.schema import conversations
 
 log = logging.getLogger(__name__)
 
@@ -45,17 +52,34 @@ async def complete(request: Request, state: State, *, tenant_id: int) -> Respons
     body, chat = await parse(request, max_bytes=state.settings.max_body_bytes)
     header = request.headers.get(CONVERSATION_HEADER)
     external_id = identity.validate_conversation_id(header) if header is not None else None
+    budget = parse_budget(request.headers.get(BUDGET_HEADER))
+    # With the database down: forwarded unchanged (fail-open) or 503 (`gateway.degraded`).
+    unchanged = functools.partial(
+        degraded.forward,
+        state,
+        client_headers=request.headers,
+        body=body,
+        tenant_id=tenant_id,
+        model=chat.model,
+        stream=bool(chat.stream),
+        started=started,
+    )
 
-    async with transaction(state.engine) as conn:
-        stored = await store.ingest(
-            conn,
-            tenant_id=tenant_id,
-            external_id=external_id,
-            user=chat.user,
-            messages=body["messages"],
-            model=chat.model,
-        )
-        await hierarchy.enqueue(conn, tenant_id=tenant_id, conversation_id=stored.conversation.id)
+    try:
+        async with transaction(state.engine) as conn:
+            stored = await store.ingest(
+                conn,
+                tenant_id=tenant_id,
+                external_id=external_id,
+                user=chat.user,
+                messages=body["messages"],
+                model=chat.model,
+            )
+            await hierarchy.enqueue(
+                conn, tenant_id=tenant_id, conversation_id=stored.conversation.id
+            )
+    except StorageUnavailable as exc:
+        return await unchanged(exc, external_id=external_id)
     turn = Turn(
         tenant_id=tenant_id,
         conversation_id=stored.conversation.id,
@@ -63,13 +87,258 @@ async def complete(request: Request, state: State, *, tenant_id: int) -> Respons
         model=chat.model,
         started=started,
     )
-    prompt = await assemble(state, turn, body)
+    try:
+        prompt = await assemble(state, turn, body, appended=stored, budget=budget)
+    except StorageUnavailable as exc:
+        return await unchanged(exc, external_id=turn.external_id)
     turn.overhead = time.perf_counter() - started
     return await relay.forward(
         state, turn, client_headers=request.headers, body=prompt, stream=bool(chat.stream)
     )
 
 
-async def assemble(state: State, turn: Turn, body: dict[str, Any]) -> dict[str, Any]:
-    """The request to send upstream: for now the client's own, unchanged."""
-    return body
+BUDGET_HEADER = "X-Memstrata-Budget"
+_SYSTEM_ROLES = ("system", "developer")
+_QUERY_CHARS = 2000
+_RELATED_LIMIT = 20
+
+
+def parse_budget(value: str | None) -> int | None:
+    """The budget a request asks for with `X-Memstrata-Budget`, or None."""
+    if value is None:
+        return None
+    value = value.strip()
+    if not value.isdigit() or not 1 <= int(value) <= 10_000_000:
+        raise GatewayError(
+            400,
+            f"{BUDGET_HEADER} must be a whole number of tokens from 1 to 10000000",
+            param=BUDGET_HEADER,
+            code="invalid_value",
+        )
+    return int(value)
+
+
+async def assemble(
+    state: State,
+    turn: Turn,
+    body: dict[str, Any],
+    *,
+    appended: store.Appended | None = None,
+    budget: int | None = None,
+    reserved_tokens: int = 0,
+) -> dict[str, Any]:
+    """The request to send upstream (SPEC §6).
+
+    A conversation that fits the budget goes as the client sent it (or, when the client sent
+    only its new messages, as stored); otherwise the prompt is rebuilt from memory by
+    `memory.context.build`. Sets the turn's token counts and `rebuilt`. `reserved_tokens` is
+    room kept for tool schemas the gateway adds (the memory tools)."""
+    messages: list[dict[str, Any]] = body["messages"]
+    new_count = len(appended.node_ids) if appended is not None else len(messages)
+    first_seq = appended.first_seq if appended is not None else 0
+    if new_count == 0:  # a resent history with nothing new: the last message is the question
+        new_count, first_seq = 1, max(0, first_seq - 1)
+    whole = len(messages) == first_seq + new_count
+    prompt, tokens_sent, full, rebuilt = await _prompt(
+        state,
+        tenant_id=turn.tenant_id,
+        conversation_id=turn.conversation_id,
+        model=str(body.get("model", "")),
+        request_system=_leading_system(messages),
+        new_messages=messages[len(messages) - new_count :],
+        new_from=first_seq,
+        whole=messages if whole else None,
+        budget=budget,
+        reserved_tokens=reserved_tokens + _tools_cost(body),
+        max_output=_max_output(body),
+    )
+    turn.full_tokens = full
+    turn.context_tokens = tokens_sent
+    turn.rebuilt = rebuilt
+    if prompt is messages:
+        return body
+    return {**body, "messages": prompt}
+
+
+async def dry_run(
+    state: State,
+    *,
+    tenant_id: int,
+    external_id: str,
+    query: str,
+    budget: int | None,
+    model: str = "gpt-4o",
+) -> tuple[list[dict[str, Any]], int]:
+    """The messages, and their tokens, that `assemble` would send upstream if the stored
+    conversation `external_id` received `query` as a new user message; nothing is stored."""
+    async with transaction(state.engine) as conn:
+        ref = await store.find_conversation(conn, tenant_id=tenant_id, external_id=external_id)
+        next_seq = await conn.scalar(
+            select(conversations.c.next_seq).where(conversations.c.id == ref.id)
+        )
+    question = {"role": "user", "content": query}
+    prompt, count, _full, _rebuilt = await _prompt(
+        state,
+        tenant_id=tenant_id,
+        conversation_id=ref.id,
+        model=model,
+        request_system=[],
+        new_messages=[question],
+        unstored_tokens=tokens.count_message(question, model=model),
+        new_from=int(next_seq or 0),
+        whole=None,
+        budget=budget,
+        reserved_tokens=0,
+        max_output=None,
+    )
+    return prompt, count
+
+
+async def _prompt(
+    state: State,
+    *,
+    tenant_id: int,
+    conversation_id: int,
+    model: str,
+    request_system: list[dict[str, Any]],
+    new_messages: list[dict[str, Any]],
+    new_from: int,
+    whole: list[dict[str, Any]] | None,
+    budget: int | None,
+    reserved_tokens: int,
+    max_output: int | None,
+    unstored_tokens: int = 0,
+) -> tuple[list[dict[str, Any]], int, int, bool]:
+    """(messages, their tokens, the whole history's tokens, rebuilt?)."""
+    settings = state.settings
+    limit_budget = context.budget_for(
+        model,
+        requested=budget if budget is not None else settings.context_budget,
+        default_window=settings.context_window,
+        default_reserve=settings.output_reserve,
+        max_output=max_output,
+    )
+    limit = limit_budget - reserved_tokens
+    async with transaction(state.engine) as conn:
+        conv = (
+            await conn.execute(
+                select(conversations.c.token_count, conversations.c.user_id).where(
+                    conversations.c.id == conversation_id,
+                    conversations.c.tenant_id == tenant_id,
+                )
+            )
+        ).one()
+        stored_tokens = int(conv.token_count)
+        full = stored_tokens + unstored_tokens + tokens.REPLY_PRIMING_TOKENS
+        if full <= limit * 1.25:  # stored counts may come from another model's tokenizer
+            verbatim = whole
+            if verbatim is None:
+                history = await store.list_messages(
+                    conn, tenant_id=tenant_id, conversation_id=conversation_id, limit=new_from
+                )
+                kept = [record.as_openai() for record in history]
+                stored_system = _leading_system(kept)
+                verbatim = [
+                    *(request_system or stored_system),
+                    *kept[len(stored_system) :],
+                    *new_messages,
+                ]
+            count = tokens.count_messages(verbatim, model=model)
+            if count <= limit:
+                return verbatim, count + reserved_tokens, full, False
+        related: list[int] = []
+        if settings.cross_conversation == "on" and conv.user_id is not None:
+            related = await _related(conn, tenant_id, conversation_id, conv.user_id)
+        system = request_system or await _stored_system(conn, tenant_id, conversation_id)
+        try:
+            built = await context.build(
+                conn,
+                tenant_id=tenant_id,
+                conversation_id=conversation_id,
+                system=system,
+                new_messages=new_messages,
+                new_from=new_from,
+                query=_query(new_messages),
+                embed=lambda text: _embed(state, text),
+                budget=limit_budget,
+                model=model,
+                reserved_tokens=reserved_tokens,
+                conversation_ids=related,
+                stored_messages=new_from,
+                stored_tokens=stored_tokens,
+            )
+        except context.ContextOverflow as exc:
+            raise GatewayError(
+                400, str(exc), param="messages", code="context_length_exceeded"
+            ) from exc
+    return built.messages, built.tokens + reserved_tokens, full, True
+
+
+async def _related(
+    conn: AsyncConnection, tenant_id: int, conversation_id: int, user: str
+) -> list[int]:
+    """The tenant's other conversations of the same `user`, most recent first."""
+    rows = await conn.execute(
+        select(conversations.c.id)
+        .where(
+            conversations.c.tenant_id == tenant_id,
+            conversations.c.user_id == user,
+            conversations.c.id != conversation_id,
+        )
+        .order_by(conversations.c.updated_at.desc())
+        .limit(_RELATED_LIMIT)
+    )
+    return [int(row.id) for row in rows]
+
+
+async def _stored_system(
+    conn: AsyncConnection, tenant_id: int, conversation_id: int
+) -> list[dict[str, Any]]:
+    """The stored conversation's leading system messages (for clients that send only new
+    messages without repeating their system prompt)."""
+    head = await store.list_messages(
+        conn, tenant_id=tenant_id, conversation_id=conversation_id, limit=4
+    )
+    return _leading_system([record.as_openai() for record in head])
+
+
+def _leading_system(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    count = 0
+    while count < len(messages) and messages[count].get("role") in _SYSTEM_ROLES:
+        count += 1
+    return messages[:count]
+
+
+def _query(new_messages: list[dict[str, Any]]) -> str:
+    """What retrieval looks for: the new user messages' text (else any new text)."""
+    texts = [tokens.message_text(m) for m in new_messages if m.get("role") == "user"]
+    if not any(texts):
+        texts = [tokens.message_text(m) for m in new_messages]
+    return "\n".join(t for t in texts if t)[-_QUERY_CHARS:]
+
+
+async def _embed(state: State, text: str) -> list[float] | None:
+    """The query's vector, or None when the embedder fails (retrieval is then full-text)."""
+    try:
+        [vector] = await state.embedder.embed([text])
+    except ProviderError:
+        log.warning("query embedding failed; retrieving by full text only", exc_info=True)
+        return None
+    return vector
+
+
+def _tools_cost(body: dict[str, Any]) -> int:
+    """Tokens the client's own tool schemas cost in the prompt (an estimate)."""
+    tools = body.get("tools")
+    if not tools:
+        return 0
+    model = str(body.get("model", ""))
+    return tokens.count_text(json.dumps(tools, separators=(",", ":")), model=model)
+
+
+def _max_output(body: dict[str, Any]) -> int | None:
+    for key in ("max_completion_tokens", "max_tokens"):
+        value = body.get(key)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None

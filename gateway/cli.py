@@ -6,7 +6,6 @@ start the embedded server under `MEMSTRATA_DATA_DIR`.
 """
 
 import asyncio
-import logging
 import signal
 import time
 from collections.abc import Iterator
@@ -18,7 +17,7 @@ import uvicorn
 from sqlalchemy.ext.asyncio import AsyncEngine
 from tqdm import tqdm
 
-from gateway import background, importer
+from gateway import background, importer, logs
 from gateway.settings import Settings
 from gateway.upstream import make_client
 from memory import identity
@@ -36,12 +35,8 @@ def _settings(**overrides: object) -> Settings:
 
 
 def _logging(settings: Settings) -> None:
-    logging.basicConfig(
-        level=settings.log_level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
-    # One line per upstream request is noise at INFO; our own logs say what matters.
-    logging.getLogger("httpx").setLevel(logging.WARNING)
+    # JSON lines (or plain text) with request ids; see `gateway.logs`.
+    logs.configure(level=settings.log_level, format=settings.log_format)
 
 
 @contextmanager
@@ -82,7 +77,9 @@ def serve(host: str | None, port: int | None) -> None:
         host=settings.host,
         port=settings.port,
         log_level=settings.log_level,
-        access_log=settings.log_level == "debug",
+        # Our handler and format (`gateway.logs`), and our access line (with the request id).
+        log_config=None,
+        access_log=False,
         timeout_graceful_shutdown=10,
     )
 

@@ -1,14 +1,20 @@
-"""Dependencies of the routes, as `Annotated` aliases over the app's lifespan state."""
+"""Dependencies of the routes, as `Annotated` aliases over the app's lifespan state.
 
-import ipaddress
+`State` is everything the app holds for its lifetime. `TenantDep` is the tenant a client
+request acts for and `require_admin` guards the admin API; both are decided in `gateway.auth`.
+"""
+
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Annotated, Any
 
-from fastapi import Depends, Request
+from fastapi import Depends, Request, Security
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from gateway import auth
 from gateway.errors import GatewayError
+from gateway.metrics import Metrics
 from gateway.settings import Settings
 from gateway.upstream import Upstream
 from memory.embeddings import Embedder
@@ -23,6 +29,8 @@ class State:
     upstream: Upstream
     embedder: Embedder
     default_tenant_id: int
+    metrics: Metrics = field(default_factory=Metrics)
+    key_grace: auth.KeyGrace = field(default_factory=lambda: auth.KeyGrace(seconds=0))
 
 
 def get_state(request: Request) -> State:
@@ -42,25 +50,37 @@ def get_upstream(state: Annotated[State, Depends(get_state)]) -> Upstream:
     return state.upstream
 
 
-def get_tenant_id(state: Annotated[State, Depends(get_state)]) -> int:
-    """The tenant of this request (one default tenant while authentication is off)."""
-    return state.default_tenant_id
+# Declared for the OpenAPI document (and /docs' "Authorize" button); `gateway.auth` reads the
+# header itself.
+_client_key = HTTPBearer(
+    scheme_name="GatewayKey",
+    description="A gateway key `msk-…` with MEMSTRATA_AUTH=on; else your upstream key, if any",
+    auto_error=False,
+)
+_admin_token = HTTPBearer(
+    scheme_name="AdminToken",
+    description="MEMSTRATA_ADMIN_TOKEN (none needed from loopback while it is unset)",
+    auto_error=False,
+)
 
 
-def require_admin(request: Request) -> None:
-    """Admin routes answer loopback clients only (until admin tokens exist)."""
-    host = request.client.host if request.client else ""
-    try:
-        loopback = ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        loopback = host == "localhost"
-    if not loopback:
-        raise GatewayError(
-            403,
-            "the admin API answers loopback clients only",
-            type="permission_error",
-            code="admin_forbidden",
-        )
+async def get_tenant_id(
+    request: Request,
+    state: Annotated[State, Depends(get_state)],
+    _: Annotated[HTTPAuthorizationCredentials | None, Security(_client_key)],
+) -> int:
+    """The tenant of this request: the default one while authentication is off, else the
+    tenant of the gateway key presented."""
+    return await auth.tenant_from_headers(state, request.headers)
+
+
+def require_admin(
+    request: Request,
+    state: Annotated[State, Depends(get_state)],
+    _: Annotated[HTTPAuthorizationCredentials | None, Security(_admin_token)],
+) -> None:
+    """Admin routes need the admin token, or come from loopback while none is set."""
+    auth.check_admin(state, request)
 
 
 StateDep = Annotated[State, Depends(get_state)]

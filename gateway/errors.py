@@ -3,6 +3,7 @@
 `{"error": {"message", "type", "param", "code"}}` with the status OpenAI would use. The domain's
 exceptions (`memory.errors`) are mapped to statuses here and only here; upstream failures
 have their own classes because an upstream error answer keeps its status and body unchanged.
+Anything else that escapes a route is a bug: 500 `server_error`, with the request id.
 """
 
 from typing import Any
@@ -12,6 +13,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from gateway.logs import REQUEST_ID_HEADER, request_id
 from memory.errors import (
     Conflict,
     InvalidInput,
@@ -125,7 +127,23 @@ def install_handlers(app: FastAPI) -> None:
         type_ = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         return error_response(GatewayError(exc.status_code, str(exc.detail), type=type_))
 
+    async def on_unexpected(_: Request, exc: Exception) -> JSONResponse:
+        # A bug: answered in OpenAI's shape with the request id to quote; the traceback is
+        # logged by the server, with the same id (`gateway.logs`).
+        rid = request_id.get()
+        suffix = f" (request id {rid})" if rid else ""
+        return error_response(
+            GatewayError(
+                500,
+                f"the gateway failed unexpectedly{suffix}",
+                type="server_error",
+                code="internal_error",
+                headers={REQUEST_ID_HEADER: rid} if rid else None,
+            )
+        )
+
     app.add_exception_handler(GatewayError, on_gateway)
+    app.add_exception_handler(Exception, on_unexpected)
     app.add_exception_handler(MemstrataError, on_domain)
     app.add_exception_handler(RequestValidationError, on_validation)
     app.add_exception_handler(StarletteHTTPException, on_http)

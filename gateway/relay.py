@@ -2,8 +2,10 @@
 
 The upstream answer is relayed unchanged: an error keeps its status, body and `Retry-After`; a
 stream is passed on chunk by chunk as it arrives while a `StreamedReply` rebuilds the message
-beside it. The reply is recorded after it ends, marked incomplete if the stream was cut, even
-when the client has gone.
+beside it. The reply is recorded when it ends (before the client is sent `[DONE]`), marked
+incomplete if the stream was cut, even when the client has gone. When the memory tools are
+offered (`gateway.toolloop.offer`), the request goes through the tool loop instead, with the
+same guarantees.
 """
 
 import json
@@ -15,11 +17,15 @@ import anyio
 import httpx
 from fastapi.responses import Response, StreamingResponse
 
+from gateway import toolloop
 from gateway.deps import State
-from gateway.errors import GatewayError, error_body
+from gateway.errors import GatewayError
 from gateway.replies import StreamedReply, from_completion
+from gateway.streams import sse_error
 from gateway.turn import Turn
 from gateway.upstream import relayed_headers
+
+__all__ = ["forward", "sse_error"]
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +39,10 @@ async def forward(
     stream: bool,
 ) -> Response:
     """Send `body` upstream and answer the client with what comes back."""
+    offer = toolloop.offer(state.settings, turn, body)
+    if offer is not None:
+        loop = toolloop.ToolLoop(state, turn, client_headers=client_headers, body=body, offer=offer)
+        return await (loop.stream() if stream else loop.complete())
     upstream = state.upstream
     try:
         response = await upstream.open(
@@ -72,11 +82,19 @@ async def forward(
 
 
 async def _relay(response: httpx.Response, state: State, turn: Turn) -> AsyncIterator[bytes]:
-    """Pass the upstream stream on as it comes; store what arrived when it ends."""
+    """Pass the upstream stream on as it comes; store what arrived when it ends.
+
+    The reply is stored before the client is sent `[DONE]`: a client that sends its next turn
+    as soon as it has the answer must find the reply already in the conversation."""
     reply = StreamedReply()
+    recorded = False
     try:
         async for chunk in response.aiter_bytes():
             reply.feed(chunk)
+            if reply.done and not recorded:
+                recorded = True
+                with anyio.CancelScope(shield=True):
+                    await turn.record(state, reply.message(), complete=True)
             yield chunk
     except httpx.HTTPError as exc:
         log.warning(
@@ -92,14 +110,9 @@ async def _relay(response: httpx.Response, state: State, turn: Turn) -> AsyncIte
     finally:
         await response.aclose()
         # The client may be gone (cancelled scope): storing the reply must still happen.
-        with anyio.CancelScope(shield=True):
-            await turn.record(state, reply.message(), complete=reply.complete)
-
-
-def sse_error(message: str, *, code: str) -> bytes:
-    """An error event in a stream, as OpenAI sends one (the SDK raises `APIError` on it)."""
-    error = error_body(message, type="upstream_error", code=code)
-    return f"data: {json.dumps(error)}\n\n".encode()
+        if not recorded:
+            with anyio.CancelScope(shield=True):
+                await turn.record(state, reply.message(), complete=reply.complete)
 
 
 def _json(content: bytes) -> Any:

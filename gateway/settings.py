@@ -57,9 +57,22 @@ class Settings(BaseSettings):
     segment_token_cap: int = Field(default=2048, ge=64)
     fanout: int = Field(default=8, ge=2, le=64)
 
+    # Prompt assembly
+    context_budget: int = Field(default=8000, ge=256)
+    context_window: int = Field(default=32768, ge=1024)
+    output_reserve: int = Field(default=4096, ge=0)
+    cross_conversation: OnOff = "on"
+
+    # Memory tools
+    memory_tools: Literal["always", "auto", "never"] = "auto"
+    max_tool_rounds: int = Field(default=4, ge=1, le=32)
+    regex_timeout: float = Field(default=1.0, gt=0, le=60)
+    tool_result_chars: int = Field(default=16000, ge=1000)
+
     # Tenants and admin
     auth: OnOff = "off"
     admin_token: SecretStr | None = None
+    metrics_token: SecretStr | None = None
     key_grace_seconds: float = Field(default=300.0, ge=0)
 
     # Operations
@@ -78,14 +91,14 @@ class Settings(BaseSettings):
                 return "postgresql+asyncpg://" + value[len(prefix) :]
         raise ValueError("MEMSTRATA_DATABASE_URL must be a postgresql:// URL")
 
-    @field_validator("admin_token")
+    @field_validator("admin_token", "metrics_token")
     @classmethod
-    def _strong_admin_token(cls, value: SecretStr | None) -> SecretStr | None:
+    def _strong_token(cls, value: SecretStr | None) -> SecretStr | None:
         """An empty token means none; a short one is refused (it would be guessable)."""
         if value is None or value.get_secret_value() == "":
             return None
         if len(value.get_secret_value()) < 16:
-            raise ValueError("MEMSTRATA_ADMIN_TOKEN must be at least 16 characters")
+            raise ValueError("tokens (MEMSTRATA_ADMIN_TOKEN, ...) must be at least 16 characters")
         return value
 
     @property

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gateway.deps import State
-from memory import hierarchy, store
+from memory import conversations, hierarchy, store
 from memory.db import transaction
 from memory.errors import MemstrataError
 
@@ -52,7 +52,8 @@ class Turn:
     async def record(
         self, state: State, reply: Mapping[str, Any] | None, *, complete: bool
     ) -> None:
-        """Store the assistant's reply after the conversation and queue its processing."""
+        """Store the assistant's reply after the conversation, queue its processing, and
+        count the request's tokens (the conversation's statistics and the metrics)."""
         if reply is None:
             return
         began = time.perf_counter()
@@ -69,6 +70,14 @@ class Turn:
                 await hierarchy.enqueue(
                     conn, tenant_id=self.tenant_id, conversation_id=self.conversation_id
                 )
+                await conversations.record_request(
+                    conn,
+                    tenant_id=self.tenant_id,
+                    conversation_id=self.conversation_id,
+                    tokens_sent=self.context_tokens or 0,
+                    tokens_full=self.full_tokens or 0,
+                )
+            state.metrics.observe_tokens(sent=self.context_tokens or 0, full=self.full_tokens or 0)
         except MemstrataError:
             # The client already has its answer; losing the stored copy is logged loudly.
             log.exception("could not store the reply", extra={"conversation": self.external_id})

@@ -4,9 +4,13 @@
 yet read, so that a stream can be relayed chunk by chunk; transport failures become
 `UpstreamUnavailable` (502) or `UpstreamTimeout` (504). An upstream *answer* with an error
 status is not an exception here: the caller relays its status, body and `Retry-After` as they are.
+Every call is timed to its response headers and reported to the `observe` callback (the
+metrics). The upstream gets our `api_key` if set, else the client's own `Authorization`, but
+never while gateway keys are in use (`forward_client_auth=False`): that header is a gateway key.
 """
 
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import httpx
@@ -34,13 +38,32 @@ _HOP_BY_HOP = frozenset(
 _FORWARDED_REQUEST_HEADERS = ("openai-organization", "openai-project", "openai-beta")
 
 
-class Upstream:
-    """The upstream server: where prompts are sent and answers come from."""
+Observer = Callable[[str, float, str], None]
+"""Told `(path, seconds, outcome)` of every upstream call: the time to the response headers,
+and `2xx`..`5xx`, `timeout` or `error`."""
 
-    def __init__(self, client: httpx.AsyncClient, *, base_url: str, api_key: str | None) -> None:
+
+class Upstream:
+    """The upstream server: where prompts are sent and answers come from.
+
+    `forward_client_auth`: without an `api_key`, pass the client's own `Authorization` on (only
+    while gateway authentication is off: with it on, the client's header holds a gateway key,
+    which must never leave the gateway)."""
+
+    def __init__(
+        self,
+        client: httpx.AsyncClient,
+        *,
+        base_url: str,
+        api_key: str | None,
+        forward_client_auth: bool = True,
+        observe: Observer | None = None,
+    ) -> None:
         self._client = client
         self._base_url = base_url.rstrip("/")
         self._api_key = api_key
+        self._forward_client_auth = forward_client_auth
+        self._observe = observe
 
     def headers_for(self, client_headers: Mapping[str, str]) -> dict[str, str]:
         """Headers to send upstream: our key if we have one, else the client's own."""
@@ -51,7 +74,7 @@ class Upstream:
         }
         if self._api_key:
             headers["authorization"] = f"Bearer {self._api_key}"
-        elif "authorization" in client_headers:
+        elif self._forward_client_auth and "authorization" in client_headers:
             headers["authorization"] = client_headers["authorization"]
         return headers
 
@@ -72,12 +95,21 @@ class Upstream:
             # SSE must arrive as written, not gzip-buffered.
             headers={**headers, "accept-encoding": "identity"} if stream else dict(headers),
         )
+        started = time.perf_counter()
         try:
-            return await self._client.send(request, stream=True)
+            response = await self._client.send(request, stream=True)
         except httpx.TimeoutException as exc:
+            self._observed(path, started, "timeout")
             raise UpstreamTimeout(f"the upstream did not answer in time ({_name(exc)})") from exc
         except httpx.HTTPError as exc:
+            self._observed(path, started, "error")
             raise UpstreamUnavailable(f"cannot reach the upstream: {_name(exc)}") from exc
+        self._observed(path, started, f"{response.status_code // 100}xx")
+        return response
+
+    def _observed(self, path: str, started: float, outcome: str) -> None:
+        if self._observe is not None:
+            self._observe(path, time.perf_counter() - started, outcome)
 
     async def read(self, response: httpx.Response) -> bytes:
         """The whole body of an opened response, transport errors translated."""

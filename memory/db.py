@@ -35,6 +35,8 @@ def connect(url: str, *, pool_size: int = 10) -> AsyncEngine:
         max_overflow=pool_size,
         pool_pre_ping=True,
         pool_recycle=1800,
+        # Errors must not quote statement parameters: they hold message contents and key hashes.
+        hide_parameters=True,
         # A statement that hangs must not hold a request forever.
         connect_args={"command_timeout": 60, "server_settings": {"application_name": "memstrata"}},
     )

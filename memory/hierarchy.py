@@ -24,7 +24,8 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import bindparam, func, select, update
+from sqlalchemy import BigInteger, bindparam, func, select, update
+from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
@@ -215,18 +216,22 @@ async def _segment(
         groups = [[_message_input(by_seq[m.seq]) for m in segment.messages] for segment in batch]
         summaries = await _summarize_all(config, groups, level=1)
         async with transaction(engine) as conn:
-            for offset, (segment, summary) in enumerate(zip(batch, summaries, strict=True)):
-                await _insert_summary(
-                    conn,
-                    tenant_id=tenant_id,
-                    conversation_id=conversation_id,
-                    level=1,
-                    seq=next_seq + start + offset,
-                    children=groups[offset],
-                    summary=summary,
-                    config=config,
-                    meta={"reason": segment.reason},
-                )
+            await _insert_summaries(
+                conn,
+                tenant_id=tenant_id,
+                conversation_id=conversation_id,
+                level=1,
+                new=[
+                    _NewSummary(
+                        seq=next_seq + start + offset,
+                        children=groups[offset],
+                        summary=summary,
+                        meta={"reason": segment.reason},
+                    )
+                    for offset, (segment, summary) in enumerate(zip(batch, summaries, strict=True))
+                ],
+                config=config,
+            )
     return len(closed)
 
 
@@ -287,6 +292,7 @@ async def _roll_up(
                         nodes.c.created_at,
                         nodes.c.span_start,
                         nodes.c.span_end,
+                        nodes.c.meta,
                     )
                     .where(
                         nodes.c.conversation_id == conversation_id,
@@ -311,25 +317,45 @@ async def _roll_up(
             [_summary_input(row) for row in orphans[i * config.fanout : (i + 1) * config.fanout]]
             for i in range(full)
         ]
+        # A summary's created_at is when its period ended; when it began is in its meta.
+        started = {row.id: _started_at(row) for row in orphans}
         next_seq = 0 if above is None else above + 1
         for start in range(0, full, config.summary_batch):
             batch = groups[start : start + config.summary_batch]
             summaries = await _summarize_all(config, batch, level=level + 1)
             async with transaction(engine) as conn:
-                for offset, (children, summary) in enumerate(zip(batch, summaries, strict=True)):
-                    await _insert_summary(
-                        conn,
-                        tenant_id=tenant_id,
-                        conversation_id=conversation_id,
-                        level=level + 1,
-                        seq=next_seq + start + offset,
-                        children=children,
-                        summary=summary,
-                        config=config,
-                        meta={},
-                    )
+                await _insert_summaries(
+                    conn,
+                    tenant_id=tenant_id,
+                    conversation_id=conversation_id,
+                    level=level + 1,
+                    new=[
+                        _NewSummary(
+                            seq=next_seq + start + offset,
+                            children=children,
+                            summary=summary,
+                            meta={},
+                            started=[started[child.node_id] for child in children],
+                        )
+                        for offset, (children, summary) in enumerate(
+                            zip(batch, summaries, strict=True)
+                        )
+                    ],
+                    config=config,
+                )
         made += full
         level += 1
+
+
+def _started_at(row: AnyRow) -> datetime | None:
+    value = (row.meta or {}).get("started_at")
+    if isinstance(value, str):
+        try:
+            return datetime.fromisoformat(value)
+        except ValueError:
+            pass
+    created_at: datetime | None = row.created_at
+    return created_at
 
 
 def _summary_input(row: AnyRow) -> SummaryInput:
@@ -361,52 +387,97 @@ async def _summarize_all(
     )
 
 
-async def _insert_summary(
+@dataclass(frozen=True)
+class _NewSummary:
+    """A summary node to insert, with its children (in order)."""
+
+    seq: int
+    children: Sequence[SummaryInput]
+    summary: Summary
+    meta: dict[str, Any]
+    # When each child's period began, for children that are summaries (their `created_at` is
+    # when their period ended); messages begin and end at their `created_at`.
+    started: Sequence[datetime | None] | None = None
+
+
+async def _insert_summaries(
     conn: AsyncConnection,
     *,
     tenant_id: int,
     conversation_id: int,
     level: int,
-    seq: int,
-    children: Sequence[SummaryInput],
-    summary: Summary,
+    new: Sequence[_NewSummary],
     config: TreeConfig,
-    meta: dict[str, Any],
 ) -> None:
-    """Insert one summary node and adopt its children; a duplicate is skipped."""
-    first, last = children[0], children[-1]
-    stamps = [child.created_at for child in children if child.created_at is not None]
-    node_id = await conn.scalar(
-        pg_insert(nodes)
-        .values(
-            tenant_id=tenant_id,
-            conversation_id=conversation_id,
-            level=level,
-            seq=seq,
-            span_start=first.seq_start,
-            span_end=last.seq_end,
-            text=summary.text,
-            facts=summary.facts,
-            method=summary.method,
-            model=summary.model,
-            token_count=tokens.count_text(summary.text, model=config.token_model),
-            meta={**meta, "children": len(children), **_period(stamps)},
-            **({"created_at": max(stamps)} if stamps else {}),
-        )
-        .on_conflict_do_nothing(constraint="uq_nodes_conversation_level_seq")
-        .returning(nodes.c.id)
-    )
-    if node_id is None:
-        log.info("summary already built", extra={"conversation_id": conversation_id})
+    """Insert summary nodes and adopt their children, two statements for the whole batch.
+
+    A summary that already exists (a racing build made it: same conversation, level and seq)
+    is skipped, and so are children that already have a parent."""
+    if not new:
         return
+    rows = []
+    for item in new:
+        children = item.children
+        stamps = [child.created_at for child in children if child.created_at is not None]
+        starts = [s for s in item.started if s is not None] if item.started is not None else stamps
+        rows.append(
+            {
+                "tenant_id": tenant_id,
+                "conversation_id": conversation_id,
+                "level": level,
+                "seq": item.seq,
+                "span_start": children[0].seq_start,
+                "span_end": children[-1].seq_end,
+                "text": item.summary.text,
+                "facts": item.summary.facts,
+                "method": item.summary.method,
+                "model": item.summary.model,
+                "token_count": tokens.count_text(item.summary.text, model=config.token_model),
+                "meta": {
+                    **item.meta,
+                    "children": len(children),
+                    **_period(starts or stamps, stamps),
+                },
+                # The end of the period it covers (children always have one in practice).
+                "created_at": max(stamps) if stamps else func.now(),
+            }
+        )
+    inserted: dict[int, int] = dict(
+        (
+            await conn.execute(
+                pg_insert(nodes)
+                .values(rows)
+                .on_conflict_do_nothing(constraint="uq_nodes_conversation_level_seq")
+                .returning(nodes.c.seq, nodes.c.id)
+            )
+        ).all()
+    )
+    if len(inserted) < len(new):
+        log.info(
+            "%d summaries already built",
+            len(new) - len(inserted),
+            extra={"conversation_id": conversation_id},
+        )
+    adopted = [
+        (child.node_id, inserted[item.seq])
+        for item in new
+        if item.seq in inserted
+        for child in item.children
+    ]
+    if not adopted:
+        return
+    pairs = func.unnest(
+        bindparam("child_ids", [child for child, _ in adopted], type_=ARRAY(BigInteger)),
+        bindparam("parent_ids", [parent for _, parent in adopted], type_=ARRAY(BigInteger)),
+    ).table_valued("child_id", "parent_id")
     await conn.execute(
         update(nodes)
-        .where(nodes.c.id.in_([child.node_id for child in children]), nodes.c.parent_id.is_(None))
-        .values(parent_id=node_id)
+        .where(nodes.c.id == pairs.c.child_id, nodes.c.parent_id.is_(None))
+        .values(parent_id=pairs.c.parent_id)
     )
 
 
-def _period(stamps: Sequence[datetime]) -> dict[str, str]:
-    if not stamps:
+def _period(starts: Sequence[datetime], ends: Sequence[datetime]) -> dict[str, str]:
+    if not starts or not ends:
         return {}
-    return {"started_at": min(stamps).isoformat(), "ended_at": max(stamps).isoformat()}
+    return {"started_at": min(starts).isoformat(), "ended_at": max(ends).isoformat()}

@@ -51,6 +51,9 @@ def _free_port() -> int:
 
 def _port_is_free(port: int) -> bool:
     with socket.socket() as sock:
+        # As Postgres binds: connections of a server just stopped (TIME_WAIT) do not hold the
+        # port, so a restart keeps its port and URL; a listening socket still does.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind(("127.0.0.1", port))
         except OSError:

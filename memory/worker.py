@@ -12,8 +12,9 @@ import asyncio
 import logging
 import os
 import socket
+import time
 import uuid
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
 from typing import Any, Final
 
 import asyncpg
@@ -35,6 +36,11 @@ from memory.jobs import (
 )
 
 log = logging.getLogger(__name__)
+
+JobObserver = Callable[[str, float, str], None]
+"""Told `(kind, seconds, outcome)` of every job this worker runs: outcome `done`, `failed` or
+`abandoned` (its lease was lost to another worker). Metrics hang on it; `memory` stays free of
+them."""
 
 
 _DSN_OPTIONS: Final = frozenset(
@@ -83,6 +89,7 @@ class Worker:
         backoff_base: float = BACKOFF_BASE,
         backoff_cap: float = BACKOFF_CAP,
         listen: bool = True,
+        observe: JobObserver | None = None,
     ) -> None:
         if lease_seconds <= 0:
             raise InvalidInput("lease_seconds must be positive", param="lease_seconds")
@@ -100,6 +107,7 @@ class Worker:
         self._backoff_base = backoff_base
         self._backoff_cap = backoff_cap
         self._listen_enabled = listen
+        self._observe = observe
         # Set by a NOTIFY on `CHANNEL`; idle loops wait on it or on the poll interval.
         self._wake = asyncio.Event()
 
@@ -177,6 +185,7 @@ class Worker:
                 f"(it handles: {known})",
             )
             return
+        started = time.perf_counter()
         work = asyncio.create_task(_run_handler(handler, job), name=f"job-{job.id}")
         lost = asyncio.Event()
         keeper = asyncio.create_task(self._keep_lease(job, work, lost))
@@ -194,7 +203,9 @@ class Worker:
                 log.warning(
                     "job %d (%s): lease lost to another worker; abandoned", job.id, job.kind
                 )
+                self._observed(job, started, "abandoned")
             else:
+                self._observed(job, started, "failed")
                 await self._fail(job, "the handler was cancelled")
         except Exception as exc:
             # Only the exception's type: its message may quote conversation contents. The full
@@ -207,13 +218,19 @@ class Worker:
                 job.max_attempts,
                 type(exc).__name__,
             )
+            self._observed(job, started, "failed")
             await self._fail(job, _describe(exc))
         else:
+            self._observed(job, started, "done")
             try:
                 await complete(self._engine, job=job)
             except StorageUnavailable as exc:
                 # The lease runs out and the job runs again: handlers are idempotent.
                 log.warning("job %d (%s): could not be marked done: %s", job.id, job.kind, exc)
+
+    def _observed(self, job: Job, started: float, outcome: str) -> None:
+        if self._observe is not None:
+            self._observe(job.kind, time.perf_counter() - started, outcome)
 
     async def _fail(self, job: Job, error: str) -> None:
         try:

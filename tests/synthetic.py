@@ -26,7 +26,7 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
-__all__ = ["TOPICS", "Conversation", "Fact", "Topic", "generate", "messages"]
+__all__ = ["TOPICS", "Conversation", "Fact", "Topic", "TopicRun", "generate", "messages"]
 
 
 @dataclass(frozen=True)
@@ -76,21 +76,80 @@ class Conversation:
 # --- vocabulary ---------------------------------------------------------------------------------
 
 FIRST_NAMES = (
-    "Priya Marcus Elena Tomasz Aiko Fatima Jonas Chloe Rahul Ingrid Mateo Yusuf Hannah Kenji "
-    "Olivia Dmitri Amara Lucas Sofia Wei"
-).split()
+    "Priya",
+    "Marcus",
+    "Elena",
+    "Tomasz",
+    "Aiko",
+    "Fatima",
+    "Jonas",
+    "Chloe",
+    "Rahul",
+    "Ingrid",
+    "Mateo",
+    "Yusuf",
+    "Hannah",
+    "Kenji",
+    "Olivia",
+    "Dmitri",
+    "Amara",
+    "Lucas",
+    "Sofia",
+    "Wei",
+)
 LAST_NAMES = (
-    "Raman Okafor Lindqvist Kowalski Tanaka Haddad Becker Dubois Mehta Solberg Alvarez Demir "
-    "Fischer Sato Brennan Volkov Mensah Moreau Rossi Zhang"
-).split()
+    "Raman",
+    "Okafor",
+    "Lindqvist",
+    "Kowalski",
+    "Tanaka",
+    "Haddad",
+    "Becker",
+    "Dubois",
+    "Mehta",
+    "Solberg",
+    "Alvarez",
+    "Demir",
+    "Fischer",
+    "Sato",
+    "Brennan",
+    "Volkov",
+    "Mensah",
+    "Moreau",
+    "Rossi",
+    "Zhang",
+)
 CITIES = (
-    "Lisbon Osaka Vancouver Nairobi Reykjavik Montreal Seville Kyoto Auckland Prague Singapore "
-    "Marrakech Copenhagen Buenos Aires"
-).split()
+    "Lisbon",
+    "Osaka",
+    "Vancouver",
+    "Nairobi",
+    "Reykjavik",
+    "Montreal",
+    "Seville",
+    "Kyoto",
+    "Auckland",
+    "Prague",
+    "Singapore",
+    "Marrakech",
+    "Copenhagen",
+    "Buenos Aires",
+)
 AIRLINES = ("LH", "BA", "AF", "KL", "UA", "NH", "TP", "SK", "AC", "QF")
 MONTHS = (
-    "January February March April May June July August September October November December"
-).split()
+    "January",
+    "February",
+    "March",
+    "April",
+    "May",
+    "June",
+    "July",
+    "August",
+    "September",
+    "October",
+    "November",
+    "December",
+)
 
 
 @dataclass
@@ -267,8 +326,7 @@ TOPICS: tuple[Topic, ...] = (
             "old trigger once {ticket!} is verified.",
             "Foreign keys to {table} should be created NOT VALID first and validated after the "
             "copy, so the validation does not block.",
-            "pg_upgrade with --link keeps downtime to a few minutes for the {service} "
-            "database.",
+            "pg_upgrade with --link keeps downtime to a few minutes for the {service} database.",
         ),
         filler=(
             "Logical replication lets you test the new cluster with production traffic first.",
@@ -312,8 +370,7 @@ TOPICS: tuple[Topic, ...] = (
             "For {guests}, {venue} works well; book it for {party} from {time} and ask about "
             "their decoration rules.",
             "A {theme} party fits: a playlist, a few props and a photo corner are enough.",
-            "A deposit of {deposit} is common for private events; ask whether it is "
-            "refundable.",
+            "A deposit of {deposit} is common for private events; ask whether it is refundable.",
             "Invitation draft: You're invited to celebrate {friend} on {party} at {venue}, "
             "{time} sharp. Keep it a secret!",
             "A {cake} cake for {guests} needs two tiers; order it at least a week ahead.",
@@ -360,8 +417,7 @@ TOPICS: tuple[Topic, ...] = (
             "Set {ticket} to {severity} and assigned it to {assignee}; {affected} are "
             "affected, mostly on {browser}.",
             "Rolling back {build} would bring the error rate from {rate} back under 1%.",
-            "The fix needs a retry with backoff in {component} and a test for the cold-cache "
-            "path.",
+            "The fix needs a retry with backoff in {component} and a test for the cold-cache path.",
         ),
         filler=(
             "The logs show the first failure about five minutes after the deploy.",
@@ -521,7 +577,12 @@ def _fill(template: str, topic: Topic, slots: _Slots) -> str:
             kind, make = topic.slots[name]
             out.append(slots.get(name, make, kind if plant else None))
         elif name in topic.words:
-            out.append(slots.get(name, lambda rng, w=topic.words[name]: rng.choice(w), None))
+            words = topic.words[name]
+
+            def pick(rng: random.Random, words: Sequence[str] = words) -> str:
+                return rng.choice(words)
+
+            out.append(slots.get(name, pick, None))
         else:
             raise KeyError(f"topic {topic.name!r} has no field {name!r}")
     out.append(rest)

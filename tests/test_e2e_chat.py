@@ -193,7 +193,9 @@ def test_sync_non_stream(
     assert completion.model == "gpt-4o-mini"
     [sent] = upstream.requests(CHAT)
     assert sent["body"] == {"model": "gpt-4o-mini", "messages": messages}
-    assert raw.headers["x-request-id"] == sent["request_id"]  # upstream headers relayed
+    # Upstream headers relayed; its request id beside the gateway's own.
+    assert raw.headers["x-upstream-request-id"] == sent["request_id"]
+    assert raw.headers["x-request-id"] != sent["request_id"]
     assert summary(admin_messages(http, conversation)) == expected(
         [*messages, {"role": "assistant", "content": f"echo: {text}"}]
     )
@@ -688,7 +690,9 @@ def test_rate_limit_relayed_to_the_sdk(
     assert error.response.headers["retry-after"] == "7"
     assert error.response.headers["x-ratelimit-remaining-requests"] == "0"
     assert error.response.headers[HEADER] == conversation
-    assert error.request_id == upstream.requests(CHAT)[0]["request_id"]
+    upstream_id = upstream.requests(CHAT)[0]["request_id"]
+    assert error.response.headers["x-upstream-request-id"] == upstream_id
+    assert error.request_id == error.response.headers["x-request-id"] != upstream_id
     assert summary(admin_messages(http, conversation)) == expected(messages)
 
 

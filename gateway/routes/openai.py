@@ -1,10 +1,10 @@
 """The OpenAI-compatible surface: chat completions with memory; models and embeddings relayed."""
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 
 from gateway import chat
-from gateway.deps import StateDep, TenantDep, UpstreamDep, read_json
+from gateway.deps import StateDep, TenantDep, UpstreamDep, get_tenant_id, read_json
 from gateway.upstream import relayed_headers
 
 router = APIRouter(prefix="/v1", tags=["openai"])
@@ -15,12 +15,20 @@ async def chat_completions(request: Request, state: StateDep, tenant_id: TenantD
     return await chat.complete(request, state, tenant_id=tenant_id)
 
 
-@router.get("/models", summary="Models of the upstream, relayed")
+@router.get(
+    "/models",
+    summary="Models of the upstream, relayed",
+    dependencies=[Depends(get_tenant_id)],  # a gateway key is needed while auth is on
+)
 async def models(request: Request, upstream: UpstreamDep) -> Response:
     return await _relay(request, upstream, "GET", "/models", body=None)
 
 
-@router.post("/embeddings", summary="Embeddings of the upstream, relayed")
+@router.post(
+    "/embeddings",
+    summary="Embeddings of the upstream, relayed",
+    dependencies=[Depends(get_tenant_id)],  # a gateway key is needed while auth is on
+)
 async def embeddings(request: Request, state: StateDep, upstream: UpstreamDep) -> Response:
     body = await read_json(request, max_bytes=state.settings.max_body_bytes)
     return await _relay(request, upstream, "POST", "/embeddings", body=body)

@@ -1,0 +1,345 @@
+"""Admin routes of conversations: list, statistics, messages, bulk import, the summary tree,
+one node, export, deletion, forced compaction and a dry run of the context.
+
+Everything acts within one tenant (`?tenant=`, see `scope`); a conversation or node of another
+tenant is 404, exactly like one that does not exist.
+"""
+
+import base64
+import binascii
+import json
+from collections.abc import AsyncIterator
+from datetime import UTC, datetime
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Query
+from fastapi.responses import StreamingResponse
+
+from gateway import chat
+from gateway.deps import EngineDep, StateDep
+from gateway.errors import GatewayError
+from gateway.routes.admin.models import (
+    TEXT_PATTERN,
+    CompactQueued,
+    ContextPublic,
+    ContextRequest,
+    ConversationDeleted,
+    ConversationList,
+    ConversationPublic,
+    ConversationStats,
+    HierarchyPublic,
+    ImportResult,
+    MessagePublic,
+    MessagesPublic,
+    NodePublic,
+)
+from gateway.routes.admin.scope import ConversationPath, ScopeDep, id_path
+from gateway.schemas import ImportRequest
+from memory import conversations, hierarchy, store
+from memory.db import transaction
+from memory.schema import conversations as conversations_table
+
+router = APIRouter()
+
+JSONL = "application/x-ndjson"
+
+
+def _public(summary: conversations.ConversationSummary) -> dict[str, Any]:
+    return {
+        "conversation": summary.external_id,
+        "user": summary.user,
+        "messages": summary.messages,
+        "tokens_stored": summary.token_count,
+        "requests": summary.requests,
+        "tokens_sent": summary.tokens_sent,
+        "tokens_full": summary.tokens_full,
+        "created_at": summary.created_at,
+        "last_activity": summary.updated_at,
+    }
+
+
+def _cursor(before: int) -> str:
+    return base64.urlsafe_b64encode(json.dumps({"before": before}).encode()).decode()
+
+
+def _before(cursor: str) -> int:
+    try:
+        before = json.loads(base64.urlsafe_b64decode(cursor.encode()))["before"]
+    except (ValueError, TypeError, KeyError, binascii.Error) as exc:
+        raise GatewayError(400, "cursor is not one this API gave", param="cursor") from exc
+    if not isinstance(before, int) or not 1 <= before <= 2**63 - 1:
+        raise GatewayError(400, "cursor is not one this API gave", param="cursor")
+    return before
+
+
+def _aware(moment: datetime | None) -> datetime | None:
+    """Times without a zone are UTC."""
+    if moment is None or moment.tzinfo is not None:
+        return moment
+    return moment.replace(tzinfo=UTC)
+
+
+@router.get("/conversations", summary="List conversations, newest first")
+async def list_conversations(
+    engine: EngineDep,
+    tenant_id: ScopeDep,
+    limit: Annotated[int, Query(ge=1, le=1000)] = 50,
+    cursor: Annotated[
+        str | None, Query(max_length=200, description="`next_cursor` of the previous page")
+    ] = None,
+    user: Annotated[
+        str | None,
+        Query(max_length=1000, pattern=TEXT_PATTERN, description="Only this OpenAI `user`"),
+    ] = None,
+    prefix: Annotated[
+        str | None,
+        Query(max_length=128, pattern=TEXT_PATTERN, description="Only ids starting with this"),
+    ] = None,
+    active_after: Annotated[
+        datetime | None, Query(description="Only conversations active at or after this time")
+    ] = None,
+    active_before: Annotated[
+        datetime | None, Query(description="Only conversations last active before this time")
+    ] = None,
+) -> ConversationList:
+    """Pages of `limit`: pass `next_cursor` as `cursor` for the next one."""
+    async with transaction(engine) as conn:
+        page = await conversations.list_conversations(
+            conn,
+            tenant_id=tenant_id,
+            limit=limit,
+            before=_before(cursor) if cursor is not None else None,
+            user=user,
+            prefix=prefix,
+            updated_after=_aware(active_after),
+            updated_before=_aware(active_before),
+        )
+    return ConversationList(
+        data=[ConversationPublic(**_public(item)) for item in page.items],
+        has_more=page.next_before is not None,
+        next_cursor=_cursor(page.next_before) if page.next_before is not None else None,
+    )
+
+
+@router.get("/conversations/{conversation}", summary="A conversation's statistics")
+async def conversation_stats(
+    conversation: ConversationPath, engine: EngineDep, tenant_id: ScopeDep
+) -> ConversationStats:
+    """Messages, nodes and tokens per level, tokens stored vs sent, compression ratio, last
+    activity and pending jobs."""
+    async with transaction(engine) as conn:
+        found = await conversations.stats(conn, tenant_id=tenant_id, external_id=conversation)
+    return ConversationStats(
+        **_public(found.conversation),
+        levels={str(level): count for level, count in found.levels.items()},
+        level_tokens={str(level): count for level, count in found.level_tokens.items()},
+        compression_ratio=found.compression_ratio,
+        pending_jobs=found.pending_jobs,
+    )
+
+
+@router.delete("/conversations/{conversation}", summary="Delete a conversation and all of it")
+async def delete_conversation(
+    conversation: ConversationPath, engine: EngineDep, tenant_id: ScopeDep
+) -> ConversationDeleted:
+    """Its messages, summaries, embeddings and jobs are deleted; nothing can be recovered."""
+    async with transaction(engine) as conn:
+        deleted = await conversations.delete_conversation(
+            conn, tenant_id=tenant_id, external_id=conversation
+        )
+    return ConversationDeleted(
+        conversation=conversation,
+        messages=deleted.messages,
+        summaries=deleted.summaries,
+        jobs=deleted.jobs,
+    )
+
+
+@router.get("/conversations/{conversation}/messages", summary="Stored messages, in order")
+async def conversation_messages(
+    conversation: ConversationPath,
+    engine: EngineDep,
+    tenant_id: ScopeDep,
+    after_seq: Annotated[int, Query(ge=-1, le=2**31 - 1)] = -1,
+    limit: Annotated[int | None, Query(ge=1, le=100_000)] = None,
+) -> MessagesPublic:
+    """Messages with `seq` above `after_seq`, at most `limit` (default: all)."""
+    async with transaction(engine) as conn:
+        ref = await store.find_conversation(conn, tenant_id=tenant_id, external_id=conversation)
+        records = await store.list_messages(
+            conn, tenant_id=tenant_id, conversation_id=ref.id, after_seq=after_seq, limit=limit
+        )
+    return MessagesPublic(
+        conversation=conversation,
+        messages=[
+            MessagePublic(
+                node_id=record.node_id,
+                seq=record.seq,
+                role=record.role,
+                content=record.content,
+                name=record.name,
+                tool_calls=record.tool_calls,
+                tool_call_id=record.tool_call_id,
+                status=record.status,
+                token_count=record.token_count,
+                created_at=record.created_at,
+            )
+            for record in records
+        ],
+    )
+
+
+@router.post(
+    "/conversations/{conversation}/messages", summary="Bulk-import messages", status_code=201
+)
+async def import_messages(
+    conversation: ConversationPath, body: ImportRequest, engine: EngineDep, tenant_id: ScopeDep
+) -> ImportResult:
+    """Append OpenAI-format messages (each with an optional `created_at`) and queue their
+    processing. Messages the conversation already holds, as a resent prefix, are skipped."""
+    if body.user is not None and "\x00" in body.user:
+        raise GatewayError(400, "user must not contain NUL characters", param="user")
+    messages = [m.model_dump(exclude={"created_at"}, exclude_none=True) for m in body.messages]
+    async with transaction(engine) as conn:
+        stored = await store.ingest(
+            conn,
+            tenant_id=tenant_id,
+            external_id=conversation,
+            user=body.user,
+            messages=messages,
+            model=body.model,
+            created_at=[_aware(m.created_at) for m in body.messages],
+        )
+        await hierarchy.enqueue(conn, tenant_id=tenant_id, conversation_id=stored.conversation.id)
+    return ImportResult(
+        conversation=conversation,
+        imported=len(stored.node_ids),
+        skipped=len(messages) - len(stored.node_ids),
+        first_seq=stored.first_seq,
+    )
+
+
+@router.get(
+    "/conversations/{conversation}/export",
+    summary="Export as JSONL",
+    response_class=StreamingResponse,
+    responses={
+        200: {
+            "content": {JSONL: {"schema": {"type": "string"}}},
+            "description": "One OpenAI message per line, with `created_at`: the bulk "
+            "import's format",
+        }
+    },
+)
+async def export_conversation(
+    conversation: ConversationPath, engine: EngineDep, tenant_id: ScopeDep
+) -> StreamingResponse:
+    """Every message, one JSON object per line, streamed; re-importable as is."""
+    lines = conversations.export_messages(engine, tenant_id=tenant_id, external_id=conversation)
+    # Fail before the answer starts if the conversation does not exist.
+    first = await anext(lines, None)
+
+    async def body() -> AsyncIterator[bytes]:
+        if first is None:
+            return
+        yield _jsonl(first)
+        async for line in lines:
+            yield _jsonl(line)
+
+    return StreamingResponse(
+        body(),
+        media_type=JSONL,
+        headers={"Content-Disposition": f'attachment; filename="{conversation}.jsonl"'},
+    )
+
+
+def _jsonl(message: dict[str, Any]) -> bytes:
+    return (json.dumps(message, ensure_ascii=False) + "\n").encode()
+
+
+@router.get("/conversations/{conversation}/hierarchy", summary="The summary tree")
+async def conversation_hierarchy(
+    conversation: ConversationPath, engine: EngineDep, tenant_id: ScopeDep
+) -> HierarchyPublic:
+    """Node counts per level, and every summary with its span, children and method."""
+    async with transaction(engine) as conn:
+        ref = await store.find_conversation(conn, tenant_id=tenant_id, external_id=conversation)
+        counts = await store.level_counts(conn, tenant_id=tenant_id, conversation_id=ref.id)
+        summaries = await store.list_nodes(conn, tenant_id=tenant_id, conversation_id=ref.id)
+    return HierarchyPublic(
+        conversation=conversation,
+        levels={str(level): count for level, count in counts.items()},
+        nodes=[node_public(record, conversation) for record in summaries],
+    )
+
+
+@router.post(
+    "/conversations/{conversation}/compact",
+    summary="Compact now",
+    status_code=202,
+)
+async def compact(
+    conversation: ConversationPath, engine: EngineDep, tenant_id: ScopeDep
+) -> CompactQueued:
+    """Queue a build that also closes the open segment, so everything stored gets summarized."""
+    async with transaction(engine) as conn:
+        ref = await store.find_conversation(conn, tenant_id=tenant_id, external_id=conversation)
+        await hierarchy.enqueue(conn, tenant_id=tenant_id, conversation_id=ref.id, final=True)
+    return CompactQueued(conversation=conversation)
+
+
+@router.post("/conversations/{conversation}/context", summary="Dry-run the context")
+async def context_dry_run(
+    conversation: ConversationPath, body: ContextRequest, state: StateDep, tenant_id: ScopeDep
+) -> ContextPublic:
+    """The prompt the gateway would send upstream if the conversation received `query` now,
+    and its tokens; nothing is stored or sent."""
+    messages, count = await chat.dry_run(
+        state,
+        tenant_id=tenant_id,
+        external_id=conversation,
+        query=body.query,
+        budget=body.budget,
+        model=body.model,
+    )
+    return ContextPublic(conversation=conversation, tokens=count, messages=messages)
+
+
+@router.get("/nodes/{node_id}", summary="One node")
+async def node(
+    node_id: Annotated[int, id_path("node")], engine: EngineDep, tenant_id: ScopeDep
+) -> NodePublic:
+    """A message or a summary, with its parent and children."""
+    async with transaction(engine) as conn:
+        record = await store.get_node(conn, tenant_id=tenant_id, node_id=node_id)
+        external_id = await conn.scalar(
+            conversations_table.select()
+            .with_only_columns(conversations_table.c.external_id)
+            .where(conversations_table.c.id == record.conversation_id)
+        )
+    return node_public(record, str(external_id))
+
+
+def node_public(record: store.NodeRecord, conversation: str) -> NodePublic:
+    return NodePublic(
+        id=record.id,
+        conversation=conversation,
+        level=record.level,
+        seq=record.seq,
+        span=(record.span_start, record.span_end),
+        parent_id=record.parent_id,
+        children=record.children,
+        role=record.role,
+        text=record.text,
+        content=record.content,
+        facts=record.facts,
+        method=record.method,
+        model=record.model,
+        token_count=record.token_count,
+        importance=record.importance,
+        pinned=record.pinned,
+        status=record.status,
+        embedded=record.embedded,
+        created_at=record.created_at,
+        meta=record.meta,
+    )

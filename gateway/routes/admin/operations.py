@@ -1,0 +1,135 @@
+"""Admin routes across a tenant's conversations: search, and the background jobs (queue depth,
+failures, dead letters, retrying one)."""
+
+import logging
+from typing import Annotated
+
+from fastapi import APIRouter, Query
+from sqlalchemy import select
+
+from gateway.deps import EngineDep, StateDep
+from gateway.routes.admin.models import (
+    CONVERSATION_PATTERN,
+    TEXT_PATTERN,
+    HitPublic,
+    JobPublic,
+    JobRetried,
+    JobsPublic,
+    SearchResults,
+)
+from gateway.routes.admin.scope import ScopeDep, id_path
+from memory import jobs, retrieval
+from memory.db import transaction
+from memory.errors import ProviderError
+from memory.schema import conversations
+
+log = logging.getLogger(__name__)
+router = APIRouter()
+
+SEARCH_SCOPE = 1000
+"""Without `conversation`, search covers the tenant's most recently active conversations."""
+
+
+@router.get("/search", summary="Search a tenant's memory")
+async def search(
+    state: StateDep,
+    tenant_id: ScopeDep,
+    q: Annotated[str, Query(min_length=1, max_length=2000, pattern=TEXT_PATTERN)],
+    conversation: Annotated[
+        str | None, Query(pattern=CONVERSATION_PATTERN, description="Only this conversation")
+    ] = None,
+    level: Annotated[
+        list[int] | None, Query(description="Only these levels (0: messages); repeatable")
+    ] = None,
+    limit: Annotated[int, Query(ge=1, le=100)] = 10,
+) -> SearchResults:
+    """Hybrid search (vector + full text) over messages and summaries, best first: in one
+    conversation, or in the tenant's 1,000 most recently active ones."""
+    levels = [value for value in level or [] if 0 <= value <= 32767] or None
+    if level and levels is None:
+        return SearchResults(query=q, data=[])
+    try:
+        [vector] = await state.embedder.embed([q])
+    except ProviderError:
+        log.warning("query embedding failed; searching by full text only")
+        vector = None
+    async with transaction(state.engine) as conn:
+        scope = select(conversations.c.id, conversations.c.external_id).where(
+            conversations.c.tenant_id == tenant_id
+        )
+        if conversation is not None:
+            scope = scope.where(conversations.c.external_id == conversation)
+        rows = (
+            await conn.execute(
+                scope.order_by(conversations.c.updated_at.desc()).limit(SEARCH_SCOPE)
+            )
+        ).all()
+        names = {int(row.id): str(row.external_id) for row in rows}
+        hits = await retrieval.search(
+            conn,
+            tenant_id=tenant_id,
+            conversation_ids=list(names),
+            query=q,
+            query_vector=vector,
+            limit=limit,
+            levels=levels,
+        )
+    return SearchResults(
+        query=q,
+        data=[
+            HitPublic(
+                node_id=hit.node_id,
+                conversation=names[hit.conversation_id],
+                level=hit.level,
+                seq=hit.seq,
+                span=(hit.span_start, hit.span_end),
+                role=hit.role,
+                text=hit.text,
+                score=hit.score,
+                created_at=hit.created_at,
+            )
+            for hit in hits
+            if hit.conversation_id in names
+        ],
+    )
+
+
+@router.get("/jobs", summary="Background jobs: queue depth, failures, dead letters")
+async def list_jobs(
+    engine: EngineDep,
+    tenant_id: ScopeDep,
+    status: Annotated[str | None, Query(pattern="^(queued|running|done|dead)$")] = None,
+    limit: Annotated[int, Query(ge=1, le=1000)] = 100,
+) -> JobsPublic:
+    """The tenant's queue depth by status, how many jobs are failing, and the newest jobs."""
+    async with transaction(engine) as conn:
+        depth = await jobs.depth(conn, tenant_id=tenant_id)
+        records = await jobs.list_jobs(conn, status=status, tenant_id=tenant_id, limit=limit)
+    return JobsPublic(
+        depth=depth,
+        jobs=[
+            JobPublic(
+                id=job.id,
+                kind=job.kind,
+                status=job.status,
+                attempts=job.attempts,
+                max_attempts=job.max_attempts,
+                conversation_id=job.conversation_id,
+                last_error=job.last_error,
+                run_after=job.run_after,
+                created_at=job.created_at,
+                updated_at=job.updated_at,
+            )
+            for job in records
+        ],
+    )
+
+
+@router.post("/jobs/{job_id}/retry", summary="Retry a job now")
+async def retry_job(
+    job_id: Annotated[int, id_path("job")], engine: EngineDep, tenant_id: ScopeDep
+) -> JobRetried:
+    """Queue a dead (or backing-off) job to run now with its attempts reset."""
+    async with transaction(engine) as conn:
+        queued = await jobs.retry(conn, job_id=job_id, tenant_id=tenant_id)
+    return JobRetried(id=job_id, queued=queued)

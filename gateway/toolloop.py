@@ -1,0 +1,358 @@
+"""The memory-tool loop (SPEC §7): the model may read memory before it answers the client.
+
+When the tools are offered (`offer()`: `MEMSTRATA_MEMORY_TOOLS=always`, or `auto` and the prompt
+was rebuilt from memory), their definitions are added after the client's own `tools`. A reply
+that calls memory tools only is not shown to the client: the gateway runs the calls
+(`memory.tools.run_tool`, in the turn's tenant and recall scope), appends the assistant message
+and one `tool` message per call to the prompt, and asks the upstream again, at most
+`MEMSTRATA_MAX_TOOL_ROUNDS` times; the request after the last round goes without the memory
+tools, so that the model must answer. The client sees only the final answer.
+
+A reply that calls memory tools *and* the client's own tools goes to the client with the
+client's calls alone, untouched (ids, arguments, order), and the memory calls dropped unrun:
+the client can answer its calls, and its next request then sends back a valid history
+(assistant message with those calls, then their results); that history is also what is stored.
+Running the memory calls and re-asking instead would throw away calls the model meant for the
+client; keeping them for later would make the stored conversation differ from the client's.
+
+Non-stream: every round is read whole; the final completion is returned with the memory calls
+removed and `usage` summed over the rounds (unchanged, byte for byte, when the first reply is
+final as it is). Stream: content is relayed as it arrives, in every round, as one coherent
+stream (`gateway.streams.MergedStream`): a round that ends in memory calls only is continued by
+the next one in the same stream. An upstream error answering the first round is relayed with its
+status and body; one answering a later round of a stream arrives as an error event (the HTTP
+status is already sent), as does a stream cut mid-way, and the partial reply is kept, marked
+incomplete. The reply recorded is always what the client was shown.
+"""
+
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+import httpx
+from fastapi.responses import Response, StreamingResponse
+
+from gateway.deps import State
+from gateway.errors import GatewayError
+from gateway.replies import from_completion
+from gateway.settings import Settings
+from gateway.streams import EventReader, MergedStream, add_usage, is_memory_call, sse_error
+from gateway.turn import Turn
+from gateway.upstream import relayed_headers
+from memory import tools
+from memory.db import transaction
+from memory.errors import StorageUnavailable
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Offer:
+    """What the loop adds to a request: the tools' definitions beside the client's own."""
+
+    definitions: list[dict[str, Any]]
+    client_tools: list[Any] | None  # None: the client sent no `tools`
+
+
+def offer(settings: Settings, turn: Turn, body: Mapping[str, Any]) -> Offer | None:
+    """The memory tools to offer with `body`, or None when they must not be."""
+    mode = settings.memory_tools
+    if mode == "never" or (mode == "auto" and not turn.rebuilt) or not _offerable(body):
+        return None
+    if turn.conversation_id <= 0:  # forwarded without memory (the database is down)
+        return None
+    return Offer(definitions=tools.definitions(), client_tools=body.get("tools"))
+
+
+def reserved_tokens(settings: Settings, body: Mapping[str, Any]) -> int:
+    """Prompt tokens to keep for the tool definitions if they may be offered with `body`
+    (whether the prompt will be rebuilt is not known yet: `auto` reserves them too)."""
+    if settings.memory_tools == "never" or not _offerable(body):
+        return 0
+    return tools.tool_tokens(str(body.get("model", "")))
+
+
+def _offerable(body: Mapping[str, Any]) -> bool:
+    client_tools = body.get("tools")
+    if client_tools is not None and not isinstance(client_tools, list):
+        return False
+    choice = body.get("tool_choice")
+    if (
+        body.get("n") not in (None, 1)  # one line of conversation only
+        or "functions" in body  # the deprecated form cannot be mixed with tools
+        or choice == "none"
+        or isinstance(choice, dict)  # a function the model must call
+        or (choice is not None and not client_tools)  # the client's mistake: left to upstream
+    ):
+        return False
+    # A client with tools of these names keeps them: ours are not offered.
+    return not {_tool_name(tool) for tool in client_tools or []} & tools.TOOL_NAMES
+
+
+def _tool_name(tool: Any) -> Any:
+    function = tool.get("function") if isinstance(tool, dict) else None
+    return function.get("name") if isinstance(function, dict) else None
+
+
+class ToolLoop:
+    """One request's rounds with the upstream."""
+
+    def __init__(
+        self,
+        state: State,
+        turn: Turn,
+        *,
+        client_headers: Mapping[str, str],
+        body: dict[str, Any],
+        offer: Offer,
+    ) -> None:
+        self._state = state
+        self._turn = turn
+        self._headers = state.upstream.headers_for(client_headers)
+        self._body = body
+        self._offer = offer
+        self._messages: list[Any] = list(body["messages"])
+        self._max_rounds = state.settings.max_tool_rounds
+        self._limits = tools.Limits(
+            regex_timeout=state.settings.regex_timeout,
+            result_chars=state.settings.tool_result_chars,
+        )
+        self._scope: tools.Scope | None = None
+
+    async def complete(self) -> Response:
+        """Non-stream: the final completion."""
+        usage: dict[str, Any] | None = None
+        for round_ in range(self._max_rounds + 1):
+            response = await self._open(final=round_ == self._max_rounds, stream=False)
+            content = await self._read(response)
+            if not response.is_success:
+                return self._response(content, response)
+            completion = _json(content)
+            message = _message(completion)
+            if message is None:  # not a completion we understand: relayed as it is
+                return self._response(content, response)
+            usage = add_usage(usage, completion.get("usage"))
+            calls = message.get("tool_calls") or []
+            memory = [call for call in calls if is_memory_call(call)]
+            if memory and len(memory) == len(calls) and round_ < self._max_rounds:
+                await self._run(message.get("content"), memory)
+                continue
+            if memory or round_ > 0:
+                _drop_memory_calls(completion, message)
+                if round_ > 0 and usage is not None:
+                    completion["usage"] = usage
+                content = json.dumps(completion, ensure_ascii=False).encode()
+            await self._turn.record(self._state, from_completion(completion), complete=True)
+            return self._response(content, response)
+        raise AssertionError("unreachable: the last round always answers")
+
+    async def stream(self) -> Response:
+        """Stream: one client stream over all the rounds."""
+        first = await self._open(final=False, stream=True)
+        if not first.is_success:
+            return self._response(await self._read(first), first)
+        return StreamingResponse(
+            self._rounds(first),
+            status_code=first.status_code,
+            headers={
+                **relayed_headers(first),
+                **self._turn.headers(),
+                "Cache-Control": "no-cache",
+                "X-Accel-Buffering": "no",
+            },
+            media_type="text/event-stream",
+        )
+
+    async def _rounds(self, response: httpx.Response) -> AsyncIterator[bytes]:
+        merged = MergedStream()
+        recorded = False
+        try:
+            for round_ in range(self._max_rounds + 1):
+                if round_ > 0:
+                    opened = await self._next_round(round_)
+                    if isinstance(opened, bytes):
+                        yield merged.send(opened)
+                        return
+                    response = opened
+                current = merged.round(final=round_ == self._max_rounds)
+                reader = EventReader()
+                async for data in response.aiter_bytes():
+                    for event in reader.feed(data):
+                        if sent := current.event(event):
+                            yield sent
+                for event in reader.close():
+                    if sent := current.event(event):
+                        yield sent
+                await response.aclose()
+                current.end()
+                if not current.continues:
+                    # Stored before the client has it all: its next turn must find it there.
+                    recorded = True
+                    with anyio.CancelScope(shield=True):
+                        await self._record(merged)
+                    if done := merged.done():
+                        yield done
+                    return
+                message = current.assistant_message()
+                await self._run(message["content"], message["tool_calls"])
+        except httpx.HTTPError as exc:
+            log.warning(
+                "upstream stream interrupted: %s",
+                type(exc).__name__,
+                extra={"conversation": self._turn.external_id},
+            )
+            yield merged.send(
+                sse_error(
+                    f"the upstream stream was interrupted ({type(exc).__name__}); "
+                    "the partial reply was kept",
+                    code="upstream_stream_interrupted",
+                )
+            )
+        finally:
+            await response.aclose()
+            # The client may be gone (cancelled scope): storing the reply must still happen.
+            if not recorded:
+                with anyio.CancelScope(shield=True):
+                    await self._record(merged)
+
+    async def _record(self, merged: MergedStream) -> None:
+        reply = merged.reply
+        await self._turn.record(self._state, reply.message(), complete=reply.complete)
+
+    async def _next_round(self, round_: int) -> httpx.Response | bytes:
+        """The next round's response, or the error event that ends the stream instead."""
+        try:
+            response = await self._open(final=round_ == self._max_rounds, stream=True)
+            if response.is_success:
+                return response
+            content = await self._state.upstream.read(response)
+        except GatewayError as exc:
+            return sse_error(exc.message, code=exc.code, type=exc.type)
+        error = _json(content)
+        if isinstance(error, dict) and isinstance(error.get("error"), dict):
+            return f"data: {json.dumps(error, ensure_ascii=False)}\n\n".encode()
+        text = content.decode(errors="replace")[:500]
+        return sse_error(f"the upstream answered {response.status_code}: {text}", code=None)
+
+    # -- one round -------------------------------------------------------------------------
+
+    def _request(self, *, final: bool) -> dict[str, Any]:
+        body = {**self._body, "messages": self._messages}
+        client_tools = self._offer.client_tools
+        if not final:
+            body["tools"] = [*(client_tools or []), *self._offer.definitions]
+        elif client_tools is None:
+            body.pop("tools", None)
+        return body
+
+    async def _open(self, *, final: bool, stream: bool) -> httpx.Response:
+        try:
+            return await self._state.upstream.open(
+                "POST",
+                "/chat/completions",
+                headers=self._headers,
+                json=self._request(final=final),
+                stream=stream,
+            )
+        except GatewayError as exc:
+            exc.headers.update(self._turn.headers())
+            raise
+
+    async def _read(self, response: httpx.Response) -> bytes:
+        try:
+            return await self._state.upstream.read(response)
+        except GatewayError as exc:
+            exc.headers.update(self._turn.headers())
+            raise
+
+    def _response(self, content: bytes, response: httpx.Response) -> Response:
+        return Response(
+            content,
+            status_code=response.status_code,
+            headers={**relayed_headers(response), **self._turn.headers()},
+        )
+
+    async def _run(self, content: Any, calls: list[dict[str, Any]]) -> None:
+        """Run the memory calls and add them and their results to the prompt."""
+        began = time.perf_counter()
+        for call in calls:
+            call["id"] = call.get("id") or f"call_memstrata_{uuid.uuid4().hex[:20]}"
+        results = [await self._call(call) for call in calls]
+        self._messages.append(
+            {"role": "assistant", "content": content if content else None, "tool_calls": calls}
+        )
+        self._messages.extend(
+            {"role": "tool", "tool_call_id": call["id"], "content": result}
+            for call, result in zip(calls, results, strict=True)
+        )
+        self._turn.overhead += time.perf_counter() - began
+
+    async def _call(self, call: dict[str, Any]) -> str:
+        function = call.get("function") or {}
+        name = str(function.get("name"))
+        began = time.perf_counter()
+        try:
+            async with transaction(self._state.engine) as conn:
+                if self._scope is None:
+                    self._scope = await tools.scope_for(
+                        conn,
+                        tenant_id=self._turn.tenant_id,
+                        conversation_id=self._turn.conversation_id,
+                        cross_conversation=self._state.settings.cross_conversation == "on",
+                    )
+                result = await tools.run_tool(
+                    conn,
+                    self._scope,
+                    name=name,
+                    arguments=function.get("arguments"),
+                    embedder=self._state.embedder,
+                    limits=self._limits,
+                )
+        except StorageUnavailable:
+            log.warning("memory tool %s: the database is unavailable", name)
+            result = "error: memory cannot be read right now; answer without it"
+        except Exception:  # a bug in a tool must not fail the client's request
+            log.exception("memory tool %s failed", name)
+            result = "error: the tool failed; answer without it"
+        log.info(
+            "memory tool %s",
+            name,
+            extra={
+                "conversation": self._turn.external_id,
+                "ms": round((time.perf_counter() - began) * 1000, 1),
+                "failed": result.startswith("error:"),
+            },
+        )
+        return result
+
+
+def _json(content: bytes) -> Any:
+    try:
+        return json.loads(content)
+    except ValueError:
+        return None
+
+
+def _message(completion: Any) -> dict[str, Any] | None:
+    try:
+        message = completion["choices"][0]["message"]
+    except (KeyError, IndexError, TypeError):
+        return None
+    return message if isinstance(message, dict) else None
+
+
+def _drop_memory_calls(completion: dict[str, Any], message: dict[str, Any]) -> None:
+    """Leave the client's own calls only; with none left, the reply simply stops."""
+    kept = [call for call in message.get("tool_calls") or [] if not is_memory_call(call)]
+    if kept:
+        message["tool_calls"] = kept
+        return
+    message.pop("tool_calls", None)
+    choice = completion["choices"][0]
+    if choice.get("finish_reason") == "tool_calls":
+        choice["finish_reason"] = "stop"

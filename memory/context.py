@@ -1,0 +1,666 @@
+"""The prompt sent upstream when a conversation no longer fits its token budget (SPEC §6).
+
+`build()` returns the messages, in this order:
+
+1. the client's system prompt(s), as given;
+2. one memory message (role `system`) holding, under short headings: how to use the memory
+   tools; summaries of the history before the recent turns, coarse for the oldest history and
+   finer nearer the present (a frontier of the summary tree, each truncated to a few sentences
+   and tagged `[#node_id]` with its span and period); pinned milestones; and the messages
+   retrieved for the new message (`memory.retrieval`), verbatim, each tagged `[#node_id]` with
+   its time and speaker, in chronological order, grouped by day;
+3. the most recent stored turns verbatim, never starting inside a tool call's results;
+4. the new messages (and, when they are tool results, the assistant message that called them).
+
+Contract: `tokens` is the exact count (`memory.tokens.count_messages`, the model's tiktoken
+encoding) of the messages returned, and `tokens + reserved_tokens <= budget`; when the system
+prompt and new messages alone exceed that, `ContextOverflow` is raised and nothing is built.
+The budget is split between the parts by `Shares`: what a part leaves unused goes to retrieval.
+
+Budgets are capped by the model's window minus its output reserve (`budget_for`): a table of
+known models, and the caller's defaults for others.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from typing import Any, Final
+
+from sqlalchemy import text
+from sqlalchemy.ext.asyncio import AsyncConnection
+
+from memory import retrieval, tokens
+from memory.errors import InvalidInput
+from memory.retrieval import Hit
+
+__all__ = [
+    "MODEL_LIMITS",
+    "TOOLS_GUIDE",
+    "Context",
+    "ContextOverflow",
+    "Shares",
+    "budget_for",
+    "build",
+    "model_limits",
+]
+
+# (context window, output reserve) by model-name prefix; the longest matching prefix wins.
+MODEL_LIMITS: Final[Mapping[str, tuple[int, int]]] = {
+    "gpt-3.5-turbo": (16_385, 4_096),
+    "gpt-4": (8_192, 2_048),
+    "gpt-4-32k": (32_768, 4_096),
+    "gpt-4-turbo": (128_000, 4_096),
+    "gpt-4o": (128_000, 16_384),
+    "chatgpt-4o": (128_000, 16_384),
+    "gpt-4.1": (1_047_576, 32_768),
+    "gpt-4.5": (128_000, 16_384),
+    "gpt-5": (400_000, 128_000),
+    "gpt-oss": (131_072, 16_384),
+    "o1": (200_000, 100_000),
+    "o3": (200_000, 100_000),
+    "o4": (200_000, 100_000),
+}
+
+TOOLS_GUIDE: Final = (
+    "Tools: memory_search(query, limit) finds more; memory_expand(node_id) opens a [#id] "
+    "(a summary's content, a message's neighbours); memory_browse(level, start, end) lists "
+    "summaries; memory_find(pattern, start_seq, end_seq) finds exact text."
+)
+"""How the memory message tells the model to use the memory tools."""
+
+SITTING_GAP: Final = timedelta(minutes=30)
+"""Retrieved messages closer in time than this share one heading with their date and times."""
+
+
+class ContextOverflow(InvalidInput):
+    """The system prompt and the new messages alone exceed the budget."""
+
+
+@dataclass(frozen=True)
+class Shares:
+    """The most of the budget left after the fixed parts each part may take."""
+
+    recent: float = 0.1
+    summaries: float = 0.06
+    milestones: float = 0.04
+    # Each summary is cut to this many tokens at most (its [#id] lets the model expand it).
+    summary_cap: int = 120
+    # Messages at least kept verbatim at the end when they fit in half the budget.
+    recent_min_messages: int = 2
+    # Neighbours (±radius) of retrieved messages are candidates too.
+    radius: int = 1
+
+
+@dataclass(frozen=True)
+class Context:
+    """A built prompt and what went into it."""
+
+    messages: list[dict[str, Any]]
+    tokens: int
+    recent_from: int  # seq of the first message kept verbatim after the memory message
+    retrieved: list[int] = field(default_factory=list)  # messages in the memory block
+    summaries: list[int] = field(default_factory=list)
+    milestones: list[int] = field(default_factory=list)
+    route: str = "flat"
+
+
+def model_limits(model: str, *, default_window: int, default_reserve: int) -> tuple[int, int]:
+    """(context window, output reserve) of `model`; the defaults for unknown models."""
+    name = model.strip().lower().rsplit("/", 1)[-1].removeprefix("ft:")
+    best = max((prefix for prefix in MODEL_LIMITS if name.startswith(prefix)), key=len, default="")
+    return MODEL_LIMITS[best] if best else (default_window, default_reserve)
+
+
+def budget_for(
+    model: str,
+    *,
+    requested: int,
+    default_window: int,
+    default_reserve: int,
+    max_output: int | None = None,
+) -> int:
+    """`requested`, capped by the model's window minus its output reserve (the request's own
+    `max_tokens` / `max_completion_tokens` when it gives one)."""
+    window, reserve = model_limits(
+        model, default_window=default_window, default_reserve=default_reserve
+    )
+    if max_output is not None and max_output > 0:
+        reserve = max_output
+    return max(0, min(requested, window - reserve))
+
+
+# -- SQL -------------------------------------------------------------------------------------
+
+_MESSAGE_COLUMNS = (
+    "id, seq, role, name, content, tool_calls, tool_call_id, meta, token_count, created_at"
+)
+_TAIL = text(
+    f"SELECT {_MESSAGE_COLUMNS} FROM nodes WHERE tenant_id = :tenant_id "
+    "AND conversation_id = :conversation_id AND level = 0 AND seq < :before "
+    "ORDER BY seq DESC LIMIT :limit"
+)
+_TREE = text(
+    "SELECT id, level, seq, span_start, span_end, parent_id, token_count FROM nodes "
+    "WHERE tenant_id = :tenant_id AND conversation_id = :conversation_id AND level > 0 "
+    "AND span_start < :before"
+)
+_PINNED = text(
+    "SELECT id, conversation_id, level, seq, span_start, span_end, role, name, text, "
+    "created_at, token_count, tool_calls, tool_call_id FROM nodes "
+    "WHERE tenant_id = :tenant_id AND conversation_id = :conversation_id AND level = 0 "
+    "AND pinned AND seq < :before ORDER BY seq DESC LIMIT 32"
+)
+_TAIL_PAGE = 128
+
+
+@dataclass(frozen=True)
+class _TreeNode:
+    id: int
+    level: int
+    seq: int
+    span_start: int
+    span_end: int
+    parent_id: int | None
+    token_count: int
+
+
+# -- building ----------------------------------------------------------------------------
+
+
+async def build(
+    conn: AsyncConnection,
+    *,
+    tenant_id: int,
+    conversation_id: int,
+    system: Sequence[Mapping[str, Any]],
+    new_messages: Sequence[Mapping[str, Any]],
+    new_from: int,
+    query: str,
+    embed: Callable[[str], Awaitable[Sequence[float] | None]] | None,
+    budget: int,
+    model: str,
+    reserved_tokens: int = 0,
+    conversation_ids: Sequence[int] = (),
+    stored_messages: int | None = None,
+    stored_tokens: int | None = None,
+    tools_guide: str | None = TOOLS_GUIDE,
+    shares: Shares | None = None,
+) -> Context:
+    """The prompt for a conversation whose history does not fit (see the module docstring).
+
+    `new_messages` are the messages of this turn, stored from seq `new_from` on (or not stored:
+    a dry run); everything stored before `new_from` is history. `conversation_ids` are other
+    conversations whose memory may be recalled (the same user's). `embed` turns the query into
+    a vector, run while the full-text leg runs; without it, or when it returns None, retrieval
+    is full-text only."""
+    shares = shares or Shares()
+    limit = budget - reserved_tokens
+    must = await _calls_of(conn, tenant_id, conversation_id, new_messages, new_from)
+    head = [dict(m) for m in system]
+    tail_new = [*(_openai(row) for row in must), *(dict(m) for m in new_messages)]
+    first_kept = must[0].seq if must else new_from
+    fixed = tokens.count_messages([*head, *tail_new], model=model)
+    if fixed > limit:
+        raise ContextOverflow(
+            f"the system prompt and the new messages need {fixed} tokens, more than the budget "
+            f"of {limit} (MEMSTRATA_CONTEXT_BUDGET or X-Memstrata-Budget)"
+        )
+    preamble = _preamble(stored_messages, stored_tokens, tools_guide)
+    # The memory message's own framing and preamble.
+    frame = tokens.count_message({"role": "system", "content": preamble}, model=model)
+    available = max(0, limit - fixed - frame)
+
+    recent, participants = await _recent(
+        conn, tenant_id, conversation_id, before=first_kept, available=available, shares=shares
+    )
+    recent_from = recent[0].seq if recent else first_kept
+    speakers = retrieval.participants_named(query, participants)
+    search_text = retrieval.without_names(query, participants)
+    scope_ids = [conversation_id, *(c for c in conversation_ids if c != conversation_id)]
+    exclude = (conversation_id, recent_from)
+    which = retrieval.route(query)
+    pool = max(60, min(400, available // 12))
+    vector_task = (
+        asyncio.ensure_future(embed(search_text)) if embed is not None and search_text else None
+    )
+    try:
+        fulltext = await retrieval.fulltext_candidates(
+            conn,
+            tenant_id=tenant_id,
+            conversation_ids=scope_ids,
+            query=search_text,
+            limit=pool,
+            exclude_from=exclude,
+        )
+        tree = [
+            _TreeNode(*row)
+            for row in await conn.execute(
+                _TREE,
+                {"tenant_id": tenant_id, "conversation_id": conversation_id, "before": recent_from},
+            )
+        ]
+        pinned = [
+            retrieval._hit(row, 0.0)
+            for row in await conn.execute(
+                _PINNED,
+                {"tenant_id": tenant_id, "conversation_id": conversation_id, "before": recent_from},
+            )
+        ]
+        vector = await vector_task if vector_task is not None else None
+    finally:
+        if vector_task is not None and not vector_task.done():
+            vector_task.cancel()
+    legs = [fulltext]
+    if vector is not None:
+        legs.append(
+            await retrieval.vector_candidates(
+                conn,
+                tenant_id=tenant_id,
+                conversation_ids=scope_ids,
+                query_vector=vector,
+                limit=pool,
+                exclude_from=exclude,
+            )
+        )
+    scores = retrieval.fuse(
+        legs,
+        which=which,
+        newest={conversation_id: first_kept - 1},
+        primary=conversation_id,
+        speakers=speakers,
+        exclude_from=exclude,
+    )
+    summary_budget = int(available * shares.summaries)
+    cap = summary_cap(
+        sum(1 for node in tree if node.parent_id is None),
+        budget=summary_budget,
+        cap=shares.summary_cap,
+    )
+    frontier = _frontier(tree, budget=summary_budget, cap=cap)
+    # Enough candidates to fill the room left even with short messages.
+    wanted = (available - sum(row.token_count for row in recent)) // 16 + 20
+    hits = await retrieval.load(conn, tenant_id=tenant_id, scores=scores, limit=wanted)
+    chosen_summaries = {
+        hit.node_id: hit
+        for hit in await retrieval.load_nodes(
+            conn, tenant_id=tenant_id, ids=[node.id for node in frontier]
+        )
+    }
+
+    enc = tokens.get_encoding(tokens.encoding_name_for_model(model))
+    block = _Block(enc=enc, primary=conversation_id)
+    for node in frontier:
+        if node.id in chosen_summaries:
+            block.add_summary(chosen_summaries[node.id], cap=cap)
+    milestone_budget = int(available * shares.milestones)
+    for hit in pinned:
+        cost = block.cost_of_message(hit)
+        if block.milestone_cost + cost > milestone_budget:
+            break
+        block.add_milestone(hit)
+    room = available - sum(row.token_count for row in recent) - block.total
+    for hit in hits:
+        if room <= 8:
+            break
+        if hit.node_id in block.summary_ids or hit.node_id in block.message_ids:
+            continue
+        if hit.level > 0:
+            cost = block.cost_of_summary(hit, cap=cap)
+            if cost <= room:
+                block.add_summary(hit, cap=cap)
+                room -= cost
+            continue
+        cost = block.cost_of_message(hit)
+        if cost <= room:
+            block.add_message(hit)
+            room -= cost
+
+    recent_messages = [_openai(row) for row in recent]
+    while True:
+        memory = {"role": "system", "content": preamble + block.render()}
+        messages = [*head, memory, *recent_messages, *tail_new]
+        count = tokens.count_messages(messages, model=model)
+        if count <= limit or not block.drop_weakest():
+            break
+    while count > limit and recent_messages:  # only the recent turns can still give way
+        recent_messages = _drop_first_turn(recent_messages)
+        messages = [*head, memory, *recent_messages, *tail_new]
+        count = tokens.count_messages(messages, model=model)
+    return Context(
+        messages=messages,
+        tokens=count,
+        recent_from=first_kept - len(recent_messages),
+        retrieved=sorted(block.message_ids),
+        summaries=sorted(block.summary_ids),
+        milestones=[hit.node_id for hit in block.milestones],
+        route=str(which),
+    )
+
+
+def _preamble(messages: int | None, stored_tokens: int | None, guide: str | None) -> str:
+    size = ""
+    if messages is not None:
+        size = f" {messages:,} earlier messages"
+        if stored_tokens is not None:
+            size += f" ({stored_tokens:,} tokens)"
+        size += " are stored."
+    lines = [
+        f"[Memory of this conversation.{size} Below: summaries, milestones and messages "
+        "retrieved for the newest message, tagged [#id]; the latest messages follow.]"
+    ]
+    if guide:
+        lines.append(guide)
+    return "\n".join(lines) + "\n"
+
+
+# -- the parts -------------------------------------------------------------------------------
+
+
+async def _calls_of(
+    conn: AsyncConnection,
+    tenant_id: int,
+    conversation_id: int,
+    new_messages: Sequence[Mapping[str, Any]],
+    new_from: int,
+) -> list[Any]:
+    """When the new messages begin with tool results, the stored messages back to (and with)
+    the assistant message that called them: a call and its results are never split."""
+    if not new_messages or new_messages[0].get("role") != "tool":
+        return []
+    rows = list(
+        await conn.execute(
+            _TAIL,
+            {
+                "tenant_id": tenant_id,
+                "conversation_id": conversation_id,
+                "before": new_from,
+                "limit": 64,
+            },
+        )
+    )
+    kept = []
+    for row in rows:
+        kept.append(row)
+        if row.role == "assistant" and row.tool_calls:
+            return kept[::-1]
+        if row.role != "tool":
+            break
+    return []
+
+
+async def _recent(
+    conn: AsyncConnection,
+    tenant_id: int,
+    conversation_id: int,
+    *,
+    before: int,
+    available: int,
+    shares: Shares,
+) -> tuple[list[Any], set[str]]:
+    """The newest stored messages before `before` within the recent share, oldest first,
+    starting on a message that is not a tool result; and the speaker names (`name`) seen among
+    the newest messages read."""
+    cap = int(available * shares.recent)
+    floor = available // 2
+    kept: list[Any] = []
+    names: set[str] = set()
+    used = 0
+    cursor = before
+    while cursor > 0:
+        rows = list(
+            await conn.execute(
+                _TAIL,
+                {
+                    "tenant_id": tenant_id,
+                    "conversation_id": conversation_id,
+                    "before": cursor,
+                    "limit": _TAIL_PAGE,
+                },
+            )
+        )
+        names.update(row.name for row in rows if row.name and row.role in ("user", "assistant"))
+        for row in rows:
+            if row.role in ("system", "developer"):
+                return _clean_start(kept[::-1]), names
+            within = used + row.token_count <= cap
+            if not within and not (
+                len(kept) < shares.recent_min_messages and used + row.token_count <= floor
+            ):
+                return _clean_start(kept[::-1]), names
+            kept.append(row)
+            used += row.token_count
+        if len(rows) < _TAIL_PAGE:
+            break
+        cursor = rows[-1].seq
+    return _clean_start(kept[::-1]), names
+
+
+def _clean_start(rows: list[Any]) -> list[Any]:
+    """Drop leading tool results whose call is not kept."""
+    start = 0
+    while start < len(rows) and rows[start].role == "tool":
+        start += 1
+    return rows[start:]
+
+
+def _drop_first_turn(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    rest = messages[1:]
+    while rest and rest[0].get("role") == "tool":
+        rest = rest[1:]
+    return rest
+
+
+def summary_cap(tree_roots: int, *, budget: int, cap: int) -> int:
+    """Tokens each summary may keep so that the roots of the tree fit the summaries' budget."""
+    return max(24, min(cap, budget // max(1, tree_roots) - 16))
+
+
+def _frontier(tree: Sequence[_TreeNode], *, budget: int, cap: int) -> list[_TreeNode]:
+    """Summaries covering the history, coarse for the oldest and finer near the present:
+    start from the roots and open the newest openable node while the budget allows."""
+    if not tree or budget <= 0:
+        return []
+    ids = {node.id for node in tree}
+    children: dict[int, list[_TreeNode]] = {}
+    for node in tree:
+        if node.parent_id is not None and node.parent_id in ids:
+            children.setdefault(node.parent_id, []).append(node)
+
+    def cost(node: _TreeNode) -> int:
+        return min(node.token_count, cap) + 16
+
+    frontier = sorted(
+        (node for node in tree if node.parent_id is None or node.parent_id not in ids),
+        key=lambda node: node.span_start,
+    )
+    # Too many roots: keep the coarsest ones (they cover the most history).
+    while frontier and sum(cost(node) for node in frontier) > budget:
+        frontier.remove(min(frontier, key=lambda node: (node.level, -node.span_start)))
+    total = sum(cost(node) for node in frontier)
+    while True:
+        openable = [node for node in frontier if node.id in children]
+        if not openable:
+            break
+        newest = max(openable, key=lambda node: node.span_end)
+        kids = sorted(children[newest.id], key=lambda node: node.span_start)
+        change = sum(cost(kid) for kid in kids) - cost(newest)
+        if total + change > budget:
+            break
+        index = frontier.index(newest)
+        frontier[index : index + 1] = kids
+        total += change
+    return frontier
+
+
+def _openai(row: Any) -> dict[str, Any]:
+    """A stored message row in OpenAI's format, as the client sent or received it."""
+    message: dict[str, Any] = {**(row.meta or {}), "role": row.role, "content": row.content}
+    for key in ("name", "tool_calls", "tool_call_id"):
+        value = getattr(row, key)
+        if value is not None:
+            message[key] = value
+    return message
+
+
+# -- the memory block ------------------------------------------------------------------------
+
+
+class _Block:
+    """The memory message's sections, their token costs, and how to shrink them."""
+
+    def __init__(self, *, enc: Any, primary: int) -> None:
+        self.enc = enc
+        self.primary = primary
+        self.summaries: list[tuple[Hit, str]] = []
+        self.milestones: list[Hit] = []
+        self.messages: list[Hit] = []
+        self.lines: dict[int, str] = {}
+        self.costs: dict[int, int] = {}
+        self.summary_ids: set[int] = set()
+        self.message_ids: set[int] = set()
+        self.days: set[tuple[int, str]] = set()  # sittings with a heading
+        self.summary_cost = 0
+        self.milestone_cost = 0
+        self.message_cost = 0
+
+    @property
+    def total(self) -> int:
+        # Section headings cost a few tokens each.
+        return self.summary_cost + self.milestone_cost + self.message_cost + 24
+
+    def _count(self, line: str) -> int:
+        return len(self.enc.encode_ordinary(line)) + 1
+
+    def _summary_line(self, hit: Hit, cap: int) -> str:
+        ids = self.enc.encode_ordinary(hit.text)
+        body = hit.text if len(ids) <= cap else self.enc.decode(ids[:cap]).rstrip() + " …"
+        where = "" if hit.conversation_id == self.primary else " other conversation,"
+        return (
+            f"[#{hit.node_id} level {hit.level},{where} messages {hit.span_start}-{hit.span_end},"
+            f" until {_day(hit.created_at)}] {body}"
+        )
+
+    def _message_line(self, hit: Hit) -> str:
+        speaker = hit.name or hit.role or "?"
+        where = "" if hit.conversation_id == self.primary else ", other conversation"
+        return f"[#{hit.node_id} {speaker}{where}] {_message_text(hit)}"
+
+    def cost_of_summary(self, hit: Hit, *, cap: int) -> int:
+        return self._count(self._summary_line(hit, cap))
+
+    def cost_of_message(self, hit: Hit) -> int:
+        cost = self._count(self._message_line(hit))
+        if _sitting(hit) not in self.days:
+            cost += 14  # its sitting's heading
+        return cost
+
+    def add_summary(self, hit: Hit, *, cap: int) -> None:
+        line = self._summary_line(hit, cap)
+        self.summaries.append((hit, line))
+        self.summary_ids.add(hit.node_id)
+        self.lines[hit.node_id] = line
+        cost = self._count(line)
+        self.costs[hit.node_id] = cost
+        self.summary_cost += cost
+
+    def add_milestone(self, hit: Hit) -> None:
+        self.milestone_cost += self.cost_of_message(hit)
+        self.milestones.append(hit)
+        self.message_ids.add(hit.node_id)
+        self.days.add(_sitting(hit))
+
+    def add_message(self, hit: Hit) -> None:
+        cost = self.cost_of_message(hit)
+        self.messages.append(hit)
+        self.message_ids.add(hit.node_id)
+        self.days.add(_sitting(hit))
+        self.costs[hit.node_id] = cost
+        self.message_cost += cost
+
+    def drop_weakest(self) -> bool:
+        """Remove the lowest-scored retrieved message (else the last summary); False when
+        there is nothing left to remove."""
+        if self.messages:
+            weakest = min(self.messages, key=lambda hit: (hit.score, hit.node_id))
+            self.messages.remove(weakest)
+            self.message_ids.discard(weakest.node_id)
+            self.message_cost -= self.costs.get(weakest.node_id, 0)
+            return True
+        if self.milestones:
+            self.milestones.pop()
+            return True
+        if self.summaries:
+            hit, _ = self.summaries.pop()
+            self.summary_ids.discard(hit.node_id)
+            self.summary_cost -= self.costs.get(hit.node_id, 0)
+            return True
+        return False
+
+    def render(self) -> str:
+        parts: list[str] = []
+        if self.summaries:
+            parts.append("Summaries, oldest first:")
+            ordered = sorted(self.summaries, key=lambda item: (item[0].span_start, -item[0].level))
+            parts.extend(line for _, line in ordered)
+        if self.milestones:
+            parts.append("Milestones:")
+            parts.extend(self._day_grouped(self.milestones))
+        if self.messages:
+            parts.append("Earlier messages:")
+            parts.extend(self._day_grouped(self.messages))
+        return "\n".join(parts)
+
+    def _day_grouped(self, hits: Sequence[Hit]) -> list[str]:
+        """Messages in time order under one heading per sitting (same day, no gap over
+        `SITTING_GAP`) that gives its date and time span."""
+        ordered = sorted(
+            hits, key=lambda hit: (hit.conversation_id != self.primary, hit.created_at, hit.seq)
+        )
+        groups: list[list[Hit]] = []
+        for hit in ordered:
+            last = groups[-1][-1] if groups else None
+            if (
+                last is None
+                or last.conversation_id != hit.conversation_id
+                or _day(last.created_at) != _day(hit.created_at)
+                or hit.created_at - last.created_at > SITTING_GAP
+            ):
+                groups.append([hit])
+            else:
+                groups[-1].append(hit)
+        lines: list[str] = []
+        for group in groups:
+            start, end = _clock(group[0].created_at), _clock(group[-1].created_at)
+            span = start if start == end else f"{start}-{end}"
+            lines.append(f"{_day(group[0].created_at)} {span}:")
+            lines.extend(self._message_line(hit) for hit in group)
+        return lines
+
+
+def _sitting(hit: Hit) -> tuple[int, str]:
+    return hit.conversation_id, hit.created_at.strftime("%Y-%m-%d %H")
+
+
+def _day(moment: datetime) -> str:
+    return moment.strftime("%Y-%m-%d %a")
+
+
+def _clock(moment: datetime) -> str:
+    return moment.strftime("%H:%M")
+
+
+def _message_text(hit: Hit) -> str:
+    text = hit.text
+    calls = hit.tool_calls or []
+    if calls:
+        rendered = []
+        for call in calls:
+            function = call.get("function") or {} if isinstance(call, dict) else {}
+            rendered.append(f"{function.get('name', '?')}({function.get('arguments', '')})")
+        text = (text + " " if text else "") + "[called " + "; ".join(rendered) + "]"
+    if hit.role == "tool" and hit.tool_call_id:
+        text = f"[result of {hit.tool_call_id}] {text}"
+    return text.strip()

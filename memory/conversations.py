@@ -1,0 +1,261 @@
+"""Conversations as an operator sees them: listing, statistics, export, deletion, and the
+per-request counters those statistics come from.
+
+Every function is scoped by `tenant_id`: a conversation of another tenant behaves as missing
+(`NotFound`). Listing pages by conversation id, newest first, with the last id of a page as the
+cursor of the next, so pages stay stable while conversations keep receiving messages.
+`delete_conversation` removes the conversation row under its lock; its messages, summaries,
+embeddings and jobs go with it by the schema's cascades, and a job of that conversation still
+running fails on its next write (the foreign key is gone) instead of bringing rows back.
+"""
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import ColumnElement, delete, func, select, update
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
+
+from memory import store
+from memory.db import AnyRow, transaction
+from memory.errors import InvalidInput, NotFound
+from memory.schema import conversations, jobs, nodes
+
+
+@dataclass(frozen=True)
+class ConversationSummary:
+    """One conversation in a listing."""
+
+    id: int
+    external_id: str
+    user: str | None
+    messages: int
+    token_count: int
+    requests: int
+    tokens_sent: int
+    tokens_full: int
+    created_at: datetime
+    updated_at: datetime
+
+
+@dataclass(frozen=True)
+class ConversationPage:
+    """One page of a listing; `next_before` is the cursor of the next page, if any."""
+
+    items: list[ConversationSummary]
+    next_before: int | None
+
+
+@dataclass(frozen=True)
+class ConversationStats:
+    """What a conversation holds and what it cost."""
+
+    conversation: ConversationSummary
+    # Nodes and their tokens per level (0: messages).
+    levels: dict[int, int]
+    level_tokens: dict[int, int]
+    # Jobs of the conversation not yet done, by status.
+    pending_jobs: dict[str, int]
+
+    @property
+    def compression_ratio(self) -> float | None:
+        """Tokens the whole histories would have cost per token actually sent (None before
+        the first answered request)."""
+        sent = self.conversation.tokens_sent
+        return None if sent == 0 else self.conversation.tokens_full / sent
+
+
+@dataclass(frozen=True)
+class Deleted:
+    """What deleting a conversation removed."""
+
+    messages: int
+    summaries: int
+    jobs: int
+
+
+_SUMMARY_COLUMNS = (
+    conversations.c.id,
+    conversations.c.external_id,
+    conversations.c.user_id,
+    conversations.c.next_seq,
+    conversations.c.token_count,
+    conversations.c.requests,
+    conversations.c.tokens_sent,
+    conversations.c.tokens_full,
+    conversations.c.created_at,
+    conversations.c.updated_at,
+)
+
+
+def _summary(row: AnyRow) -> ConversationSummary:
+    return ConversationSummary(
+        id=row.id,
+        external_id=row.external_id,
+        user=row.user_id,
+        messages=row.next_seq,
+        token_count=row.token_count,
+        requests=row.requests,
+        tokens_sent=row.tokens_sent,
+        tokens_full=row.tokens_full,
+        created_at=row.created_at,
+        updated_at=row.updated_at,
+    )
+
+
+async def list_conversations(
+    conn: AsyncConnection,
+    *,
+    tenant_id: int,
+    limit: int = 50,
+    before: int | None = None,
+    user: str | None = None,
+    prefix: str | None = None,
+    updated_after: datetime | None = None,
+    updated_before: datetime | None = None,
+) -> ConversationPage:
+    """The tenant's conversations, newest first, `limit` at a time, from before id `before`;
+    filtered by `user`, an `external_id` prefix, and last activity."""
+    if not 1 <= limit <= 1000:
+        raise InvalidInput("limit must be between 1 and 1000", param="limit")
+    where: list[ColumnElement[bool]] = [conversations.c.tenant_id == tenant_id]
+    if before is not None:
+        where.append(conversations.c.id < before)
+    if user is not None:
+        where.append(conversations.c.user_id == user)
+    if prefix:
+        escaped = prefix.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
+        where.append(conversations.c.external_id.like(f"{escaped}%", escape="\\"))
+    if updated_after is not None:
+        where.append(conversations.c.updated_at >= updated_after)
+    if updated_before is not None:
+        where.append(conversations.c.updated_at < updated_before)
+    rows = (
+        await conn.execute(
+            select(*_SUMMARY_COLUMNS)
+            .where(*where)
+            .order_by(conversations.c.id.desc())
+            .limit(limit + 1)
+        )
+    ).all()
+    items = [_summary(row) for row in rows[:limit]]
+    return ConversationPage(
+        items=items, next_before=items[-1].id if len(rows) > limit and items else None
+    )
+
+
+async def get_conversation(
+    conn: AsyncConnection, *, tenant_id: int, external_id: str
+) -> ConversationSummary:
+    """The conversation `external_id` of this tenant, or `NotFound`."""
+    row = (
+        await conn.execute(
+            select(*_SUMMARY_COLUMNS).where(
+                conversations.c.tenant_id == tenant_id,
+                conversations.c.external_id == external_id,
+            )
+        )
+    ).one_or_none()
+    if row is None:
+        raise NotFound(f"conversation {external_id!r} does not exist")
+    return _summary(row)
+
+
+async def stats(conn: AsyncConnection, *, tenant_id: int, external_id: str) -> ConversationStats:
+    """Counts, tokens per level, request counters and pending jobs of one conversation."""
+    summary = await get_conversation(conn, tenant_id=tenant_id, external_id=external_id)
+    levels: dict[int, int] = {}
+    level_tokens: dict[int, int] = {}
+    rows = await conn.execute(
+        select(nodes.c.level, func.count(), func.coalesce(func.sum(nodes.c.token_count), 0))
+        .where(nodes.c.tenant_id == tenant_id, nodes.c.conversation_id == summary.id)
+        .group_by(nodes.c.level)
+        .order_by(nodes.c.level)
+    )
+    for level, count, token_sum in rows:
+        levels[int(level)] = int(count)
+        level_tokens[int(level)] = int(token_sum)
+    pending = await conn.execute(
+        select(jobs.c.status, func.count())
+        .where(
+            jobs.c.tenant_id == tenant_id,
+            jobs.c.conversation_id == summary.id,
+            jobs.c.status != "done",
+        )
+        .group_by(jobs.c.status)
+    )
+    return ConversationStats(
+        conversation=summary,
+        levels=levels,
+        level_tokens=level_tokens,
+        pending_jobs={str(status): int(count) for status, count in pending},
+    )
+
+
+async def export_messages(
+    engine: AsyncEngine, *, tenant_id: int, external_id: str, batch: int = 500
+) -> AsyncIterator[dict[str, Any]]:
+    """Every stored message of the conversation in order, in OpenAI's format with its
+    `created_at` (the bulk import's format), read `batch` at a time. `NotFound` is raised
+    before the first message if the conversation does not exist."""
+    async with transaction(engine) as conn:
+        ref = await store.find_conversation(conn, tenant_id=tenant_id, external_id=external_id)
+    after = -1
+    while True:
+        async with transaction(engine) as conn:
+            records = await store.list_messages(
+                conn, tenant_id=tenant_id, conversation_id=ref.id, after_seq=after, limit=batch
+            )
+        for record in records:
+            yield {**record.as_openai(), "created_at": record.created_at.isoformat()}
+        if len(records) < batch:
+            return
+        after = records[-1].seq
+
+
+async def delete_conversation(
+    conn: AsyncConnection, *, tenant_id: int, external_id: str
+) -> Deleted:
+    """Delete the conversation and everything of it (messages, summaries, embeddings, jobs)."""
+    conversation_id = await conn.scalar(
+        select(conversations.c.id)
+        .where(conversations.c.tenant_id == tenant_id, conversations.c.external_id == external_id)
+        .with_for_update()
+    )
+    if conversation_id is None:
+        raise NotFound(f"conversation {external_id!r} does not exist")
+    counts = (
+        await conn.execute(
+            select(
+                func.count().filter(nodes.c.level == 0),
+                func.count().filter(nodes.c.level > 0),
+            ).where(nodes.c.conversation_id == conversation_id)
+        )
+    ).one()
+    job_count = await conn.scalar(
+        select(func.count()).where(jobs.c.conversation_id == conversation_id)
+    )
+    await conn.execute(delete(conversations).where(conversations.c.id == conversation_id))
+    return Deleted(messages=int(counts[0]), summaries=int(counts[1]), jobs=int(job_count or 0))
+
+
+async def record_request(
+    conn: AsyncConnection,
+    *,
+    tenant_id: int,
+    conversation_id: int,
+    tokens_sent: int,
+    tokens_full: int,
+) -> None:
+    """Count one answered request: the prompt tokens sent and what the history would have
+    cost."""
+    await conn.execute(
+        update(conversations)
+        .where(conversations.c.id == conversation_id, conversations.c.tenant_id == tenant_id)
+        .values(
+            requests=conversations.c.requests + 1,
+            tokens_sent=conversations.c.tokens_sent + tokens_sent,
+            tokens_full=conversations.c.tokens_full + tokens_full,
+        )
+    )

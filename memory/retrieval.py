@@ -1,0 +1,565 @@
+"""Hybrid retrieval over the whole summary tree of one or more conversations (SPEC §6).
+
+`search()` is the one entry point the prompt builder, the memory tools and the admin API share:
+
+* tenant-scoped: only nodes of `tenant_id` in `conversation_ids` are ever read; a conversation
+  id of another tenant simply finds nothing;
+* two legs, fused by reciprocal rank (RRF, k = 60): pgvector cosine distance over the HNSW index
+  (`query_vector`, when given) and Postgres full text: candidates are the nodes matching
+  `websearch_to_tsquery` of the query's words joined by `or` (quoted phrases stay phrases),
+  ranked by a BM25-like score (inverse document frequency of each query lexeme within the
+  searched conversations, normalized by node length), so a rare identifier outweighs "go";
+* messages that have no embedding yet are found by the full-text leg alone: nothing just written
+  is invisible;
+* collapsed tree: summaries of every level are searched beside messages (`levels` restricts);
+* query routing (`route()`): sequential questions ("last time", "earlier", "before",
+  "recently") weight recency heavily, relational ones ("how", "why", "relate") raise summaries,
+  others are flat hybrid with a light recency tie-break;
+* temporal contiguity: a hit whose neighbouring message is also a candidate is raised, and
+  `neighbours()` fetches the messages around hits for the prompt builder.
+
+System and developer messages are never returned (they are the client's prompt, not memory).
+`search()` costs one SQL round trip per leg; the full-text leg does not need the vector, so
+callers may run it (`fulltext_candidates`) while the query is being embedded.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from enum import StrEnum
+from typing import Any, Final
+
+from sqlalchemy import text
+from sqlalchemy.ext.asyncio import AsyncConnection
+
+__all__ = [
+    "Candidates",
+    "Hit",
+    "Route",
+    "fulltext_candidates",
+    "fuse",
+    "load",
+    "load_nodes",
+    "participants_named",
+    "route",
+    "search",
+    "vector_candidates",
+    "websearch_query",
+    "without_names",
+]
+
+RRF_K: Final = 20
+"""Reciprocal-rank fusion constant: score = Σ weight / (RRF_K + rank). Lower than the usual 60:
+tuned on LoCoMo, where the first ranks of each leg deserve more weight."""
+
+CANDIDATES: Final = 100
+"""Candidates each leg returns at least, before fusion."""
+
+CONTIGUITY: Final = (0.8, 0.4)
+"""Share of a message's relevance lent to the messages 1, 2, ... places away: an exchange is
+about one thing, so a question's answer often sits next to the message that matches best."""
+
+EXACT_BONUS: Final = 2.0
+"""A node holding a rare identifier of the query (a word with digits that at most 3 searched
+nodes hold: a ticket, a booking reference) gains this many first ranks: rank fusion alone would
+let a near-miss by meaning tie with the exact match."""
+
+SPEAKER_BOOST: Final = 1.5
+"""Multiplier of messages written by the one participant a query names."""
+
+
+class Route(StrEnum):
+    """How a query is answered (SPEC §6 query routing)."""
+
+    FLAT = "flat"
+    SEQUENTIAL = "sequential"
+    RELATIONAL = "relational"
+
+
+@dataclass(frozen=True)
+class Weights:
+    """How one route weighs summaries and recency against relevance."""
+
+    summary: float  # multiplier of a summary's fused score
+    recency: float  # weight of the recency boost (0: none)
+
+
+ROUTE_WEIGHTS: Final[Mapping[Route, Weights]] = {
+    Route.FLAT: Weights(summary=0.6, recency=0.05),
+    Route.SEQUENTIAL: Weights(summary=0.8, recency=1.5),
+    Route.RELATIONAL: Weights(summary=1.5, recency=0.05),
+}
+
+_SEQUENTIAL = re.compile(
+    r"\b(last time|earlier|before|recent(ly)?|previous(ly)?|lately|just now|ago|"
+    r"last (week|month|session|conversation|chat))\b",
+    re.IGNORECASE,
+)
+_RELATIONAL = re.compile(
+    r"\b(how|why|relate[sd]?|relation(ship)?s?|connect(ed|ion)?s?|overall|in general)\b",
+    re.IGNORECASE,
+)
+_PHRASE = re.compile(r'"([^"]+)"')
+_WORD = re.compile(r"[^\s\"()]+")
+
+
+@dataclass(frozen=True)
+class Hit:
+    """One node found: a message (level 0) or a summary, with its fused score."""
+
+    node_id: int
+    conversation_id: int
+    level: int
+    seq: int
+    span_start: int
+    span_end: int
+    role: str | None
+    text: str
+    created_at: datetime
+    score: float
+    name: str | None = None
+    token_count: int = 0
+    tool_calls: Any = None
+    tool_call_id: str | None = None
+
+
+Key = tuple[int, int, int]
+"""A node's place: (conversation id, level, seq), unique in its tenant."""
+
+
+@dataclass(frozen=True)
+class Place:
+    """What fusion needs to know of a candidate."""
+
+    key: Key
+    span_end: int
+    name: str | None
+    exact: bool = False  # holds a rare identifier-like word of the query (digits, ≥ 4 chars)
+
+
+@dataclass(frozen=True)
+class Candidates:
+    """One leg's candidates, best first."""
+
+    ranked: list[Place]
+
+
+def route(query: str) -> Route:
+    """The route of a query: sequential wins over relational, else flat."""
+    if _SEQUENTIAL.search(query):
+        return Route.SEQUENTIAL
+    if _RELATIONAL.search(query):
+        return Route.RELATIONAL
+    return Route.FLAT
+
+
+def websearch_query(query: str) -> str:
+    """`query` in `websearch_to_tsquery` syntax with its words joined by `or`.
+
+    Quoted phrases stay phrases; a leading `-` (negation) is dropped: recall matters more than
+    precision here, the ranking sorts the matches."""
+    phrases = [f'"{p.strip()}"' for p in _PHRASE.findall(query) if p.strip()]
+    rest = _PHRASE.sub(" ", query)
+    words = [w.lstrip("-") for w in _WORD.findall(rest)]
+    words = [w for w in words if w and w.lower() != "or"]
+    return " or ".join(phrases + words)
+
+
+# -- the legs ------------------------------------------------------------------------------
+
+_SCOPE = """
+    n.tenant_id = :tenant_id
+    AND n.conversation_id = ANY(:conversation_ids)
+    AND (n.level > 0 OR n.role IS NULL OR n.role NOT IN ('system', 'developer'))
+    AND (CAST(:levels AS smallint[]) IS NULL OR n.level = ANY(CAST(:levels AS smallint[])))
+    AND (CAST(:exclude_conversation AS bigint) IS NULL
+         OR n.conversation_id <> CAST(:exclude_conversation AS bigint)
+         OR n.span_start < CAST(:exclude_from AS integer))
+"""
+
+# BM25 without term frequency: Σ idf(lexeme) over the query lexemes a node holds, normalized by
+# the node's length; idf is taken within the searched conversations.
+_FULLTEXT = text(
+    f"""
+WITH terms AS (
+    SELECT DISTINCT lexeme, quote_literal(lexeme)::tsquery AS tq
+    FROM unnest(tsvector_to_array(to_tsvector('english', :query))) AS lexeme
+),
+matched AS MATERIALIZED (
+    SELECT n.id, n.conversation_id, n.level, n.seq, n.span_end, n.name, n.tsv, n.token_count
+    FROM nodes n
+    WHERE {_SCOPE}
+      AND n.tsv @@ websearch_to_tsquery('english', :websearch)
+),
+stats AS MATERIALIZED (
+    SELECT greatest(sum(c.next_seq), 1) AS total,
+           (SELECT greatest(avg(token_count), 1) FROM matched) AS avg_tokens
+    FROM conversations c
+    WHERE c.tenant_id = :tenant_id AND c.id = ANY(:conversation_ids)
+),
+df AS MATERIALIZED (
+    SELECT t.lexeme, t.tq, count(m.id) AS df FROM terms t
+    LEFT JOIN matched m ON m.tsv @@ t.tq
+    GROUP BY t.lexeme, t.tq
+)
+SELECT m.conversation_id, m.level, m.seq, m.span_end, m.name,
+       bool_or(df.df <= 3 AND df.lexeme ~ '[0-9]' AND length(df.lexeme) >= 4) AS exact,
+       sum(ln(1 + (s.total - df.df + 0.5) / (df.df + 0.5)))
+       * 2.2 / (1 + 1.2 * (0.25 + 0.75 * m.token_count / s.avg_tokens)) AS score
+FROM matched m
+JOIN df ON m.tsv @@ df.tq
+CROSS JOIN stats s
+GROUP BY m.id, m.conversation_id, m.level, m.seq, m.span_end, m.name, m.token_count,
+         s.total, s.avg_tokens
+ORDER BY score DESC, m.id DESC
+LIMIT :limit
+"""
+)
+
+_VECTOR = text(
+    f"""
+SELECT n.conversation_id, n.level, n.seq, n.span_end, n.name, false AS exact
+FROM nodes n
+WHERE {_SCOPE} AND n.embedding IS NOT NULL
+ORDER BY n.embedding <=> CAST(:vector AS vector)
+LIMIT :limit
+"""
+)
+
+_LOAD = text(
+    """
+SELECT n.id, n.conversation_id, n.level, n.seq, n.span_start, n.span_end, n.role, n.name,
+       n.text, n.created_at, n.token_count, n.tool_calls, n.tool_call_id
+FROM unnest(CAST(:conversations AS bigint[]), CAST(:levels AS smallint[]),
+            CAST(:seqs AS integer[])) AS w(conv, level, seq)
+JOIN nodes n ON n.conversation_id = w.conv AND n.level = w.level AND n.seq = w.seq
+WHERE n.tenant_id = :tenant_id
+  AND (n.level > 0 OR n.role IS NULL OR n.role NOT IN ('system', 'developer'))
+"""
+)
+
+
+def _scope_params(
+    *,
+    tenant_id: int,
+    conversation_ids: Sequence[int],
+    levels: Sequence[int] | None,
+    exclude_from: tuple[int, int] | None,
+) -> dict[str, Any]:
+    return {
+        "tenant_id": tenant_id,
+        "conversation_ids": list(conversation_ids),
+        "levels": list(levels) if levels is not None else None,
+        "exclude_conversation": exclude_from[0] if exclude_from else None,
+        "exclude_from": exclude_from[1] if exclude_from else None,
+    }
+
+
+async def fulltext_candidates(
+    conn: AsyncConnection,
+    *,
+    tenant_id: int,
+    conversation_ids: Sequence[int],
+    query: str,
+    limit: int = CANDIDATES,
+    levels: Sequence[int] | None = None,
+    exclude_from: tuple[int, int] | None = None,
+) -> Candidates:
+    """The full-text leg: nodes matching any query word, best BM25-like score first."""
+    websearch = websearch_query(query)
+    if not websearch or not conversation_ids:
+        return Candidates([])
+    rows = await conn.execute(
+        _FULLTEXT,
+        {
+            **_scope_params(
+                tenant_id=tenant_id,
+                conversation_ids=conversation_ids,
+                levels=levels,
+                exclude_from=exclude_from,
+            ),
+            "query": query,
+            "websearch": websearch,
+            "limit": limit,
+        },
+    )
+    return _candidates(rows)
+
+
+async def vector_candidates(
+    conn: AsyncConnection,
+    *,
+    tenant_id: int,
+    conversation_ids: Sequence[int],
+    query_vector: Sequence[float],
+    limit: int = CANDIDATES,
+    levels: Sequence[int] | None = None,
+    exclude_from: tuple[int, int] | None = None,
+) -> Candidates:
+    """The vector leg: embedded nodes by cosine distance to `query_vector`, nearest first.
+
+    The HNSW index is scanned iteratively (pgvector ≥ 0.8), so filtering by tenant and
+    conversation still returns `limit` rows when enough exist."""
+    if not conversation_ids:
+        return Candidates([])
+    await conn.execute(text("SET LOCAL hnsw.iterative_scan = relaxed_order"))
+    await conn.execute(text(f"SET LOCAL hnsw.ef_search = {max(40, min(1000, 2 * limit))}"))
+    rows = await conn.execute(
+        _VECTOR,
+        {
+            **_scope_params(
+                tenant_id=tenant_id,
+                conversation_ids=conversation_ids,
+                levels=levels,
+                exclude_from=exclude_from,
+            ),
+            "vector": _vector_literal(query_vector),
+            "limit": limit,
+        },
+    )
+    return _candidates(rows)
+
+
+def _vector_literal(vector: Sequence[float]) -> str:
+    return "[" + ",".join(f"{float(x):.6g}" for x in vector) + "]"
+
+
+def _candidates(rows: Any) -> Candidates:
+    return Candidates(
+        [
+            Place(
+                key=(int(row.conversation_id), int(row.level), int(row.seq)),
+                span_end=int(row.span_end),
+                name=row.name,
+                exact=bool(row.exact),
+            )
+            for row in rows
+        ]
+    )
+
+
+# -- fusion --------------------------------------------------------------------------------
+
+
+def fuse(
+    legs: Sequence[Candidates],
+    *,
+    which: Route,
+    newest: Mapping[int, int],
+    primary: int | None = None,
+    speakers: Collection[str] = (),
+    exclude_from: tuple[int, int] | None = None,
+    kernel: Sequence[float] = CONTIGUITY,
+) -> dict[Key, float]:
+    """Fused score per node place (see the module docstring).
+
+    Reciprocal-rank fusion of the legs; messages by the one participant in `speakers` are
+    raised; each message lends `kernel[d-1]` of its score to the messages `d` places away
+    (which may not be candidates themselves); summaries are weighted by the route; recency
+    (`newest` maps a conversation to its newest message seq) raises newer nodes, more so for
+    sequential queries; other conversations than `primary` weigh a little less."""
+    weights = ROUTE_WEIGHTS[which]
+    base: dict[Key, float] = {}
+    span_end: dict[Key, int] = {}
+    names: dict[Key, str | None] = {}
+    for leg in legs:
+        for rank, place in enumerate(leg.ranked):
+            bonus = EXACT_BONUS / (RRF_K + 1) if place.exact else 0.0
+            base[place.key] = base.get(place.key, 0.0) + 1.0 / (RRF_K + rank + 1) + bonus
+            span_end[place.key] = place.span_end
+            names[place.key] = place.name
+    if len(speakers) == 1:
+        for key in base:
+            if names.get(key) in speakers:
+                base[key] *= SPEAKER_BOOST
+    scores: dict[Key, float] = {}
+    for key, score in base.items():
+        conv, level, seq = key
+        if level > 0:
+            scores[key] = scores.get(key, 0.0) + score * weights.summary
+            continue
+        scores[key] = scores.get(key, 0.0) + score
+        for distance, share in enumerate(kernel, start=1):
+            for near in (seq - distance, seq + distance):
+                if near >= 0:
+                    lent: Key = (conv, 0, near)
+                    scores[lent] = scores.get(lent, 0.0) + share * score
+    result: dict[Key, float] = {}
+    for key, score in scores.items():
+        conv, level, seq = key
+        end = span_end.get(key, seq)
+        last = newest.get(conv)
+        if last is not None and level == 0 and seq > last:
+            continue  # a neighbour past the end
+        if exclude_from is not None and _excluded(key, exclude_from):
+            continue
+        last = end if last is None else last
+        recency = math.exp(-max(0, last - end) / max(50.0, 0.05 * (last + 1)))
+        score *= 1.0 + weights.recency * recency
+        if primary is not None and conv != primary:
+            score *= 0.9
+        result[key] = score
+    return result
+
+
+def _excluded(key: Key, exclude_from: tuple[int, int]) -> bool:
+    conv, level, seq = key
+    return conv == exclude_from[0] and level == 0 and seq >= exclude_from[1]
+
+
+def participants_named(query: str, participants: Collection[str]) -> set[str]:
+    """The participants (message `name`s) that `query` names as a whole word."""
+    return {
+        name
+        for name in participants
+        if name and re.search(rf"(?<!\w){re.escape(name)}(?!\w)", query, re.IGNORECASE)
+    }
+
+
+def without_names(query: str, names: Collection[str]) -> str:
+    """`query` without the given names (and their possessive 's): inside a conversation its
+    participants' names say nothing about the topic, and would pull the vector toward every
+    message that greets them."""
+    result = query
+    for name in sorted(names, key=len, reverse=True):
+        result = re.sub(rf"(?<!\w){re.escape(name)}('s)?(?!\w)", " ", result, flags=re.I)
+    result = re.sub(r"\s+", " ", result).strip()
+    return result or query
+
+
+# -- the entry point -----------------------------------------------------------------------
+
+
+async def search(
+    conn: AsyncConnection,
+    *,
+    tenant_id: int,
+    conversation_ids: Sequence[int],
+    query: str,
+    query_vector: Sequence[float] | None,
+    limit: int = 10,
+    levels: Sequence[int] | None = None,
+    exclude_from: tuple[int, int] | None = None,
+    which: Route | None = None,
+    candidates: int = CANDIDATES,
+    participants: Collection[str] = (),
+    fulltext: Candidates | None = None,
+) -> list[Hit]:
+    """The `limit` best nodes for `query`, best first (see the module docstring).
+
+    `exclude_from=(conversation_id, seq)` leaves out that conversation's nodes that start at or
+    after `seq` (the recent turns a prompt already holds verbatim). `which` overrides routing.
+    `participants` are the conversation's speaker names (see `fuse`). `fulltext` passes a
+    full-text leg already run with the same scope."""
+    if limit <= 0 or not conversation_ids:
+        return []
+    which = which or route(query)
+    pool = max(candidates, limit)
+    legs: list[Candidates] = []
+    if fulltext is None:
+        fulltext = await fulltext_candidates(
+            conn,
+            tenant_id=tenant_id,
+            conversation_ids=conversation_ids,
+            query=query,
+            limit=pool,
+            levels=levels,
+            exclude_from=exclude_from,
+        )
+    legs.append(fulltext)
+    if query_vector is not None:
+        legs.append(
+            await vector_candidates(
+                conn,
+                tenant_id=tenant_id,
+                conversation_ids=conversation_ids,
+                query_vector=query_vector,
+                limit=pool,
+                levels=levels,
+                exclude_from=exclude_from,
+            )
+        )
+    newest = await _newest(conn, tenant_id=tenant_id, conversation_ids=conversation_ids)
+    scores = fuse(
+        legs,
+        which=which,
+        newest=newest,
+        primary=conversation_ids[0] if len(conversation_ids) > 1 else None,
+        speakers=participants_named(query, participants),
+        exclude_from=exclude_from,
+        kernel=CONTIGUITY if levels is None or 0 in levels else (),
+    )
+    return (await load(conn, tenant_id=tenant_id, scores=scores, limit=limit))[:limit]
+
+
+async def load(
+    conn: AsyncConnection, *, tenant_id: int, scores: Mapping[Key, float], limit: int
+) -> list[Hit]:
+    """The `limit` best-scored places that exist (and are not system prompts), as hits in
+    descending score order."""
+    best = sorted(scores, key=lambda key: (-scores[key], -key[2], key))[: max(0, limit)]
+    if not best:
+        return []
+    rows = await conn.execute(
+        _LOAD,
+        {
+            "tenant_id": tenant_id,
+            "conversations": [key[0] for key in best],
+            "levels": [key[1] for key in best],
+            "seqs": [key[2] for key in best],
+        },
+    )
+    hits = [
+        _hit(row, scores[(int(row.conversation_id), int(row.level), int(row.seq))]) for row in rows
+    ]
+    return sorted(hits, key=lambda hit: (-hit.score, -hit.seq, hit.node_id))
+
+
+async def load_nodes(conn: AsyncConnection, *, tenant_id: int, ids: Sequence[int]) -> list[Hit]:
+    """Nodes by id (of this tenant), scored 0."""
+    if not ids:
+        return []
+    rows = await conn.execute(
+        text(
+            "SELECT id, conversation_id, level, seq, span_start, span_end, role, name, text, "
+            "created_at, token_count, tool_calls, tool_call_id FROM nodes "
+            "WHERE tenant_id = :tenant_id AND id = ANY(:ids)"
+        ),
+        {"tenant_id": tenant_id, "ids": list(ids)},
+    )
+    return [_hit(row, 0.0) for row in rows]
+
+
+async def _newest(
+    conn: AsyncConnection, *, tenant_id: int, conversation_ids: Sequence[int]
+) -> dict[int, int]:
+    rows = await conn.execute(
+        text(
+            "SELECT id, next_seq FROM conversations WHERE tenant_id = :tenant_id AND id = ANY(:ids)"
+        ),
+        {"tenant_id": tenant_id, "ids": list(conversation_ids)},
+    )
+    return {int(row.id): int(row.next_seq) - 1 for row in rows}
+
+
+def _hit(row: Any, score: float) -> Hit:
+    return Hit(
+        node_id=int(row.id),
+        conversation_id=int(row.conversation_id),
+        level=int(row.level),
+        seq=int(row.seq),
+        span_start=int(row.span_start),
+        span_end=int(row.span_end),
+        role=row.role,
+        text=row.text,
+        created_at=row.created_at,
+        score=score,
+        name=row.name,
+        token_count=int(row.token_count),
+        tool_calls=row.tool_calls,
+        tool_call_id=row.tool_call_id,
+    )

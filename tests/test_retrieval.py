@@ -1,0 +1,334 @@
+"""Retrieval (`memory.retrieval`) against a real Postgres with real local embeddings.
+
+The main fixture imports a 5,000-message synthetic conversation (`tests/synthetic.py`) with the
+importer, plants two messages of our own in it (one to be found by meaning with no word in
+common with the query, one holding an exact identifier), and builds its summary tree
+(embeddings, segments, roll-ups) with the local MiniLM model and the extractive summarizer.
+Tests then search it as the prompt builder and the memory tools do.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import pytest
+from sqlalchemy import insert, select
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from gateway import importer
+from memory import hierarchy, retrieval, store
+from memory.embeddings import LocalEmbedder
+from memory.retrieval import Candidates, Place, Route
+from memory.schema import nodes, tenants
+from memory.summarize import ExtractiveSummarizer
+from tests import synthetic
+
+# Embedding 5,000 texts on a busy 2-core machine can take minutes.
+pytestmark = pytest.mark.timeout(900)
+
+N_MESSAGES = 5000
+MEANING_AT = 1234
+IDENTIFIER_AT = 3456
+MEANING = (
+    "My grandmother's secret lasagna recipe puts a pinch of nutmeg into the bechamel, "
+    "that is what makes it taste like home."
+)
+MEANING_QUERY = "Which spice goes in grandma's white sauce for the baked pasta?"
+IDENTIFIER = "ZQX-88412-B"
+IDENTIFIER_TEXT = f"The escrow reference is {IDENTIFIER}; keep it for the bank transfer."
+
+
+@dataclass
+class Corpus:
+    tenant_id: int
+    conversation_id: int
+    conversation: synthetic.Conversation
+    meaning_node: int
+    identifier_node: int
+    embedder: LocalEmbedder
+
+
+async def new_tenant(engine: AsyncEngine) -> int:
+    async with engine.begin() as conn:
+        created = await conn.scalar(
+            insert(tenants).values(name=f"test-{uuid.uuid4().hex}").returning(tenants.c.id)
+        )
+    assert created is not None
+    return int(created)
+
+
+async def node_at(engine: AsyncEngine, conversation_id: int, seq: int) -> int:
+    async with engine.connect() as conn:
+        found = await conn.scalar(
+            select(nodes.c.id).where(
+                nodes.c.conversation_id == conversation_id, nodes.c.level == 0, nodes.c.seq == seq
+            )
+        )
+    assert found is not None
+    return int(found)
+
+
+@pytest.fixture(scope="module")
+async def corpus(engine: AsyncEngine) -> AsyncIterator[Corpus]:
+    tenant = await new_tenant(engine)
+    conversation = synthetic.generate(N_MESSAGES, seed=11)
+    messages = list(conversation.messages)
+    messages[MEANING_AT] = {"role": "user", "content": MEANING}
+    messages[IDENTIFIER_AT] = {"role": "user", "content": IDENTIFIER_TEXT}
+    await importer.import_messages(
+        engine,
+        tenant_id=tenant,
+        external_id="retrieval-5000",
+        messages=messages,
+        created_at=conversation.created_at,
+        model="gpt-4o",
+        batch=1000,
+    )
+    async with engine.connect() as conn:
+        ref = await store.find_conversation(conn, tenant_id=tenant, external_id="retrieval-5000")
+    embedder = LocalEmbedder()
+    config = hierarchy.TreeConfig(embedder=embedder, summarizer=ExtractiveSummarizer())
+    await hierarchy.build(
+        engine, tenant_id=tenant, conversation_id=ref.id, config=config, final=True
+    )
+    yield Corpus(
+        tenant_id=tenant,
+        conversation_id=ref.id,
+        conversation=conversation,
+        meaning_node=await node_at(engine, ref.id, MEANING_AT),
+        identifier_node=await node_at(engine, ref.id, IDENTIFIER_AT),
+        embedder=embedder,
+    )
+
+
+async def search(
+    engine: AsyncEngine,
+    corpus: Corpus,
+    query: str,
+    *,
+    vector: bool = True,
+    tenant_id: int | None = None,
+    conversation_ids: list[int] | None = None,
+    **kwargs: object,
+) -> list[retrieval.Hit]:
+    query_vector = (await corpus.embedder.embed([query]))[0] if vector else None
+    async with engine.begin() as conn:
+        return await retrieval.search(
+            conn,
+            tenant_id=corpus.tenant_id if tenant_id is None else tenant_id,
+            conversation_ids=conversation_ids or [corpus.conversation_id],
+            query=query,
+            query_vector=query_vector,
+            **kwargs,  # type: ignore[arg-type]
+        )
+
+
+# -- the planted facts in 5,000 messages ----------------------------------------------------
+
+
+async def test_finds_a_planted_fact_by_meaning(engine: AsyncEngine, corpus: Corpus) -> None:
+    hits = await search(engine, corpus, MEANING_QUERY, limit=5)
+    assert corpus.meaning_node in [hit.node_id for hit in hits]
+    # The query shares no stemmed word with the message: full text alone cannot find it,
+    # so the vector leg is what found it.
+    text_only = await search(engine, corpus, MEANING_QUERY, vector=False, limit=5)
+    assert corpus.meaning_node not in [hit.node_id for hit in text_only]
+
+
+async def test_finds_a_planted_identifier_exactly(engine: AsyncEngine, corpus: Corpus) -> None:
+    for vector in (True, False):
+        hits = await search(engine, corpus, f"what was {IDENTIFIER} again?", vector=vector)
+        assert hits[0].node_id == corpus.identifier_node
+        assert hits[0].text == IDENTIFIER_TEXT
+        assert hits[0].level == 0 and hits[0].seq == IDENTIFIER_AT
+
+
+async def test_finds_the_generators_own_planted_tickets(
+    engine: AsyncEngine, corpus: Corpus
+) -> None:
+    values = [fact.value for fact in corpus.conversation.facts if fact.kind == "ticket"]
+    unique = [v for v in dict.fromkeys(values) if values.count(v) == 1][:5]
+    assert unique, "the generator planted no ticket ids"
+    for value in unique:
+        [fact] = [f for f in corpus.conversation.facts if f.value == value]
+        hits = await search(engine, corpus, f"status of {value}", limit=3)
+        assert fact.index in [hit.seq for hit in hits if hit.level == 0], value
+
+
+async def test_hits_carry_the_stored_message(engine: AsyncEngine, corpus: Corpus) -> None:
+    [hit] = await search(engine, corpus, IDENTIFIER, limit=1)
+    assert hit.conversation_id == corpus.conversation_id
+    assert hit.role == "user"
+    assert hit.span_start == hit.span_end == IDENTIFIER_AT
+    assert hit.created_at == corpus.conversation.created_at[IDENTIFIER_AT]
+    assert hit.score > 0
+
+
+async def test_summaries_are_searchable_at_every_level(engine: AsyncEngine, corpus: Corpus) -> None:
+    async with engine.connect() as conn:
+        counts = await store.level_counts(
+            conn, tenant_id=corpus.tenant_id, conversation_id=corpus.conversation_id
+        )
+    top = max(counts)
+    assert top >= 2, counts
+    for level in range(1, top + 1):
+        hits = await search(engine, corpus, "database migration rollback plan", levels=[level])
+        assert hits and all(hit.level == level for hit in hits), level
+        # A summary covers a span of messages.
+        assert all(hit.span_start <= hit.span_end for hit in hits)
+    mixed = await search(engine, corpus, "how does the hiring relate to the budget", limit=50)
+    assert {hit.level for hit in mixed} - {0}, "relational queries must reach summaries"
+
+
+async def test_excluded_tail_is_not_returned(engine: AsyncEngine, corpus: Corpus) -> None:
+    hits = await search(
+        engine,
+        corpus,
+        IDENTIFIER,
+        limit=20,
+        exclude_from=(corpus.conversation_id, IDENTIFIER_AT),
+    )
+    assert all(hit.span_start < IDENTIFIER_AT for hit in hits)
+    assert corpus.identifier_node not in [hit.node_id for hit in hits]
+
+
+async def test_sequential_queries_prefer_recent_episodes(
+    engine: AsyncEngine, corpus: Corpus
+) -> None:
+    flat = await search(engine, corpus, "the flight booking", which=Route.FLAT, limit=10)
+    recent = await search(engine, corpus, "the flight booking we discussed last time", limit=10)
+    assert mean_end(recent) > mean_end(flat)
+
+
+async def test_messages_not_embedded_yet_are_found_by_full_text(
+    engine: AsyncEngine, corpus: Corpus
+) -> None:
+    fresh = f"The new gate code is {uuid.uuid4().hex[:10]} starting Monday."
+    code = fresh.split()[5]
+    async with engine.begin() as conn:
+        appended = await store.append(
+            conn,
+            tenant_id=corpus.tenant_id,
+            conversation_id=corpus.conversation_id,
+            messages=[{"role": "user", "content": fresh}],
+            model="gpt-4o",
+        )
+    try:
+        hits = await search(engine, corpus, f"what is the gate code {code}", limit=3)
+        assert hits[0].node_id == appended.node_ids[0]
+    finally:
+        async with engine.begin() as conn:
+            await conn.execute(nodes.delete().where(nodes.c.id == appended.node_ids[0]))
+
+
+def mean_end(hits: list[retrieval.Hit]) -> float:
+    return sum(hit.span_end for hit in hits) / len(hits)
+
+
+# -- tenant isolation -------------------------------------------------------------------------
+
+
+async def test_another_tenant_sees_nothing(engine: AsyncEngine, corpus: Corpus) -> None:
+    other = await new_tenant(engine)
+    # Even naming the conversation's id, another tenant finds nothing in it.
+    assert await search(engine, corpus, IDENTIFIER, tenant_id=other) == []
+    assert await search(engine, corpus, MEANING_QUERY, tenant_id=other) == []
+    # The other tenant's own conversation holding the same text is found only by its owner.
+    async with engine.begin() as conn:
+        own = await store.ingest(
+            conn,
+            tenant_id=other,
+            external_id="isolation",
+            user=None,
+            messages=[{"role": "user", "content": IDENTIFIER_TEXT}],
+            model="gpt-4o",
+        )
+    mine = await search(
+        engine,
+        corpus,
+        IDENTIFIER,
+        tenant_id=other,
+        conversation_ids=[own.conversation.id, corpus.conversation_id],
+    )
+    assert [hit.node_id for hit in mine] == own.node_ids
+    theirs = await search(
+        engine, corpus, IDENTIFIER, conversation_ids=[corpus.conversation_id, own.conversation.id]
+    )
+    assert own.node_ids[0] not in [hit.node_id for hit in theirs]
+    assert theirs[0].node_id == corpus.identifier_node
+
+
+async def test_conversations_of_one_tenant_are_searched_together(
+    engine: AsyncEngine, corpus: Corpus
+) -> None:
+    async with engine.begin() as conn:
+        other = await store.ingest(
+            conn,
+            tenant_id=corpus.tenant_id,
+            external_id=f"sibling-{uuid.uuid4().hex}",
+            user=None,
+            messages=[{"role": "user", "content": "My locker combination is 4-19-33, QV-7781."}],
+            model="gpt-4o",
+        )
+    hits = await search(
+        engine,
+        corpus,
+        "locker combination QV-7781",
+        conversation_ids=[corpus.conversation_id, other.conversation.id],
+        limit=3,
+    )
+    assert hits[0].node_id == other.node_ids[0]
+    assert hits[0].conversation_id == other.conversation.id
+
+
+# -- pure parts -------------------------------------------------------------------------------
+
+
+def test_route() -> None:
+    assert retrieval.route("what did we say last time about the trip?") is Route.SEQUENTIAL
+    assert retrieval.route("Did I mention this earlier") is Route.SEQUENTIAL
+    assert retrieval.route("what happened before the launch") is Route.SEQUENTIAL
+    assert retrieval.route("anything recently?") is Route.SEQUENTIAL
+    assert retrieval.route("How does the budget relate to hiring?") is Route.RELATIONAL
+    assert retrieval.route("why did we pick Postgres") is Route.RELATIONAL
+    assert retrieval.route("What is the invoice number?") is Route.FLAT
+
+
+def test_websearch_query_ors_words_and_keeps_phrases() -> None:
+    assert retrieval.websearch_query("red apple") == "red or apple"
+    assert retrieval.websearch_query('find "exact phrase" now') == '"exact phrase" or find or now'
+    assert retrieval.websearch_query("-not or this") == "not or this"
+    assert retrieval.websearch_query("   ") == ""
+
+
+def test_names_are_found_and_stripped() -> None:
+    names = {"Caroline", "Mel"}
+    assert retrieval.participants_named("What did Caroline's sister say?", names) == {"Caroline"}
+    assert retrieval.participants_named("Melanie and Carol", names) == set()
+    assert retrieval.without_names("What did Caroline's sister say?", names) == (
+        "What did sister say?"
+    )
+    assert retrieval.without_names("Caroline", names) == "Caroline"  # nothing else to search
+
+
+def place(seq: int, *, conv: int = 1, level: int = 0, name: str | None = None) -> Place:
+    return Place(key=(conv, level, seq), span_end=seq, name=name)
+
+
+def test_fusion_rewards_agreement_contiguity_and_the_named_speaker() -> None:
+    a = Candidates([place(10), place(20), place(30, name="Ann")])
+    b = Candidates([place(20), place(40)])
+    scores = retrieval.fuse([a, b], which=Route.FLAT, newest={1: 100}, kernel=(0.5,))
+    assert max(scores, key=scores.__getitem__) == (1, 0, 20)  # found by both legs
+    # Neighbours of hits get a share of their score though neither leg found them.
+    assert scores[(1, 0, 21)] > 0 and scores[(1, 0, 19)] > 0
+    assert (1, 0, 22) not in scores
+    named = retrieval.fuse([a, b], which=Route.FLAT, newest={1: 100}, speakers={"Ann"})
+    plain = retrieval.fuse([a, b], which=Route.FLAT, newest={1: 100})
+    assert named[(1, 0, 30)] > plain[(1, 0, 30)]
+    excluded = retrieval.fuse([a, b], which=Route.FLAT, newest={1: 100}, exclude_from=(1, 25))
+    assert all(key[2] < 25 for key in excluded)
+    # Nothing past the newest message is invented.
+    assert all(key[2] <= 41 for key in retrieval.fuse([b], which=Route.FLAT, newest={1: 40}))

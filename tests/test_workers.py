@@ -1,0 +1,329 @@
+"""Real `memstrata worker` processes sharing one database.
+
+Two workers build the trees of 12 conversations (60 messages each) whose messages keep
+arriving while they run: every job runs exactly once, no summary is made twice, and every tree
+is complete and consistent. A worker killed with SIGKILL in the middle of a job: its lease
+runs out, another worker reclaims the job and finishes the tree, without duplicates.
+
+Workers claim jobs of every tenant, so assertions look at this module's tenants only; other
+tests' leftover jobs may be run too, which is harmless. Every worker process is stopped when
+its test ends (SIGTERM, then SIGKILL).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import IO, Any
+
+import pytest
+from sqlalchemy import func, select
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from gateway import importer
+from memory import store
+from memory.schema import jobs, nodes
+from tests import synthetic
+from tests.test_hierarchy import (
+    check_complete,
+    expected_levels,
+    expected_segments,
+    level_counts,
+    walk_tree,
+)
+from tests.upstream import UpstreamServer
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+# Real embeddings in real processes: ~30 s on an idle 2-core machine, minutes on a busy one.
+pytestmark = pytest.mark.timeout(600)
+
+
+class WorkerProcess:
+    """A `python -m gateway worker` subprocess with `MEMSTRATA_*` settings."""
+
+    def __init__(self, database_url: str, **settings: object) -> None:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("MEMSTRATA_")}
+        env.update(
+            {
+                "MEMSTRATA_DATABASE_URL": database_url,
+                "MEMSTRATA_LOG_LEVEL": "info",
+                "PYTHONUNBUFFERED": "1",
+            }
+        )
+        env.update({f"MEMSTRATA_{key.upper()}": str(value) for key, value in settings.items()})
+        self._log: IO[bytes] = tempfile.TemporaryFile()  # noqa: SIM115 - closed in stop()
+        self._final_logs: str | None = None
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "gateway", "worker"],
+            cwd=REPO_ROOT,
+            env=env,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+        )
+        self.pid = self.process.pid
+
+    def owns(self, locked_by: str | None) -> bool:
+        """Whether a job's `locked_by` names this process (`host:pid:random`)."""
+        return locked_by is not None and locked_by.split(":")[1] == str(self.pid)
+
+    def logs(self) -> str:
+        if self._final_logs is not None:
+            return self._final_logs
+        self._log.seek(0)
+        return self._log.read().decode(errors="replace")
+
+    def kill(self) -> None:
+        os.kill(self.pid, signal.SIGKILL)
+        self.process.wait(timeout=10)
+
+    def stop(self) -> None:
+        """SIGTERM (a worker finishes the job in hand), SIGKILL after 20 s. Idempotent."""
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        if self._final_logs is None:
+            self._final_logs = self.logs()
+            self._log.close()
+
+
+@pytest.fixture
+def workers() -> Iterator[list[WorkerProcess]]:
+    """Worker processes a test starts; all stopped when it ends."""
+    started: list[WorkerProcess] = []
+    yield started
+    for worker in started:
+        worker.stop()
+
+
+async def job_rows(engine: AsyncEngine, tenant_id: int) -> list[Any]:
+    async with engine.connect() as conn:
+        return list(
+            (
+                await conn.execute(
+                    select(
+                        jobs.c.id,
+                        jobs.c.conversation_id,
+                        jobs.c.status,
+                        jobs.c.attempts,
+                        jobs.c.locked_by,
+                        jobs.c.last_error,
+                    )
+                    .where(jobs.c.tenant_id == tenant_id)
+                    .order_by(jobs.c.id)
+                )
+            ).all()
+        )
+
+
+async def wait_for(
+    condition: Any, *, within: float, what: str, workers: list[WorkerProcess]
+) -> Any:
+    """Poll the async `condition` until it returns something truthy, for `within` seconds."""
+    deadline = time.monotonic() + within
+    while True:
+        value = await condition()
+        if value:
+            return value
+        for worker in workers:
+            assert worker.process.poll() is None, f"worker exited:\n{worker.logs()}"
+        if time.monotonic() > deadline:
+            logs = "\n".join(worker.logs()[-3000:] for worker in workers)
+            pytest.fail(f"timed out waiting for {what}\n{logs}")
+        await asyncio.sleep(0.2)
+
+
+async def check_no_duplicates(engine: AsyncEngine, tenant_id: int) -> None:
+    """No two summaries of a conversation share a level and span or a level and seq, and at
+    each level the spans are disjoint (no message has two ancestors at one level)."""
+    async with engine.connect() as conn:
+        for key in ((nodes.c.span_start, nodes.c.span_end), (nodes.c.seq,)):
+            duplicates = (
+                await conn.execute(
+                    select(nodes.c.conversation_id, nodes.c.level, *key, func.count())
+                    .where(nodes.c.tenant_id == tenant_id, nodes.c.level > 0)
+                    .group_by(nodes.c.conversation_id, nodes.c.level, *key)
+                    .having(func.count() > 1)
+                )
+            ).all()
+            assert duplicates == [], f"duplicate summaries: {duplicates}"
+        spans = (
+            await conn.execute(
+                select(nodes.c.conversation_id, nodes.c.level, nodes.c.span_start, nodes.c.span_end)
+                .where(nodes.c.tenant_id == tenant_id)
+                .order_by(nodes.c.conversation_id, nodes.c.level, nodes.c.span_start)
+            )
+        ).all()
+    for before, after in itertools.pairwise(spans):
+        if (before.conversation_id, before.level) == (after.conversation_id, after.level):
+            assert after.span_start > before.span_end, f"overlapping spans {before} {after}"
+
+
+async def check_tree(
+    engine: AsyncEngine, tenant_id: int, conversation_id: int, n_messages: int, method: str
+) -> None:
+    walk = await walk_tree(
+        engine, tenant_id=tenant_id, conversation_id=conversation_id, method=method
+    )
+    check_complete(walk, n_messages)
+    segments = await expected_segments(engine, conversation_id=conversation_id)
+    assert await level_counts(engine, tenant_id, conversation_id) == expected_levels(
+        n_messages, len(segments)
+    )
+
+
+CONVERSATIONS = 12
+MESSAGES = 60
+BATCH = 30
+
+
+async def test_two_workers_run_every_job_once(
+    engine: AsyncEngine, database_url: str, tenant_id: int, workers: list[WorkerProcess]
+) -> None:
+    settings = {"summary_mode": "extractive", "job_lease_seconds": 10}
+    workers.extend(WorkerProcess(database_url, **settings) for _ in range(2))
+    # Messages keep arriving while the workers run: a batch that lands while its
+    # conversation's build is running queues another build behind it.
+    conversations = [synthetic.generate(MESSAGES, seed=100 + i) for i in range(CONVERSATIONS)]
+    for start in range(0, MESSAGES, BATCH):
+        for number, conversation in enumerate(conversations):
+            await importer.import_messages(
+                engine,
+                tenant_id=tenant_id,
+                external_id=f"conversation-{number}",
+                messages=conversation.messages[: start + BATCH],
+                created_at=conversation.created_at[: start + BATCH],
+                model="gpt-4o",
+                batch=BATCH,
+            )
+        await asyncio.sleep(0.5)
+
+    async def all_done() -> list[Any] | None:
+        rows = await job_rows(engine, tenant_id)
+        return rows if rows and all(row.status == "done" for row in rows) else None
+
+    rows = await wait_for(all_done, within=360, what="every job done", workers=workers)
+    for row in rows:
+        assert row.attempts == 1, f"job {row.id} ran {row.attempts} times"
+        assert row.last_error is None
+        assert any(worker.owns(row.locked_by) for worker in workers), row.locked_by
+    assert len({row.conversation_id for row in rows}) == CONVERSATIONS
+    assert len(rows) >= CONVERSATIONS
+    # Both processes took part.
+    for worker in workers:
+        assert any(worker.owns(row.locked_by) for row in rows), f"worker {worker.pid} idle"
+
+    await check_no_duplicates(engine, tenant_id)
+    for number in range(CONVERSATIONS):
+        async with engine.connect() as conn:
+            ref = await store.find_conversation(
+                conn, tenant_id=tenant_id, external_id=f"conversation-{number}"
+            )
+        await check_tree(engine, tenant_id, ref.id, MESSAGES, "extractive")
+
+
+@pytest.fixture
+def slow_upstream() -> Iterator[UpstreamServer]:
+    """Summaries that take a second each."""
+    with UpstreamServer() as server:
+        reply = {
+            "narrative": "A slow summary.",
+            "identifiers": [],
+            "numbers": [],
+            "names": [],
+            "dates": [],
+            "decisions": [],
+            "open_questions": [],
+        }
+        server.set_default({"path": "/v1/chat/completions", "delay": 1, "reply": json.dumps(reply)})
+        yield server
+
+
+async def test_killed_worker_job_is_reclaimed_and_finished(
+    engine: AsyncEngine,
+    database_url: str,
+    tenant_id: int,
+    workers: list[WorkerProcess],
+    slow_upstream: UpstreamServer,
+) -> None:
+    settings = {
+        "summary_mode": "llm",
+        "summary_model": "slow-model",
+        "upstream_base_url": slow_upstream.url,
+        "job_lease_seconds": 3,
+    }
+    conversation = synthetic.generate(MESSAGES, seed=7)
+    await importer.import_messages(
+        engine,
+        tenant_id=tenant_id,
+        external_id="killed",
+        messages=conversation.messages,
+        created_at=conversation.created_at,
+        model="gpt-4o",
+        batch=MESSAGES,
+    )
+    async with engine.connect() as conn:
+        conversation_id = (
+            await store.find_conversation(conn, tenant_id=tenant_id, external_id="killed")
+        ).id
+    (job,) = await job_rows(engine, tenant_id)
+
+    first = WorkerProcess(database_url, **settings)
+    workers.append(first)
+
+    async def mid_job() -> bool:
+        rows = await job_rows(engine, tenant_id)
+        counts = await level_counts(engine, tenant_id, conversation_id)
+        return bool(
+            rows[0].status == "running"
+            and first.owns(rows[0].locked_by)
+            and counts.get(1, 0) > 0
+            and counts.get(2, 0) == 0
+        )
+
+    # Killed in the middle: segment summaries made, roll-ups (a slow request away) not yet.
+    await wait_for(mid_job, within=120, what="the job to be half done", workers=[first])
+    first.kill()
+    partial = await level_counts(engine, tenant_id, conversation_id)
+    assert partial.get(2, 0) == 0
+    assert (await job_rows(engine, tenant_id))[0].status == "running"
+
+    second = WorkerProcess(database_url, **settings)
+    workers.append(second)
+
+    async def done() -> Any:
+        rows = await job_rows(engine, tenant_id)
+        return rows[0] if rows[0].status == "done" else None
+
+    finished = await wait_for(done, within=180, what="the reclaimed job", workers=[second])
+    assert finished.id == job.id
+    assert finished.attempts == 2
+    assert second.owns(finished.locked_by)
+    assert finished.last_error is None
+
+    await check_no_duplicates(engine, tenant_id)
+    await check_tree(engine, tenant_id, conversation_id, MESSAGES, "llm")
+    final = await level_counts(engine, tenant_id, conversation_id)
+    assert final[2] > 0, "the second worker did not finish the build"
+    assert final[1] >= partial[1]
+    async with engine.connect() as conn:
+        models = set(
+            await conn.scalars(
+                select(nodes.c.model).where(
+                    nodes.c.conversation_id == conversation_id, nodes.c.level > 0
+                )
+            )
+        )
+    assert models == {"slow-model"}
