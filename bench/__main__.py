@@ -99,9 +99,10 @@ async def run_all(args: argparse.Namespace, out_dir: Path) -> dict[str, Path]:
                     conversation_id=conversation_id,
                     size=max(ov.sizes),
                     requests=60 if quick else 300,
-                    seconds=3.0 if quick else 25.0,
+                    seconds=2.0 if quick else 20.0,
                     out_dir=out_dir,
                     pool=ov.conversation_ids(min(ov.sizes)),
+                    html=bool(args.profile_html),
                 )
                 written["profile"] = h.write_results(
                     out_dir / "profile.json",
@@ -152,6 +153,9 @@ def main() -> None:
     parser.add_argument("--latency", type=float, default=0.005, help="upstream latency (s)")
     parser.add_argument("--chunk-delay", type=float, default=0.0, help="stream chunk delay (s)")
     parser.add_argument("--report-only", action="store_true", help="only redraw the report")
+    parser.add_argument(
+        "--profile-html", action="store_true", help="also write pyinstrument HTML (large)"
+    )
     args = parser.parse_args()
     out_dir = h.RESULTS_DIR / "quick" if args.quick else h.RESULTS_DIR
     if not args.report_only:

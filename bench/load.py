@@ -222,6 +222,7 @@ async def run(client: h.Client, stack: h.Stack, config: LoadConfig) -> dict[str,
             config,
             duration=config.duration,
             service=gateway,
+            stack=stack,
         )
         result["settings"] = "MEMSTRATA_WORKERS=0"
         targets.append(result)

@@ -59,7 +59,7 @@ class OverheadConfig:
     modes: tuple[str, ...] = ("non-stream", "stream")
     requests: dict[int, int] = field(default_factory=lambda: {1: 300, 32: 960})
     # A target's share of a cell ends at its request count or after this many seconds.
-    seconds: dict[int, float] = field(default_factory=lambda: {1: 15.0, 32: 20.0})
+    seconds: dict[int, float] = field(default_factory=lambda: {1: 12.0, 32: 15.0})
     warmup: int = 16
     rounds: int = 3
     # The in-process-worker variant (MEMSTRATA_WORKERS=1) at the largest size; 0: skipped.
@@ -68,10 +68,10 @@ class OverheadConfig:
     @classmethod
     def quick(cls) -> OverheadConfig:
         return cls(
-            sizes=(10, 200),
-            pools={10: 8, 200: 1},
+            sizes=(10, 100),
+            pools={10: 4, 100: 1},
             requests={1: 100, 32: 320},
-            seconds={1: 1.5, 32: 2.5},
+            seconds={1: 1.2, 32: 2.0},
             warmup=4,
             rounds=2,
             variant_seconds=0.0,

@@ -8,12 +8,15 @@ and `/_bench/profile/stop` -- and, with background workers off, sends requests o
 conversation of 10,000 messages:
 
 1. at concurrency 1 (the latency view): a pyinstrument sampling profile of the event-loop thread
-   (`profile-c1.html`, `profile-c1.txt`), the wall time spent inside each instrumented function
-   of `gateway` and `memory` per request (stages: parse, store, assemble, forward, record ...;
-   inclusive, so nested functions count in their callers too), and every SQL statement with
-   its count and time per request (SQLAlchemy cursor events);
-2. at concurrency 32 (the throughput view): a second sampling profile (`profile-c32.*`), where
-   the CPU is saturated and self time shows what each request costs the process.
+   (`profile-c1.txt`; `profile-c1.html` too with `--profile-html`, tens of MB), the wall time
+   spent inside each instrumented function of `gateway` and `memory` per request (stages:
+   parse, store, assemble, forward, record ...; inclusive, so nested functions count in their
+   callers too), and every SQL statement with its count and time per request (SQLAlchemy
+   cursor events); the stage timers and the sampler run in separate passes, so the wrappers
+   are not in the sampled stacks;
+2. at concurrency 32 (the throughput view): a second sampling profile (`profile-c32.*`) over
+   the pool of the smallest conversations (one conversation would serialize on its row lock),
+   where the CPU is saturated and self time shows what each request costs the process.
 
 Both profiles are summarized by package (self time) and by function in `profile.json`. The
 process's CPU time per request (all threads, `psutil`) is recorded for each run.
@@ -240,7 +243,7 @@ class ProfilingApp:
                     timers=query.get("timers") == "1", sampler=query.get("sampler") == "1"
                 )
             else:
-                payload = self.stop(query.get("name", "x"))
+                payload = self.stop(query.get("name", "x"), html=query.get("html") == "1")
             body = json.dumps(payload).encode()
             await send(
                 {
@@ -265,7 +268,7 @@ class ProfilingApp:
             self.profiler.start()
         return {"started": True}
 
-    def stop(self, name: str) -> dict[str, Any]:
+    def stop(self, name: str, *, html: bool = False) -> dict[str, Any]:
         TIMERS.enabled = False
         cpu = time.process_time() - self.cpu_started
         profiler, self.profiler = self.profiler, None
@@ -273,7 +276,8 @@ class ProfilingApp:
             return {"timers": TIMERS.report(), "process_cpu_seconds": round(cpu, 3)}
         session = profiler.stop()
         self.out_dir.mkdir(parents=True, exist_ok=True)
-        (self.out_dir / f"{name}.html").write_text(profiler.output_html())
+        if html:  # tens of MB: opt-in
+            (self.out_dir / f"{name}.html").write_text(profiler.output_html())
         (self.out_dir / f"{name}.txt").write_text(
             profiler.output_text(unicode=False, color=False, short_mode=False)
         )
@@ -395,6 +399,7 @@ async def run(
     seconds: float,
     out_dir: Path,
     pool: list[str] | None = None,
+    html: bool = False,
 ) -> dict[str, Any]:
     """Profile the request path on `conversation_id` (which holds about `size` messages) at
     concurrency 1, and at concurrency 32 over `pool` (small conversations: no lock waits)."""
@@ -441,7 +446,8 @@ async def run(
             cpu = (gateway.cpu_seconds() or 0.0) - cpu_before
             postgres_cpu = (stack.postgres_cpu_seconds() or 0.0) - postgres_before
             answer = await client.post(
-                f"{gateway.root_url}/_bench/profile/stop", params={"name": f"profile-{label}"}
+                f"{gateway.root_url}/_bench/profile/stop",
+                params={"name": f"profile-{label}", "html": int(html)},
             )
             answer.raise_for_status()
             report = answer.json()
@@ -460,8 +466,9 @@ async def run(
                 }
             )
             if sampler:
-                report["html"] = f"profile-{label}.html"
                 report["text"] = f"profile-{label}.txt"
+                if html:
+                    report["html"] = f"profile-{label}.html"
             timers_report = report.get("timers", {})
             h.log(
                 f"profile {label}: {len(samples)} requests, {report['requests_per_second']} req/s, "

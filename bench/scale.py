@@ -35,7 +35,7 @@ class ScaleConfig:
     tenant_messages: int = 100_000
     tenant_conversation_size: int = 10_000
     # Seconds the tenant's queue gets to drain (bounded by the embedder's speed).
-    budget: float = 180.0
+    budget: float = 120.0
     # Seconds the single conversation gets to be summarized.
     single_budget: float = 1200.0
     retrieval_queries: int = 200
@@ -44,7 +44,7 @@ class ScaleConfig:
     @classmethod
     def quick(cls) -> ScaleConfig:
         return cls(
-            conversation_size=200,
+            conversation_size=100,
             tenant_messages=2_500,
             tenant_conversation_size=300,
             budget=5.0,

@@ -51,7 +51,9 @@ def tree_config(
             model=settings.summary_model,
         ),
         policy=SegmentPolicy(
-            shift_threshold=settings.shift_threshold, token_cap=settings.segment_token_cap
+            shift_threshold=settings.shift_threshold,
+            token_cap=settings.segment_token_cap,
+            min_tokens=settings.segment_min_tokens,
         ),
         fanout=settings.fanout,
         summary_tokens=settings.summary_tokens,

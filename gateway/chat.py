@@ -28,7 +28,7 @@ from gateway.turn import CONVERSATION_HEADER, Turn
 from memory import context, hierarchy, identity, store, tokens
 from memory.db import transaction
 from memory.errors import ProviderError, StorageUnavailable
-from memory.schema import conversations
+from memory.schema import conversations, nodes
 
 log = logging.getLogger(__name__)
 
@@ -101,6 +101,7 @@ BUDGET_HEADER = "X-Memstrata-Budget"
 _SYSTEM_ROLES = ("system", "developer")
 _QUERY_CHARS = 2000
 _RELATED_LIMIT = 20
+_SYSTEM_LOOKAHEAD = 4
 
 
 def parse_budget(value: str | None) -> int | None:
@@ -296,10 +297,22 @@ async def _stored_system(
 ) -> list[dict[str, Any]]:
     """The stored conversation's leading system messages (for clients that send only new
     messages without repeating their system prompt)."""
-    head = await store.list_messages(
-        conn, tenant_id=tenant_id, conversation_id=conversation_id, limit=4
+    rows = await conn.execute(
+        select(nodes.c.role, nodes.c.content, nodes.c.name, nodes.c.meta)
+        .where(
+            nodes.c.tenant_id == tenant_id,
+            nodes.c.conversation_id == conversation_id,
+            nodes.c.level == 0,
+            nodes.c.seq < _SYSTEM_LOOKAHEAD,
+        )
+        .order_by(nodes.c.seq)
     )
-    return _leading_system([record.as_openai() for record in head])
+    head = [
+        {**(row.meta or {}), "role": row.role, "content": row.content}
+        | ({"name": row.name} if row.name is not None else {})
+        for row in rows
+    ]
+    return _leading_system(head)
 
 
 def _leading_system(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -55,6 +55,7 @@ class Settings(BaseSettings):
     summary_tokens: int = Field(default=256, ge=32, le=4096)
     shift_threshold: float = Field(default=0.30, ge=0.0, le=2.0)
     segment_token_cap: int = Field(default=2048, ge=64)
+    segment_min_tokens: int = Field(default=256, ge=0)
     fanout: int = Field(default=8, ge=2, le=64)
 
     # Prompt assembly

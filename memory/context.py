@@ -329,6 +329,8 @@ async def build(
         recent_messages = _drop_first_turn(recent_messages)
         messages = [*head, memory, *recent_messages, *tail_new]
         count = tokens.count_messages(messages, model=model)
+    if count > limit:  # not even the memory message's preamble fits: no memory at all
+        messages, count = [*head, *tail_new], fixed
     return Context(
         messages=messages,
         tokens=count,
@@ -522,6 +524,7 @@ class _Block:
         self.summary_ids: set[int] = set()
         self.message_ids: set[int] = set()
         self.days: set[tuple[int, str]] = set()  # sittings with a heading
+        self.piece_tokens: dict[str, int] = {}
         self.summary_cost = 0
         self.milestone_cost = 0
         self.message_cost = 0
@@ -533,6 +536,26 @@ class _Block:
 
     def _count(self, line: str) -> int:
         return len(self.enc.encode_ordinary(line)) + 1
+
+    def _estimate(self, hit: Hit) -> int:
+        """A message line's tokens from its stored count (framing, role and name out, the tag
+        in): encoding every candidate would cost more than the estimate's error, which the
+        final exact count corrects."""
+        if hit.level > 0 or hit.tool_calls or hit.role == "tool" or hit.token_count <= 0:
+            return self._count(self._message_line(hit))
+        speaker = hit.name or hit.role or "?"
+        framing = tokens.TOKENS_PER_MESSAGE + self._cached(hit.role or "")
+        if hit.name:
+            framing += tokens.TOKENS_PER_NAME + self._cached(hit.name)
+        where = "" if hit.conversation_id == self.primary else ", other conversation"
+        tag = self._cached(f"[#{hit.node_id} {speaker}{where}]")
+        return max(1, hit.token_count - framing) + tag + 1
+
+    def _cached(self, piece: str) -> int:
+        found = self.piece_tokens.get(piece)
+        if found is None:
+            found = self.piece_tokens[piece] = len(self.enc.encode_ordinary(piece))
+        return found
 
     def _summary_line(self, hit: Hit, cap: int) -> str:
         ids = self.enc.encode_ordinary(hit.text)
@@ -552,7 +575,7 @@ class _Block:
         return self._count(self._summary_line(hit, cap))
 
     def cost_of_message(self, hit: Hit) -> int:
-        cost = self._count(self._message_line(hit))
+        cost = self._estimate(hit)
         if _sitting(hit) not in self.days:
             cost += 14  # its sitting's heading
         return cost

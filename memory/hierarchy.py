@@ -466,10 +466,14 @@ async def _insert_summaries(
     ]
     if not adopted:
         return
-    pairs = func.unnest(
-        bindparam("child_ids", [child for child, _ in adopted], type_=ARRAY(BigInteger)),
-        bindparam("parent_ids", [parent for _, parent in adopted], type_=ARRAY(BigInteger)),
-    ).table_valued("child_id", "parent_id")
+    pairs = (
+        func.unnest(
+            bindparam("child_ids", [child for child, _ in adopted], type_=ARRAY(BigInteger)),
+            bindparam("parent_ids", [parent for _, parent in adopted], type_=ARRAY(BigInteger)),
+        )
+        .table_valued("child_id", "parent_id")
+        .render_derived(name="adopted")
+    )
     await conn.execute(
         update(nodes)
         .where(nodes.c.id == pairs.c.child_id, nodes.c.parent_id.is_(None))

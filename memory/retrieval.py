@@ -306,8 +306,13 @@ async def vector_candidates(
     conversation still returns `limit` rows when enough exist."""
     if not conversation_ids:
         return Candidates([])
-    await conn.execute(text("SET LOCAL hnsw.iterative_scan = relaxed_order"))
-    await conn.execute(text(f"SET LOCAL hnsw.ef_search = {max(40, min(1000, 2 * limit))}"))
+    await conn.execute(
+        text(
+            "SELECT set_config('hnsw.iterative_scan', 'relaxed_order', true), "
+            "set_config('hnsw.ef_search', :ef, true)"
+        ),
+        {"ef": str(max(40, min(1000, 2 * limit)))},
+    )
     rows = await conn.execute(
         _VECTOR,
         {

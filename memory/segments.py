@@ -19,9 +19,10 @@ A segment closes **before** a message (:func:`close_reason`) when:
   and are ignored, since agents alternate such tools within one task all the time);
 * ``"shift"`` -- the cosine distance of the message's embedding to the centroid of the open
   segment's embeddings is greater than ``shift_threshold`` (a distance equal to it, up to float
-  rounding, does not close), once at least ``min_messages`` of the open segment's messages carry
-  an embedding: a centroid of one vector is as noisy as that vector, and a user question and its
-  answer differ enough to split a lone question from its reply;
+  rounding, does not close), once the open segment holds ``min_tokens`` tokens and at least
+  ``min_messages`` of its messages carry an embedding: a centroid of one vector is as noisy as
+  that vector, and a user question and its answer differ enough to split a lone question from
+  its reply;
 * ``"max_messages"`` -- the open segment already holds ``max_messages`` messages;
 * ``"token_cap"`` -- the message's tokens would take the segment over ``token_cap``.
 
@@ -103,6 +104,10 @@ class SegmentPolicy:
     shift_threshold: float = 0.30
     token_cap: int = 2048
     min_messages: int = 2
+    # A shift closes only a segment that holds this many tokens: small-model embeddings of
+    # short chat turns sit further apart than the threshold far too often, and a segment of
+    # two short messages makes a summary longer than what it summarizes.
+    min_tokens: int = 256
     max_messages: int = 64
 
     def __post_init__(self) -> None:
@@ -112,6 +117,8 @@ class SegmentPolicy:
             raise ValueError("token_cap must be at least 1")
         if self.min_messages < 1:
             raise ValueError("min_messages must be at least 1")
+        if self.min_tokens < 0:
+            raise ValueError("min_tokens must not be negative")
         if self.max_messages < 1:
             raise ValueError("max_messages must be at least 1")
 
@@ -384,7 +391,12 @@ class _OpenSegment:
                 families = _families(message)
                 if families and self.last_family not in families:
                     return "tool_family", dot
-            if unit is not None and self.embedded >= policy.min_messages and self.sq_norm > 0.0:
+            if (
+                unit is not None
+                and self.embedded >= policy.min_messages
+                and self.tokens >= policy.min_tokens
+                and self.sq_norm > 0.0
+            ):
                 distance = 1.0 - dot / math.sqrt(self.sq_norm)
                 if distance > policy.shift_threshold + _SHIFT_EPSILON:
                     return "shift", dot

@@ -135,6 +135,9 @@ def check_layout(
 ) -> None:
     messages = built.messages
     assert messages[: len(system)] == list(system)
+    if len(messages) == len(system) + len(new):  # a budget too small for any memory
+        assert messages[len(system) :] == list(new) and not built.retrieved
+        return
     memory = messages[len(system)]
     assert memory["role"] == "system" and memory["content"].startswith("[Memory")
     assert "memory_search(" in memory["content"]
@@ -194,7 +197,7 @@ async def property_tenant(engine: AsyncEngine) -> int:
 
 
 @settings(
-    max_examples=40,
+    max_examples=30,
     deadline=None,
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )

@@ -32,7 +32,7 @@ from memory.segments import (
 E1 = (1.0, 0.0, 0.0)
 E2 = (0.0, 1.0, 0.0)
 E3 = (0.0, 0.0, 1.0)
-POLICY = SegmentPolicy()
+POLICY = SegmentPolicy(min_tokens=0)
 
 
 def at_cosine(c: float) -> tuple[float, float, float]:
@@ -85,7 +85,7 @@ def test_shift_closes_on_a_different_direction_not_on_a_similar_one() -> None:
 def test_shift_threshold_is_respected_exactly(
     cosine: float, threshold: float, expected: str | None
 ) -> None:
-    policy = SegmentPolicy(shift_threshold=threshold)
+    policy = SegmentPolicy(shift_threshold=threshold, min_tokens=0)
     open_segment = [msg(emb=E1), msg(emb=E1)]
     assert close_reason(open_segment, msg(emb=at_cosine(cosine)), policy) == expected
 
@@ -108,7 +108,7 @@ def test_shift_waits_for_min_messages_with_embeddings() -> None:
     # Messages without embeddings neither count nor move the centroid.
     assert close_reason([msg(emb=E1), msg(), msg()], msg(emb=E2), POLICY) is None
     assert close_reason([msg(emb=E1), msg(), msg(emb=E1)], msg(emb=E2), POLICY) == "shift"
-    assert close_reason([msg(emb=E1)], msg(emb=E2), SegmentPolicy(min_messages=1)) == "shift"
+    assert close_reason([msg(emb=E1)], msg(emb=E2), SegmentPolicy(min_messages=1, min_tokens=0)) == "shift"
 
 
 def test_messages_without_embedding_are_never_a_shift() -> None:
