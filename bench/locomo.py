@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import re
 import shutil
 import statistics
@@ -407,6 +408,8 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             shutil.rmtree(folder, ignore_errors=True)
     return {
         "benchmark": "locomo evidence recall",
+        "measured": datetime.now(UTC).isoformat(timespec="seconds"),
+        "load_average": round(os.getloadavg()[0], 1),
         "data": args.data.name,
         "conversations": len(samples),
         "turns": sum(len(s.turns) for s in samples),
@@ -419,6 +422,113 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+DOCS = ROOT / "docs" / "benchmarks.md"
+BEGIN, END = "<!-- locomo:begin -->", "<!-- locomo:end -->"
+LABELS = {
+    "memstrata": "memstrata (hybrid + contiguity + tree)",
+    "newest": "newest turns only",
+    "flat_embedding": "flat MiniLM top-k",
+    "flat_fulltext": "flat full-text top-k",
+}
+
+
+def render(report: dict[str, Any]) -> str:
+    """The `## Memory quality (LoCoMo)` section of docs/benchmarks.md."""
+    budgets = [str(b) for b in report["budgets"]]
+    lines = [
+        "## Memory quality (LoCoMo)",
+        "",
+        f"Measured {report.get('measured', '')} on {report['conversations']} conversations "
+        f"({report['turns']:,} turns), {report['questions']:,} questions of categories 1-4; "
+        f"`python -m bench.locomo` ({report['total_seconds']:.0f} s here). Raw figures: "
+        "`bench/results/locomo.json`.",
+        "",
+        "**What is measured.** Every conversation is replayed through the import path and its "
+        "summary tree built (extractive summaries, local MiniLM embeddings). For each question "
+        "the prompt is built exactly as the gateway would send it upstream "
+        "(`gateway.chat.dry_run`, the question as the new user message, gpt-4o's tokenizer) "
+        "and scored by the share of the question's evidence turns whose whole text is in it "
+        "verbatim; the score is the mean over questions. The baselines get the same budgets "
+        "and tokenizer: the newest turns as chat messages; the turns ranked by MiniLM cosine "
+        "or by Postgres `ts_rank_cd`, as `[date speaker] text` lines in one message.",
+        "",
+        "Speakers: the sample's `speaker_a` is `user`, `speaker_b` is `assistant`; the name is "
+        "kept in OpenAI's `name` field (not in the searchable text). A shared photo's caption "
+        "is appended to the turn as `[shares a photo: …]`. Evidence ids are normalized "
+        f"(`D:11:26` → `D11:26`, several ids in one string split); "
+        f"{report['evidence_ids_unresolved']} cited ids name no turn and are left out.",
+        "",
+    ]
+    for variant, title in (
+        ("cited", "with the dataset's evidence"),
+        ("corrected", "with the audit file's corrected evidence"),
+    ):
+        table = report["recall"].get(variant)
+        if not table:
+            continue
+        lines += [
+            f"### Evidence recall {title}",
+            "",
+            "| method | " + " | ".join(f"{int(b) // 1000}k" for b in budgets) + " |",
+            "|---|" + "---|" * len(budgets),
+        ]
+        for method in METHODS:
+            cells = [f"{table[method][b]['overall']:.3f}" for b in budgets]
+            if method == "memstrata":
+                cells = [f"**{c}**" for c in cells]
+            lines.append(f"| {LABELS[method]} | " + " | ".join(cells) + " |")
+        lines += ["", "Per category (memstrata / flat MiniLM / flat full-text / newest):", ""]
+        lines += [
+            "| category | " + " | ".join(f"{int(b) // 1000}k" for b in budgets) + " |",
+            "|---|" + "---|" * len(budgets),
+        ]
+        for number, name in CATEGORIES.items():
+            key = f"{number}_{name}"
+            cells = []
+            for b in budgets:
+                values = [table[m][b].get(key) for m in METHODS]
+                cells.append(" / ".join("-" if v is None else f"{v:.2f}" for v in values))
+            lines.append(f"| {number} {name} | " + " | ".join(cells) + " |")
+        lines.append("")
+    tokens_mean = report["prompt_tokens_mean"]
+    latency = report["build_latency_ms"]
+    lines += [
+        "### Prompt size and build time",
+        "",
+        "| budget | memstrata prompt tokens (mean) | flat MiniLM | build p50 ms | build p95 ms |",
+        "|---|---|---|---|---|",
+    ]
+    for b in budgets:
+        lines.append(
+            f"| {int(b):,} | {tokens_mean['memstrata'][b]:,.0f} | "
+            f"{tokens_mean['flat_embedding'][b]:,.0f} | {latency[b]['p50']:.1f} | "
+            f"{latency[b]['p95']:.1f} |"
+        )
+    lines += [
+        "",
+        "Build time is the whole `dry_run`: finding the conversation, embedding the question "
+        "(MiniLM on the CPU), both retrieval legs, loading and laying out the prompt, and exact "
+        f"token counting, on a machine shared with other work (load average "
+        f"{report.get('load_average', '?')} when the run ended).",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def update_docs(section: str, path: Path = DOCS) -> None:
+    """Put `section` between the LoCoMo markers of docs/benchmarks.md (appended if absent);
+    the rest of the file is left as it is."""
+    block = f"{BEGIN}\n{section}{END}\n"
+    current = path.read_text(encoding="utf-8") if path.exists() else "# Benchmarks\n\n"
+    if BEGIN in current and END in current:
+        head, rest = current.split(BEGIN, 1)
+        tail = rest.split(END, 1)[1].lstrip("\n")
+        updated = head + block + ("\n" + tail if tail else "")
+    else:
+        updated = current.rstrip("\n") + "\n\n" + block
+    path.write_text(updated, encoding="utf-8")
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--data", type=Path, default=DATA)
@@ -429,11 +539,19 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument(
         "--data-dir", type=Path, default=None, help="keep the database here and reuse it"
     )
+    parser.add_argument(
+        "--report-only", action="store_true", help="redraw docs/benchmarks.md from the results"
+    )
     args = parser.parse_args(argv)
+    if args.report_only:
+        update_docs(render(json.loads(RESULTS.read_text(encoding="utf-8"))))
+        return
     report = asyncio.run(main_async(args))
     output = args.output or (RESULTS.with_name("locomo-quick.json") if args.quick else RESULTS)
     output.parent.mkdir(parents=True, exist_ok=True)
     output.write_text(json.dumps(report, indent=2) + "\n")
+    if not args.quick and args.output is None:
+        update_docs(render(report))
     for variant, methods in report["recall"].items():
         print(f"evidence recall ({variant} evidence)")
         for method, per_budget in methods.items():

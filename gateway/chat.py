@@ -20,7 +20,7 @@ from pydantic import ValidationError
 from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from gateway import degraded, relay
+from gateway import degraded, relay, toolloop
 from gateway.deps import State, read_json
 from gateway.errors import GatewayError
 from gateway.schemas import ChatCompletionRequest
@@ -88,7 +88,14 @@ async def complete(request: Request, state: State, *, tenant_id: int) -> Respons
         started=started,
     )
     try:
-        prompt = await assemble(state, turn, body, appended=stored, budget=budget)
+        prompt = await assemble(
+            state,
+            turn,
+            body,
+            appended=stored,
+            budget=budget,
+            reserved_tokens=toolloop.reserved_tokens(state.settings, body),
+        )
     except StorageUnavailable as exc:
         return await unchanged(exc, external_id=turn.external_id)
     turn.overhead = time.perf_counter() - started
@@ -152,6 +159,7 @@ async def assemble(
         budget=budget,
         reserved_tokens=reserved_tokens + _tools_cost(body),
         max_output=_max_output(body),
+        tools_guide=reserved_tokens > 0,
     )
     turn.full_tokens = full
     turn.context_tokens = tokens_sent
@@ -178,6 +186,7 @@ async def dry_run(
             select(conversations.c.next_seq).where(conversations.c.id == ref.id)
         )
     question = {"role": "user", "content": query}
+    reserved = toolloop.reserved_tokens(state.settings, {"model": model, "messages": [question]})
     prompt, count, _full, _rebuilt = await _prompt(
         state,
         tenant_id=tenant_id,
@@ -189,8 +198,9 @@ async def dry_run(
         new_from=int(next_seq or 0),
         whole=None,
         budget=budget,
-        reserved_tokens=0,
+        reserved_tokens=reserved,
         max_output=None,
+        tools_guide=reserved > 0,
     )
     return prompt, count
 
@@ -209,8 +219,12 @@ async def _prompt(
     reserved_tokens: int,
     max_output: int | None,
     unstored_tokens: int = 0,
+    tools_guide: bool = True,
 ) -> tuple[list[dict[str, Any]], int, int, bool]:
-    """(messages, their tokens, the whole history's tokens, rebuilt?)."""
+    """(messages, their tokens, the whole history's tokens, rebuilt?).
+
+    The messages and `reserved_tokens` (tool definitions) together stay within the budget;
+    the tokens returned are the messages' own."""
     settings = state.settings
     limit_budget = context.budget_for(
         model,
@@ -234,10 +248,7 @@ async def _prompt(
         if full <= limit * 1.25:  # stored counts may come from another model's tokenizer
             verbatim = whole
             if verbatim is None:
-                history = await store.list_messages(
-                    conn, tenant_id=tenant_id, conversation_id=conversation_id, limit=new_from
-                )
-                kept = [record.as_openai() for record in history]
+                kept = await _history(conn, tenant_id, conversation_id, before=new_from)
                 stored_system = _leading_system(kept)
                 verbatim = [
                     *(request_system or stored_system),
@@ -246,7 +257,7 @@ async def _prompt(
                 ]
             count = tokens.count_messages(verbatim, model=model)
             if count <= limit:
-                return verbatim, count + reserved_tokens, full, False
+                return verbatim, count, full, False
         related: list[int] = []
         if settings.cross_conversation == "on" and conv.user_id is not None:
             related = await _related(conn, tenant_id, conversation_id, conv.user_id)
@@ -267,12 +278,13 @@ async def _prompt(
                 conversation_ids=related,
                 stored_messages=new_from,
                 stored_tokens=stored_tokens,
+                tools_guide=context.TOOLS_GUIDE if tools_guide else None,
             )
         except context.ContextOverflow as exc:
             raise GatewayError(
                 400, str(exc), param="messages", code="context_length_exceeded"
             ) from exc
-    return built.messages, built.tokens + reserved_tokens, full, True
+    return built.messages, built.tokens, full, True
 
 
 async def _related(
@@ -297,22 +309,39 @@ async def _stored_system(
 ) -> list[dict[str, Any]]:
     """The stored conversation's leading system messages (for clients that send only new
     messages without repeating their system prompt)."""
+    head = await _history(conn, tenant_id, conversation_id, before=_SYSTEM_LOOKAHEAD)
+    return _leading_system(head)
+
+
+async def _history(
+    conn: AsyncConnection, tenant_id: int, conversation_id: int, *, before: int
+) -> list[dict[str, Any]]:
+    """Stored messages before seq `before`, in OpenAI's format, as the client sent them."""
     rows = await conn.execute(
-        select(nodes.c.role, nodes.c.content, nodes.c.name, nodes.c.meta)
+        select(
+            nodes.c.role,
+            nodes.c.content,
+            nodes.c.name,
+            nodes.c.tool_calls,
+            nodes.c.tool_call_id,
+            nodes.c.meta,
+        )
         .where(
             nodes.c.tenant_id == tenant_id,
             nodes.c.conversation_id == conversation_id,
             nodes.c.level == 0,
-            nodes.c.seq < _SYSTEM_LOOKAHEAD,
+            nodes.c.seq < before,
         )
         .order_by(nodes.c.seq)
     )
-    head = [
-        {**(row.meta or {}), "role": row.role, "content": row.content}
-        | ({"name": row.name} if row.name is not None else {})
-        for row in rows
-    ]
-    return _leading_system(head)
+    history = []
+    for row in rows:
+        message: dict[str, Any] = {**(row.meta or {}), "role": row.role, "content": row.content}
+        for key in ("name", "tool_calls", "tool_call_id"):
+            if getattr(row, key) is not None:
+                message[key] = getattr(row, key)
+        history.append(message)
+    return history
 
 
 def _leading_system(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -8,8 +8,8 @@ start the embedded server under `MEMSTRATA_DATA_DIR`.
 import asyncio
 import signal
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
 
 import click
@@ -24,6 +24,7 @@ from memory import identity
 from memory.db import connect, migrate
 from memory.errors import MemstrataError
 from memory.postgres import EmbeddedPostgres
+from memory.worker import Worker
 
 
 def _settings(**overrides: object) -> Settings:
@@ -90,18 +91,10 @@ def migrate_command() -> None:
     settings = _settings()
     _logging(settings)
 
-    async def run(url: str) -> None:
-        engine = connect(url)
-        try:
-            await migrate(engine)
-        finally:
-            await engine.dispose()
+    async def nothing(_: AsyncEngine) -> None:
+        return None
 
-    with _database(settings) as url:
-        try:
-            asyncio.run(run(url))
-        except MemstrataError as exc:
-            raise click.ClickException(str(exc)) from exc
+    _with_database(settings, nothing)
     click.echo("migrations applied")
 
 
@@ -141,30 +134,16 @@ def worker(concurrency: int) -> None:
     settings = _settings()
     _logging(settings)
 
-    async def run(url: str) -> None:
-        engine = connect(url, pool_size=settings.db_pool_size)
-        client = make_client(
-            timeout=settings.upstream_timeout, connect_timeout=settings.upstream_connect_timeout
-        )
-        try:
-            await migrate(engine)
-            config = background.tree_config(settings, client, background.embedder(settings, client))
-            runner = background.worker(engine, settings, config, concurrency=concurrency)
+    async def run(engine: AsyncEngine) -> None:
+        async with _worker(engine, settings, concurrency=concurrency) as runner:
             stop = asyncio.Event()
             loop = asyncio.get_running_loop()
             for sig in (signal.SIGINT, signal.SIGTERM):
                 loop.add_signal_handler(sig, stop.set)
             click.echo(f"worker {runner.worker_id} running; Ctrl-C to stop", err=True)
             await runner.run(stop)
-        finally:
-            await client.aclose()
-            await engine.dispose()
 
-    with _database(settings) as url:
-        try:
-            asyncio.run(run(url))
-        except MemstrataError as exc:
-            raise click.ClickException(str(exc)) from exc
+    _with_database(settings, run)
 
 
 @main.command("import")
@@ -189,23 +168,36 @@ def import_command(
     except MemstrataError as exc:
         raise click.ClickException(str(exc)) from exc
 
+    async def run(engine: AsyncEngine) -> None:
+        with tqdm(total=len(messages), unit="msg", desc=f"import {external_id}") as bar:
+            imported = await importer.import_messages(
+                engine,
+                external_id=external_id,
+                messages=messages,
+                created_at=stamps,
+                model=model,
+                batch=batch,
+                progress=bar.update,
+            )
+        click.echo(f"{imported} messages imported into {external_id}", err=True)
+        if wait:
+            async with _worker(engine, settings, concurrency=1) as runner:
+                started = time.perf_counter()
+                ran = await runner.run_until_idle()
+            click.echo(f"{ran} jobs run in {time.perf_counter() - started:.1f}s", err=True)
+
+    _with_database(settings, run)
+
+
+def _with_database(settings: Settings, work: Callable[[AsyncEngine], Awaitable[None]]) -> None:
+    """Run `work` on a migrated engine (starting the embedded server if needed); domain
+    errors become the command's error message."""
+
     async def run(url: str) -> None:
         engine = connect(url, pool_size=settings.db_pool_size)
         try:
             await migrate(engine)
-            with tqdm(total=len(messages), unit="msg", desc=f"import {external_id}") as bar:
-                imported = await importer.import_messages(
-                    engine,
-                    external_id=external_id,
-                    messages=messages,
-                    created_at=stamps,
-                    model=model,
-                    batch=batch,
-                    progress=bar.update,
-                )
-            click.echo(f"{imported} messages imported into {external_id}", err=True)
-            if wait:
-                await _build_here(engine, settings)
+            await work(engine)
         finally:
             await engine.dispose()
 
@@ -216,16 +208,16 @@ def import_command(
             raise click.ClickException(str(exc)) from exc
 
 
-async def _build_here(engine: AsyncEngine, settings: Settings) -> None:
-    """Run the queued background work in this process until none is left."""
+@asynccontextmanager
+async def _worker(
+    engine: AsyncEngine, settings: Settings, *, concurrency: int
+) -> AsyncIterator[Worker]:
+    """A job worker configured from the settings, with its upstream client."""
     client = make_client(
         timeout=settings.upstream_timeout, connect_timeout=settings.upstream_connect_timeout
     )
     try:
         config = background.tree_config(settings, client, background.embedder(settings, client))
-        runner = background.worker(engine, settings, config, concurrency=1)
-        started = time.perf_counter()
-        ran = await runner.run_until_idle()
-        click.echo(f"{ran} jobs run in {time.perf_counter() - started:.1f}s", err=True)
+        yield background.worker(engine, settings, config, concurrency=concurrency)
     finally:
         await client.aclose()

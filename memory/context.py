@@ -142,10 +142,30 @@ _TAIL = text(
     "AND conversation_id = :conversation_id AND level = 0 AND seq < :before "
     "ORDER BY seq DESC LIMIT :limit"
 )
+# The summaries the frontier may use: the tree's roots before `before`, and the children of the
+# "spine" (the newest root of level ≥ 2, its newest child of level ≥ 2, and so on down), which
+# are what refining toward the present opens. Never the whole tree: at 10,000 messages it has
+# thousands of nodes.
 _TREE = text(
-    "SELECT id, level, seq, span_start, span_end, parent_id, token_count FROM nodes "
-    "WHERE tenant_id = :tenant_id AND conversation_id = :conversation_id AND level > 0 "
-    "AND span_start < :before"
+    """
+WITH RECURSIVE spine(id) AS (
+    (SELECT id FROM nodes
+     WHERE tenant_id = :tenant_id AND conversation_id = :conversation_id AND level >= 2
+       AND parent_id IS NULL AND span_start < :before
+     ORDER BY span_end DESC LIMIT 1)
+    UNION ALL
+    SELECT child.id FROM spine s
+    CROSS JOIN LATERAL (
+        SELECT n.id FROM nodes n
+        WHERE n.parent_id = s.id AND n.level >= 2 AND n.span_start < :before
+        ORDER BY n.span_end DESC LIMIT 1
+    ) child
+)
+SELECT id, level, seq, span_start, span_end, parent_id, token_count FROM nodes
+WHERE tenant_id = :tenant_id AND conversation_id = :conversation_id AND level > 0
+  AND span_start < :before
+  AND (parent_id IS NULL OR parent_id IN (SELECT id FROM spine))
+"""
 )
 _PINNED = text(
     "SELECT id, conversation_id, level, seq, span_start, span_end, role, name, text, "
@@ -222,7 +242,7 @@ async def build(
     scope_ids = [conversation_id, *(c for c in conversation_ids if c != conversation_id)]
     exclude = (conversation_id, recent_from)
     which = retrieval.route(query)
-    pool = max(60, min(400, available // 12))
+    pool = max(60, min(300, available // 12))
     vector_task = (
         asyncio.ensure_future(embed(search_text)) if embed is not None and search_text else None
     )
@@ -281,7 +301,7 @@ async def build(
     )
     frontier = _frontier(tree, budget=summary_budget, cap=cap)
     # Enough candidates to fill the room left even with short messages.
-    wanted = (available - sum(row.token_count for row in recent)) // 16 + 20
+    wanted = (available - sum(row.token_count for row in recent)) // 20 + 20
     hits = await retrieval.load(conn, tenant_id=tenant_id, scores=scores, limit=wanted)
     chosen_summaries = {
         hit.node_id: hit

@@ -371,17 +371,20 @@ def fuse(
     base: dict[Key, float] = {}
     span_end: dict[Key, int] = {}
     names: dict[Key, str | None] = {}
+    exact: set[Key] = set()
     for leg in legs:
         for rank, place in enumerate(leg.ranked):
-            bonus = EXACT_BONUS / (RRF_K + 1) if place.exact else 0.0
-            base[place.key] = base.get(place.key, 0.0) + 1.0 / (RRF_K + rank + 1) + bonus
+            base[place.key] = base.get(place.key, 0.0) + 1.0 / (RRF_K + rank + 1)
             span_end[place.key] = place.span_end
             names[place.key] = place.name
+            if place.exact:
+                exact.add(place.key)
     if len(speakers) == 1:
         for key in base:
             if names.get(key) in speakers:
                 base[key] *= SPEAKER_BOOST
-    scores: dict[Key, float] = {}
+    # The exact-identifier bonus is the node's own: it is not lent to neighbours.
+    scores: dict[Key, float] = {key: EXACT_BONUS / (RRF_K + 1) for key in exact}
     for key, score in base.items():
         conv, level, seq = key
         if level > 0:

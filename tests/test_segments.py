@@ -108,7 +108,10 @@ def test_shift_waits_for_min_messages_with_embeddings() -> None:
     # Messages without embeddings neither count nor move the centroid.
     assert close_reason([msg(emb=E1), msg(), msg()], msg(emb=E2), POLICY) is None
     assert close_reason([msg(emb=E1), msg(), msg(emb=E1)], msg(emb=E2), POLICY) == "shift"
-    assert close_reason([msg(emb=E1)], msg(emb=E2), SegmentPolicy(min_messages=1, min_tokens=0)) == "shift"
+    assert (
+        close_reason([msg(emb=E1)], msg(emb=E2), SegmentPolicy(min_messages=1, min_tokens=0))
+        == "shift"
+    )
 
 
 def test_messages_without_embedding_are_never_a_shift() -> None:

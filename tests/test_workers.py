@@ -32,6 +32,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from gateway import importer
 from memory import store
 from memory.schema import jobs, nodes
+from memory.segments import SegmentPolicy
 from tests import synthetic
 from tests.test_hierarchy import (
     check_complete,
@@ -172,13 +173,18 @@ async def check_no_duplicates(engine: AsyncEngine, tenant_id: int) -> None:
 
 
 async def check_tree(
-    engine: AsyncEngine, tenant_id: int, conversation_id: int, n_messages: int, method: str
+    engine: AsyncEngine,
+    tenant_id: int,
+    conversation_id: int,
+    n_messages: int,
+    method: str,
+    policy: SegmentPolicy,
 ) -> None:
     walk = await walk_tree(
         engine, tenant_id=tenant_id, conversation_id=conversation_id, method=method
     )
     check_complete(walk, n_messages)
-    segments = await expected_segments(engine, conversation_id=conversation_id)
+    segments = await expected_segments(engine, conversation_id=conversation_id, policy=policy)
     assert await level_counts(engine, tenant_id, conversation_id) == expected_levels(
         n_messages, len(segments)
     )
@@ -187,12 +193,20 @@ async def check_tree(
 CONVERSATIONS = 12
 MESSAGES = 60
 BATCH = 30
+# Small segments, closed by the token cap (a topic shift needs more tokens than the cap
+# allows): a few dozen summaries per conversation and roll-ups above them, in any weather.
+TOKEN_CAP = 96
+POLICY = SegmentPolicy(token_cap=TOKEN_CAP)
 
 
 async def test_two_workers_run_every_job_once(
     engine: AsyncEngine, database_url: str, tenant_id: int, workers: list[WorkerProcess]
 ) -> None:
-    settings = {"summary_mode": "extractive", "job_lease_seconds": 10}
+    settings = {
+        "summary_mode": "extractive",
+        "job_lease_seconds": 10,
+        "segment_token_cap": TOKEN_CAP,
+    }
     workers.extend(WorkerProcess(database_url, **settings) for _ in range(2))
     # Messages keep arriving while the workers run: a batch that lands while its
     # conversation's build is running queues another build behind it.
@@ -231,7 +245,7 @@ async def test_two_workers_run_every_job_once(
             ref = await store.find_conversation(
                 conn, tenant_id=tenant_id, external_id=f"conversation-{number}"
             )
-        await check_tree(engine, tenant_id, ref.id, MESSAGES, "extractive")
+        await check_tree(engine, tenant_id, ref.id, MESSAGES, "extractive", POLICY)
 
 
 @pytest.fixture
@@ -263,6 +277,7 @@ async def test_killed_worker_job_is_reclaimed_and_finished(
         "summary_model": "slow-model",
         "upstream_base_url": slow_upstream.url,
         "job_lease_seconds": 3,
+        "segment_token_cap": TOKEN_CAP,
     }
     conversation = synthetic.generate(MESSAGES, seed=7)
     await importer.import_messages(
@@ -314,7 +329,7 @@ async def test_killed_worker_job_is_reclaimed_and_finished(
     assert finished.last_error is None
 
     await check_no_duplicates(engine, tenant_id)
-    await check_tree(engine, tenant_id, conversation_id, MESSAGES, "llm")
+    await check_tree(engine, tenant_id, conversation_id, MESSAGES, "llm", POLICY)
     final = await level_counts(engine, tenant_id, conversation_id)
     assert final[2] > 0, "the second worker did not finish the build"
     assert final[1] >= partial[1]
