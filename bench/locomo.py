@@ -55,7 +55,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from gateway import chat, importer
 from gateway.deps import State
 from gateway.settings import Settings
-from memory import hierarchy, retrieval, tokens
+from memory import hierarchy, retrieval, tokens, tools
 from memory.db import connect, migrate
 from memory.embeddings import LocalEmbedder
 from memory.postgres import EmbeddedPostgres
@@ -68,7 +68,7 @@ DATA = ROOT.parent / "shared" / "data" / "locomo10.json"
 AUDIT = ROOT.parent / "shared" / "data" / "locomo_audit_errors.json"
 MODEL = "gpt-4o"
 CATEGORIES = {1: "multi-hop", 2: "temporal", 3: "open-domain", 4: "single-hop"}
-METHODS = ("memstrata", "newest", "flat_embedding", "flat_fulltext")
+METHODS = ("memstrata", "memstrata_tools", "newest", "flat_embedding", "flat_fulltext")
 _EVIDENCE = re.compile(r"D\s*:?\s*(\d+)\s*[:\s]\s*(\d+)")
 
 
@@ -271,6 +271,19 @@ async def replay(engine: AsyncEngine, tenant: int, sample: Sample, embedder: Loc
         sample.embeddings = np.asarray([list(row.embedding) for row in rows], dtype=np.float32)
 
 
+async def dry(
+    state: State, sample: Sample, question: Question, budget: int
+) -> tuple[list[dict[str, Any]], int]:
+    return await chat.dry_run(
+        state,
+        tenant_id=state.default_tenant_id,
+        external_id=sample.external_id,
+        query=question.question,
+        budget=budget,
+        model=MODEL,
+    )
+
+
 def percentile(values: Sequence[float], share: float) -> float:
     ordered = sorted(values)
     if not ordered:
@@ -279,7 +292,11 @@ def percentile(values: Sequence[float], share: float) -> float:
 
 
 async def evaluate(
-    state: State, tenant: int, samples: Sequence[Sample], budgets: Sequence[int]
+    state: State,
+    tenant: int,
+    samples: Sequence[Sample],
+    budgets: Sequence[int],
+    with_tools: State | None = None,
 ) -> dict[str, Any]:
     # scores[variant][method][budget][category] → per-question recalls
     scores: dict[str, Any] = defaultdict(
@@ -288,6 +305,7 @@ async def evaluate(
     prompt_tokens: dict[str, dict[int, list[int]]] = defaultdict(lambda: defaultdict(list))
     latency: dict[int, list[float]] = defaultdict(list)
     dropped = 0
+    tools_reserved = tools.tool_tokens(MODEL)
     for sample in samples:
         for question in sample.questions:
             variants = {"cited": question.evidence, "corrected": question.corrected}
@@ -315,6 +333,11 @@ async def evaluate(
                 latency[budget].append((time.perf_counter() - began) * 1000)
                 prompts = {
                     "memstrata": built,
+                    **(
+                        {"memstrata_tools": (await dry(with_tools, sample, question, budget))[0]}
+                        if with_tools is not None
+                        else {}
+                    ),
                     "newest": newest(sample, question.question, budget),
                     "flat_embedding": fill_lines(by_embedding, question.question, budget),
                     "flat_fulltext": fill_lines(by_fulltext, question.question, budget),
@@ -323,7 +346,8 @@ async def evaluate(
                     used = tokens.count_messages(messages, model=MODEL)
                     if method == "memstrata":
                         assert used == count, (used, count)
-                    assert used <= budget, (method, used, budget)
+                    limit = budget - (tools_reserved if method == "memstrata_tools" else 0)
+                    assert used <= limit, (method, used, limit)
                     prompt_tokens[method][budget].append(used)
                     for variant, turns in resolved.items():
                         if not turns:
@@ -394,13 +418,21 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         replayed = time.perf_counter() - started
         print(f"replayed {len(samples)} conversations in {replayed:.0f}s", file=sys.stderr)
         state = State(
-            settings=Settings(_env_file=None),
+            settings=Settings(_env_file=None, memory_tools="never"),
             engine=engine,
             upstream=cast(Any, None),
             embedder=embedder,
             default_tenant_id=tenant,
         )
-        report = await evaluate(state, tenant, samples, budgets)
+        with_tools = State(
+            settings=Settings(_env_file=None, memory_tools="auto"),
+            engine=engine,
+            upstream=cast(Any, None),
+            embedder=embedder,
+            default_tenant_id=tenant,
+        )
+        report = await evaluate(state, tenant, samples, budgets, with_tools)
+        report["memory_tool_definition_tokens"] = tools.tool_tokens(MODEL)
         await engine.dispose()
     finally:
         await asyncio.to_thread(server.stop)
@@ -425,7 +457,8 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
 DOCS = ROOT / "docs" / "benchmarks.md"
 BEGIN, END = "<!-- locomo:begin -->", "<!-- locomo:end -->"
 LABELS = {
-    "memstrata": "memstrata (hybrid + contiguity + tree)",
+    "memstrata": "memstrata (memory tools off)",
+    "memstrata_tools": "memstrata, memory tools offered (their definitions reserved)",
     "newest": "newest turns only",
     "flat_embedding": "flat MiniLM top-k",
     "flat_fulltext": "flat full-text top-k",
@@ -477,7 +510,11 @@ def render(report: dict[str, Any]) -> str:
             if method == "memstrata":
                 cells = [f"**{c}**" for c in cells]
             lines.append(f"| {LABELS[method]} | " + " | ".join(cells) + " |")
-        lines += ["", "Per category (memstrata / flat MiniLM / flat full-text / newest):", ""]
+        lines += [
+            "",
+            "Per category (memstrata / with memory tools / newest / flat MiniLM / flat full-text):",
+            "",
+        ]
         lines += [
             "| category | " + " | ".join(f"{int(b) // 1000}k" for b in budgets) + " |",
             "|---|" + "---|" * len(budgets),

@@ -147,13 +147,16 @@ async def assemble(
     if new_count == 0:  # a resent history with nothing new: the last message is the question
         new_count, first_seq = 1, max(0, first_seq - 1)
     whole = len(messages) == first_seq + new_count
+    system = _leading_system(messages)
+    # The leading system prompt goes first, never again among the new messages.
+    new_messages = messages[max(len(messages) - new_count, len(system)) :]
     prompt, tokens_sent, full, rebuilt = await _prompt(
         state,
         tenant_id=turn.tenant_id,
         conversation_id=turn.conversation_id,
         model=str(body.get("model", "")),
-        request_system=_leading_system(messages),
-        new_messages=messages[len(messages) - new_count :],
+        request_system=system,
+        new_messages=new_messages,
         new_from=first_seq,
         whole=messages if whole else None,
         budget=budget,

@@ -316,11 +316,11 @@ async def build(
         if node.id in chosen_summaries:
             block.add_summary(chosen_summaries[node.id], cap=cap)
     milestone_budget = int(available * shares.milestones)
+    # Milestones that bear on the question first, then the newest.
+    pinned.sort(key=lambda hit: (-scores.get((hit.conversation_id, 0, hit.seq), 0.0), -hit.seq))
     for hit in pinned:
-        cost = block.cost_of_message(hit)
-        if block.milestone_cost + cost > milestone_budget:
-            break
-        block.add_milestone(hit)
+        if block.milestone_cost + block.cost_of_message(hit) <= milestone_budget:
+            block.add_milestone(hit)
     room = available - sum(row.token_count for row in recent) - block.total
     for hit in hits:
         if room <= 8:

@@ -229,6 +229,17 @@ ORDER BY n.embedding <=> CAST(:vector AS vector)
 LIMIT :limit
 """
 )
+# The same, exact: `+ 0` keeps the planner off the HNSW index, so the conversation's rows are
+# read through the (conversation_id, level, seq) index and every distance is computed.
+_VECTOR_EXACT = text(
+    f"""
+SELECT n.conversation_id, n.level, n.seq, n.span_end, n.name, false AS exact
+FROM nodes n
+WHERE {_SCOPE} AND n.embedding IS NOT NULL
+ORDER BY (n.embedding <=> CAST(:vector AS vector)) + 0
+LIMIT :limit
+"""
+)
 
 _LOAD = text(
     """
@@ -302,10 +313,25 @@ async def vector_candidates(
 ) -> Candidates:
     """The vector leg: embedded nodes by cosine distance to `query_vector`, nearest first.
 
-    The HNSW index is scanned iteratively (pgvector ≥ 0.8), so filtering by tenant and
-    conversation still returns `limit` rows when enough exist."""
+    One conversation is scanned exactly: its rows come from the conversation's index and
+    the distances of a few thousand vectors cost a few milliseconds, where the HNSW index,
+    shared by every tenant, is approximate and, filtered down to one conversation among many,
+    can miss. Several conversations use the HNSW index, scanned iteratively (pgvector ≥ 0.8)
+    so that the tenant and conversation filter still leaves `limit` rows when enough exist."""
     if not conversation_ids:
         return Candidates([])
+    params = {
+        **_scope_params(
+            tenant_id=tenant_id,
+            conversation_ids=conversation_ids,
+            levels=levels,
+            exclude_from=exclude_from,
+        ),
+        "vector": _vector_literal(query_vector),
+        "limit": limit,
+    }
+    if len(conversation_ids) == 1:
+        return _candidates(await conn.execute(_VECTOR_EXACT, params))
     await conn.execute(
         text(
             "SELECT set_config('hnsw.iterative_scan', 'relaxed_order', true), "
@@ -313,20 +339,7 @@ async def vector_candidates(
         ),
         {"ef": str(max(40, min(1000, 2 * limit)))},
     )
-    rows = await conn.execute(
-        _VECTOR,
-        {
-            **_scope_params(
-                tenant_id=tenant_id,
-                conversation_ids=conversation_ids,
-                levels=levels,
-                exclude_from=exclude_from,
-            ),
-            "vector": _vector_literal(query_vector),
-            "limit": limit,
-        },
-    )
-    return _candidates(rows)
+    return _candidates(await conn.execute(_VECTOR, params))
 
 
 def _vector_literal(vector: Sequence[float]) -> str:

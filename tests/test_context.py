@@ -295,7 +295,7 @@ async def test_layout_with_summaries_retrieval_and_recent_turns(
     sittings = [
         h for h in heading if re.fullmatch(r"\d{4}-\d\d-\d\d \w{3} \d\d:\d\d(-\d\d:\d\d)?:", h)
     ]
-    assert sittings and sittings[-1].startswith("2025-03-01 11:30")  # message 150's minute
+    assert sittings and sittings[-1].startswith("2025-03-01 Sat 11:30")  # message 150: 11:30
     # Summaries first (coarse for the oldest history), then milestones and messages.
     assert memory.index("Summaries, oldest first:") < memory.index("Earlier messages:")
     summary_tags = re.findall(r"\[#(\d+) level (\d+), messages (\d+)-(\d+)", memory)

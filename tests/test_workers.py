@@ -194,9 +194,13 @@ CONVERSATIONS = 12
 MESSAGES = 60
 BATCH = 30
 # Small segments, closed by the token cap (a topic shift needs more tokens than the cap
-# allows): a few dozen summaries per conversation and roll-ups above them, in any weather.
-TOKEN_CAP = 96
+# allows): a dozen or more level-1 summaries per conversation, and roll-ups above them.
+TOKEN_CAP = 128
 POLICY = SegmentPolicy(token_cap=TOKEN_CAP)
+# Smaller still for the killed worker: two batches of segment summaries, so that it can be
+# killed between them.
+KILLED_TOKEN_CAP = 96
+KILLED_POLICY = SegmentPolicy(token_cap=KILLED_TOKEN_CAP)
 
 
 async def test_two_workers_run_every_job_once(
@@ -277,7 +281,7 @@ async def test_killed_worker_job_is_reclaimed_and_finished(
         "summary_model": "slow-model",
         "upstream_base_url": slow_upstream.url,
         "job_lease_seconds": 3,
-        "segment_token_cap": TOKEN_CAP,
+        "segment_token_cap": KILLED_TOKEN_CAP,
     }
     conversation = synthetic.generate(MESSAGES, seed=7)
     await importer.import_messages(
@@ -329,7 +333,7 @@ async def test_killed_worker_job_is_reclaimed_and_finished(
     assert finished.last_error is None
 
     await check_no_duplicates(engine, tenant_id)
-    await check_tree(engine, tenant_id, conversation_id, MESSAGES, "llm", POLICY)
+    await check_tree(engine, tenant_id, conversation_id, MESSAGES, "llm", KILLED_POLICY)
     final = await level_counts(engine, tenant_id, conversation_id)
     assert final[2] > 0, "the second worker did not finish the build"
     assert final[1] >= partial[1]
