@@ -41,58 +41,58 @@ TARGET_RETRIEVAL_P95 = 10.0
 # Written by hand from the profile of the run it names; `make bench` keeps it and redraws the
 # rest. Update it when the profile changes.
 CLOSING_NOTE = """\
-Written from the profile of the full run of 2026-11-21 (commit `144af28` + local changes, with
-the prompt assembly from memory in place); the tables above are redrawn by every run, this
-note is not: update it when the profile changes. That run shared the machine with colleagues'
-test suites and benchmarks (load average about 9 on 2 cores, observed by hand at 06:40 UTC;
-later runs record it), so absolute times are inflated; CPU per request and the side-by-side
-comparisons are the robust figures. At 10,000 stored messages a request spent
-about 320 ms in `gateway.chat.complete`, 275 ms of it assembling the prompt, and waited
-~197 ms on 21 SQL statements. The three biggest costs:
+Written by hand from the full run of 2026-11-21 07:13-07:34 UTC (commit `12cfeb7` + local
+changes); the tables above are redrawn by every run, this note is not: update it when the
+profile changes. The machine was shared with colleagues' test suites and benchmarks (load
+average 5.5-9.5 on 2 cores, recorded per scenario above), so absolute times are inflated; CPU
+per request and the side-by-side comparisons are the robust figures. At 10,000 stored messages
+a request spent 121 ms in `gateway.chat.complete` (stage timers, c=1), 89 ms of it assembling
+the prompt; it ran 20 SQL statements (70 ms waiting) and cost 43-67 ms of gateway CPU and
+41 ms of Postgres CPU. The three biggest costs:
 
-1. **Retrieval SQL on every request (~165 ms at 10,000 messages).** The vector leg asks for
-   400 candidates with `hnsw.ef_search = 800` (73 ms; `EXPLAIN ANALYZE` on the same data:
-   52 ms, against 0.6 ms with 40 candidates and `ef_search = 80`). The full-text leg ORs every
-   word of the question, so it matches ~20 % of the conversation's nodes (3,074 of 15,600):
-   Postgres scans the table instead of the GIN index and scores each match against each term
-   in nested loops (63 ms; 198 ms under `EXPLAIN ANALYZE` on the loaded machine). Loading the
-   hits takes 2 more statements (27 ms). *Recommended*: ask for ~40 candidates per leg
-   (`ef_search` 80-100); make the full-text query selective (drop terms whose document
-   frequency is high before querying, or AND the rare terms) so the GIN index is used and
-   scoring touches tens of rows; fetch the hits' rows in the leg queries instead of after.
-   Retrieval alone measured p50 77 ms / p95 209 ms across the 100,000-message tenant.
-2. **Rebuilding the whole tree view in Python per request (~50 ms).** Every request reads all
-   summaries of the conversation (`SELECT ... level > 0`, 19 ms for ~5,700 rows), builds a
-   `_TreeNode` per row, scores ~500 hits (`_hit`, `fuse`) and renders and tokenizes ~400
-   candidate lines with tiktoken (`cost_of_message`) to fit the budget; the question's
-   embedding (local ONNX, 16 ms) is also computed on the request path. *Recommended*: use the
-   stored `token_count` of nodes instead of re-tokenizing rendered lines, stop once the budget
-   is full, cache the frontier per conversation (it changes only when a build commits), and
-   overlap the embedding with the full-text leg.
-3. **The store path and per-request database overhead (~30 ms at c=1; most of the CPU at
-   saturation).** `store._repeated_system` finds the stored system prompt by scanning the
-   conversation's messages backwards from the newest (11 ms at 10,000 messages, growing with
-   the conversation); every connection checkout pings the server first (`pool_pre_ping`); full
-   `nodes` rows are read where a few columns are needed (`store.list_messages`: pgvector parses
-   384-float embeddings from text and JSONB is decoded for every row, 7 % + 7 % of the busy
-   event-loop time at concurrency 32); asyncpg + SQLAlchemy are 44 % of it. *Recommended*:
-   keep the system prompt's hash (or node id) on the conversation row; drop `pool_pre_ping`
-   (keep `pool_recycle`); select explicit columns without `embedding`/`tsv`; merge the
-   bookkeeping statements of a turn.
+1. **The full-text leg of retrieval (35 ms wall, most of Postgres's 41 ms CPU per request).**
+   It ORs every word of the question, so at 10,000 messages it matches about 20 % of the
+   conversation's nodes (3,074 of 15,600 in `EXPLAIN ANALYZE`): Postgres reads the whole
+   conversation with a sequential scan instead of the GIN index (92 ms of 198 ms under load),
+   then scores every match against every term in two nested loops (8 terms x 3,074 rows,
+   twice). Its cost grows with the conversation. *Recommended*: make the query selective
+   before scoring -- drop the terms with a high document frequency (a per-tenant lexeme
+   statistics table, refreshed by the background build, gives df without scanning) or AND the
+   rare ones -- so the GIN index is used and scoring touches tens of rows; skip the leg when
+   the question has no rare term.
+2. **Assembling the prompt in Python, and the query embedding (~40 ms).** Per request the
+   builder scores ~390 hits (`retrieval._hit`, `fuse`), renders and sizes ~540 candidate
+   lines (`context._Block.cost_of_message`, `_day`, `_sitting` ~775 calls) and tokenizes some
+   with tiktoken; it loads hits in 2 more statements (11 ms) and embeds the question with the
+   local ONNX model on the request path (11 ms). *Recommended*: use the stored `token_count`
+   of nodes instead of rendering lines to size them, stop once the budget is full, cache the
+   frontier per conversation (it only changes when a build commits), return the hit rows from
+   the leg queries, and run the embedding concurrently with the full-text leg.
+3. **The store path and per-statement overhead (~20 ms at c=1; most CPU at saturation).**
+   `store._repeated_system` finds the stored system prompt by scanning the conversation's
+   messages backwards from the newest (8 ms at 10,000 messages and growing: it walks the
+   `(conversation_id, level, seq)` index past every message that is not a system prompt);
+   recording the reply takes another transaction (8 ms); every connection checkout first
+   pings the server (`pool_pre_ping`); at concurrency 32 asyncpg + SQLAlchemy are ~40 % of
+   the busy event-loop time, and the load test used 9.4 ms of gateway CPU per request, which
+   caps one `serve` process near 106 requests/s whatever the machine. *Recommended*: keep the
+   system prompt's hash on the conversation row; drop `pool_pre_ping` (keep `pool_recycle`);
+   merge the turn's bookkeeping statements (job enqueue, counters) into fewer round trips;
+   run several `serve` processes (uvicorn workers) for throughput.
 
-Throughput (43.6 requests/s against a 200 target) is bounded by the same work, and also by the
-gateway's single `httpx.AsyncClient` to the upstream (one client's pool degrades sharply with
-many requests in flight; `bench/relay.py` went from ~60 to ~250 requests/s at concurrency 64
-with 16 clients) and by a database pool of 10 + 10 connections for 64 requests in flight.
-Under concurrency the gateway also answered a few requests with 502 `ReadError`: it reused
-upstream connections the upstream was closing (httpx's 5 s keep-alive equals uvicorn's).
-The background build summarized 10,000 messages in 729 s (about 14 messages/s on this busy
-machine): segmentation made 5,032 level-1 segments for 10,000 messages (about two messages a
-segment), so summaries are embedded almost as often as messages; and the in-process worker
-grew the gateway to 3.6 GB resident. What was done: the harness measures all of this, and the
-benchmark's own bottlenecks were removed (one httpx client per load-generator worker, a
-multi-client relay floor, keep-alive shorter than the servers'); the fixes above belong to the
-owners of `gateway/` and `memory/`.
+Also found: the gateway's single `httpx.AsyncClient` to the upstream slows down with many
+requests in flight (the relay floor went from ~60 to ~300 requests/s at concurrency 64 with
+16 clients in turn); under load the gateway answered a few requests with 502 `ReadError`
+when it reused an upstream connection the upstream was closing (httpx's 5 s keep-alive equals
+uvicorn's; use a shorter `keepalive_expiry`); the in-process worker grew the gateway to 3.6 GB
+resident while building the 10,000-message tree; segmentation made 5,032 level-1 segments for
+10,000 messages (two messages a segment), so summaries are embedded almost as often as
+messages. Between the first full run (06:30) and this one, colleagues' changes already cut
+the vector leg from 76 ms to 4 ms (fewer candidates, a lower `hnsw.ef_search`: 52 ms against
+0.6 ms in `EXPLAIN ANALYZE`) and stopped reading whole rows with their embeddings. The harness
+itself does not change `gateway/` or `memory/`; it removed its own bottlenecks (one httpx
+client per load-generator worker, a multi-client relay floor, keep-alive shorter than the
+servers').
 """
 
 
@@ -620,7 +620,12 @@ def _profile(data: Mapping[str, Any], images: Path, rel: str, results_rel: str) 
         lines.append(
             f"- {label}: {run['requests']} requests, {run['requests_per_second']} req/s, "
             f"latency p50 {_ms(view['p50'])} ms, gateway CPU {run['gateway_cpu_ms_per_request']} "
-            "ms per request (all threads)."
+            "ms per request (all threads)"
+            + (
+                f", Postgres CPU {run['postgres_cpu_ms_per_request']} ms per request."
+                if run.get("postgres_cpu_ms_per_request") is not None
+                else "."
+            )
         )
     if stages:
         lines += [
@@ -657,7 +662,10 @@ def _profile(data: Mapping[str, Any], images: Path, rel: str, results_rel: str) 
             "",
             *_table(
                 ["package", "share of busy time"],
-                [[p["package"], f"{p['share'] * 100:.0f} %"] for p in packages["packages"][:10]],
+                [
+                    [f"`{p['package']}`", f"{p['share'] * 100:.0f} %"]
+                    for p in packages["packages"][:10]
+                ],
             ),
         ]
         _plot_profile(stages, packages, images / "perf-profile.png")

@@ -7,14 +7,17 @@
    tools; summaries of the history before the recent turns, coarse for the oldest history and
    finer nearer the present (a frontier of the summary tree, each truncated to a few sentences
    and tagged `[#node_id]` with its span and period); pinned milestones; and the messages
-   retrieved for the new message (`memory.retrieval`), verbatim, each tagged `[#node_id]` with
-   its time and speaker, in chronological order, grouped by day;
+   retrieved for the new message (`memory.retrieval`), verbatim, each tagged `[#node_id]` and
+   its speaker, in chronological order under a heading per sitting that gives its date and
+   time span (`memory.layout`);
 3. the most recent stored turns verbatim, never starting inside a tool call's results;
 4. the new messages (and, when they are tool results, the assistant message that called them).
 
 Contract: `tokens` is the exact count (`memory.tokens.count_messages`, the model's tiktoken
 encoding) of the messages returned, and `tokens + reserved_tokens <= budget`; when the system
-prompt and new messages alone exceed that, `ContextOverflow` is raised and nothing is built.
+prompt and new messages alone exceed that, `ContextOverflow` is raised and nothing is built;
+when they fit but not even the memory message's preamble does, the prompt is the system prompt
+and the new messages alone.
 The budget is split between the parts by `Shares`: what a part leaves unused goes to retrieval.
 
 Budgets are capped by the model's window minus its output reserve (`budget_for`): a table of
@@ -26,7 +29,6 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta
 from typing import Any, Final
 
 from sqlalchemy import text
@@ -34,7 +36,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 
 from memory import retrieval, tokens
 from memory.errors import InvalidInput
-from memory.retrieval import Hit
+from memory.layout import MemoryBlock
 
 __all__ = [
     "MODEL_LIMITS",
@@ -70,9 +72,6 @@ TOOLS_GUIDE: Final = (
     "summaries; memory_find(pattern, start_seq, end_seq) finds exact text."
 )
 """How the memory message tells the model to use the memory tools."""
-
-SITTING_GAP: Final = timedelta(minutes=30)
-"""Retrieved messages closer in time than this share one heading with their date and times."""
 
 
 class ContextOverflow(InvalidInput):
@@ -263,7 +262,7 @@ async def build(
             )
         ]
         pinned = [
-            retrieval._hit(row, 0.0)
+            retrieval.as_hit(row, 0.0)
             for row in await conn.execute(
                 _PINNED,
                 {"tenant_id": tenant_id, "conversation_id": conversation_id, "before": recent_from},
@@ -311,7 +310,7 @@ async def build(
     }
 
     enc = tokens.get_encoding(tokens.encoding_name_for_model(model))
-    block = _Block(enc=enc, primary=conversation_id)
+    block = MemoryBlock(enc=enc, primary=conversation_id)
     for node in frontier:
         if node.id in chosen_summaries:
             block.add_summary(chosen_summaries[node.id], cap=cap)
@@ -525,185 +524,3 @@ def _openai(row: Any) -> dict[str, Any]:
         if value is not None:
             message[key] = value
     return message
-
-
-# -- the memory block ------------------------------------------------------------------------
-
-
-class _Block:
-    """The memory message's sections, their token costs, and how to shrink them."""
-
-    def __init__(self, *, enc: Any, primary: int) -> None:
-        self.enc = enc
-        self.primary = primary
-        self.summaries: list[tuple[Hit, str]] = []
-        self.milestones: list[Hit] = []
-        self.messages: list[Hit] = []
-        self.lines: dict[int, str] = {}
-        self.costs: dict[int, int] = {}
-        self.summary_ids: set[int] = set()
-        self.message_ids: set[int] = set()
-        self.days: set[tuple[int, str]] = set()  # sittings with a heading
-        self.piece_tokens: dict[str, int] = {}
-        self.summary_cost = 0
-        self.milestone_cost = 0
-        self.message_cost = 0
-
-    @property
-    def total(self) -> int:
-        # Section headings cost a few tokens each.
-        return self.summary_cost + self.milestone_cost + self.message_cost + 24
-
-    def _count(self, line: str) -> int:
-        return len(self.enc.encode_ordinary(line)) + 1
-
-    def _estimate(self, hit: Hit) -> int:
-        """A message line's tokens from its stored count (framing, role and name out, the tag
-        in): encoding every candidate would cost more than the estimate's error, which the
-        final exact count corrects."""
-        if hit.level > 0 or hit.tool_calls or hit.role == "tool" or hit.token_count <= 0:
-            return self._count(self._message_line(hit))
-        speaker = hit.name or hit.role or "?"
-        framing = tokens.TOKENS_PER_MESSAGE + self._cached(hit.role or "")
-        if hit.name:
-            framing += tokens.TOKENS_PER_NAME + self._cached(hit.name)
-        where = "" if hit.conversation_id == self.primary else ", other conversation"
-        tag = self._cached(f"[#{hit.node_id} {speaker}{where}]")
-        return max(1, hit.token_count - framing) + tag + 1
-
-    def _cached(self, piece: str) -> int:
-        found = self.piece_tokens.get(piece)
-        if found is None:
-            found = self.piece_tokens[piece] = len(self.enc.encode_ordinary(piece))
-        return found
-
-    def _summary_line(self, hit: Hit, cap: int) -> str:
-        ids = self.enc.encode_ordinary(hit.text)
-        body = hit.text if len(ids) <= cap else self.enc.decode(ids[:cap]).rstrip() + " …"
-        where = "" if hit.conversation_id == self.primary else " other conversation,"
-        return (
-            f"[#{hit.node_id} level {hit.level},{where} messages {hit.span_start}-{hit.span_end},"
-            f" until {_day(hit.created_at)}] {body}"
-        )
-
-    def _message_line(self, hit: Hit) -> str:
-        speaker = hit.name or hit.role or "?"
-        where = "" if hit.conversation_id == self.primary else ", other conversation"
-        return f"[#{hit.node_id} {speaker}{where}] {_message_text(hit)}"
-
-    def cost_of_summary(self, hit: Hit, *, cap: int) -> int:
-        return self._count(self._summary_line(hit, cap))
-
-    def cost_of_message(self, hit: Hit) -> int:
-        cost = self._estimate(hit)
-        if _sitting(hit) not in self.days:
-            cost += 14  # its sitting's heading
-        return cost
-
-    def add_summary(self, hit: Hit, *, cap: int) -> None:
-        line = self._summary_line(hit, cap)
-        self.summaries.append((hit, line))
-        self.summary_ids.add(hit.node_id)
-        self.lines[hit.node_id] = line
-        cost = self._count(line)
-        self.costs[hit.node_id] = cost
-        self.summary_cost += cost
-
-    def add_milestone(self, hit: Hit) -> None:
-        self.milestone_cost += self.cost_of_message(hit)
-        self.milestones.append(hit)
-        self.message_ids.add(hit.node_id)
-        self.days.add(_sitting(hit))
-
-    def add_message(self, hit: Hit) -> None:
-        cost = self.cost_of_message(hit)
-        self.messages.append(hit)
-        self.message_ids.add(hit.node_id)
-        self.days.add(_sitting(hit))
-        self.costs[hit.node_id] = cost
-        self.message_cost += cost
-
-    def drop_weakest(self) -> bool:
-        """Remove the lowest-scored retrieved message (else the last summary); False when
-        there is nothing left to remove."""
-        if self.messages:
-            weakest = min(self.messages, key=lambda hit: (hit.score, hit.node_id))
-            self.messages.remove(weakest)
-            self.message_ids.discard(weakest.node_id)
-            self.message_cost -= self.costs.get(weakest.node_id, 0)
-            return True
-        if self.milestones:
-            self.milestones.pop()
-            return True
-        if self.summaries:
-            hit, _ = self.summaries.pop()
-            self.summary_ids.discard(hit.node_id)
-            self.summary_cost -= self.costs.get(hit.node_id, 0)
-            return True
-        return False
-
-    def render(self) -> str:
-        parts: list[str] = []
-        if self.summaries:
-            parts.append("Summaries, oldest first:")
-            ordered = sorted(self.summaries, key=lambda item: (item[0].span_start, -item[0].level))
-            parts.extend(line for _, line in ordered)
-        if self.milestones:
-            parts.append("Milestones:")
-            parts.extend(self._day_grouped(self.milestones))
-        if self.messages:
-            parts.append("Earlier messages:")
-            parts.extend(self._day_grouped(self.messages))
-        return "\n".join(parts)
-
-    def _day_grouped(self, hits: Sequence[Hit]) -> list[str]:
-        """Messages in time order under one heading per sitting (same day, no gap over
-        `SITTING_GAP`) that gives its date and time span."""
-        ordered = sorted(
-            hits, key=lambda hit: (hit.conversation_id != self.primary, hit.created_at, hit.seq)
-        )
-        groups: list[list[Hit]] = []
-        for hit in ordered:
-            last = groups[-1][-1] if groups else None
-            if (
-                last is None
-                or last.conversation_id != hit.conversation_id
-                or _day(last.created_at) != _day(hit.created_at)
-                or hit.created_at - last.created_at > SITTING_GAP
-            ):
-                groups.append([hit])
-            else:
-                groups[-1].append(hit)
-        lines: list[str] = []
-        for group in groups:
-            start, end = _clock(group[0].created_at), _clock(group[-1].created_at)
-            span = start if start == end else f"{start}-{end}"
-            lines.append(f"{_day(group[0].created_at)} {span}:")
-            lines.extend(self._message_line(hit) for hit in group)
-        return lines
-
-
-def _sitting(hit: Hit) -> tuple[int, str]:
-    return hit.conversation_id, hit.created_at.strftime("%Y-%m-%d %H")
-
-
-def _day(moment: datetime) -> str:
-    return moment.strftime("%Y-%m-%d %a")
-
-
-def _clock(moment: datetime) -> str:
-    return moment.strftime("%H:%M")
-
-
-def _message_text(hit: Hit) -> str:
-    text = hit.text
-    calls = hit.tool_calls or []
-    if calls:
-        rendered = []
-        for call in calls:
-            function = call.get("function") or {} if isinstance(call, dict) else {}
-            rendered.append(f"{function.get('name', '?')}({function.get('arguments', '')})")
-        text = (text + " " if text else "") + "[called " + "; ".join(rendered) + "]"
-    if hit.role == "tool" and hit.tool_call_id:
-        text = f"[result of {hit.tool_call_id}] {text}"
-    return text.strip()

@@ -40,6 +40,7 @@ __all__ = [
     "Candidates",
     "Hit",
     "Route",
+    "as_hit",
     "fulltext_candidates",
     "fuse",
     "load",
@@ -67,6 +68,9 @@ EXACT_BONUS: Final = 2.0
 """A node holding a rare identifier of the query (a word with digits that at most 3 searched
 nodes hold: a ticket, a booking reference) gains this many first ranks: rank fusion alone would
 let a near-miss by meaning tie with the exact match."""
+
+STANDOUT_Z: Final = 4.0
+"""How far (in standard deviations) a vector hit must stand above its leg to count as exact."""
 
 SPEAKER_BOOST: Final = 1.5
 """Multiplier of messages written by the one participant a query names."""
@@ -139,6 +143,7 @@ class Place:
     span_end: int
     name: str | None
     exact: bool = False  # holds a rare identifier-like word of the query (digits, ≥ 4 chars)
+    similarity: float | None = None  # cosine similarity to the query (vector leg)
 
 
 @dataclass(frozen=True)
@@ -208,6 +213,7 @@ df AS MATERIALIZED (
 )
 SELECT m.conversation_id, m.level, m.seq, m.span_end, m.name,
        bool_or(df.df <= 3 AND df.lexeme ~ '[0-9]' AND length(df.lexeme) >= 4) AS exact,
+       NULL::float AS similarity,
        sum(ln(1 + (s.total - df.df + 0.5) / (df.df + 0.5)))
        * 2.2 / (1 + 1.2 * (0.25 + 0.75 * m.token_count / s.avg_tokens)) AS score
 FROM matched m
@@ -222,7 +228,8 @@ LIMIT :limit
 
 _VECTOR = text(
     f"""
-SELECT n.conversation_id, n.level, n.seq, n.span_end, n.name, false AS exact
+SELECT n.conversation_id, n.level, n.seq, n.span_end, n.name, false AS exact,
+       1 - (n.embedding <=> CAST(:vector AS vector)) AS similarity
 FROM nodes n
 WHERE {_SCOPE} AND n.embedding IS NOT NULL
 ORDER BY n.embedding <=> CAST(:vector AS vector)
@@ -233,7 +240,8 @@ LIMIT :limit
 # read through the (conversation_id, level, seq) index and every distance is computed.
 _VECTOR_EXACT = text(
     f"""
-SELECT n.conversation_id, n.level, n.seq, n.span_end, n.name, false AS exact
+SELECT n.conversation_id, n.level, n.seq, n.span_end, n.name, false AS exact,
+       1 - (n.embedding <=> CAST(:vector AS vector)) AS similarity
 FROM nodes n
 WHERE {_SCOPE} AND n.embedding IS NOT NULL
 ORDER BY (n.embedding <=> CAST(:vector AS vector)) + 0
@@ -354,6 +362,7 @@ def _candidates(rows: Any) -> Candidates:
                 span_end=int(row.span_end),
                 name=row.name,
                 exact=bool(row.exact),
+                similarity=None if row.similarity is None else float(row.similarity),
             )
             for row in rows
         ]
@@ -396,6 +405,7 @@ def fuse(
         for key in base:
             if names.get(key) in speakers:
                 base[key] *= SPEAKER_BOOST
+    exact |= _standouts(legs)
     # The exact-identifier bonus is the node's own: it is not lent to neighbours.
     scores: dict[Key, float] = {key: EXACT_BONUS / (RRF_K + 1) for key in exact}
     for key, score in base.items():
@@ -425,6 +435,25 @@ def fuse(
             score *= 0.9
         result[key] = score
     return result
+
+
+def _standouts(legs: Sequence[Candidates]) -> set[Key]:
+    """Candidates whose similarity stands far above the rest of their leg's (more than
+    `STANDOUT_Z` standard deviations over the mean of its first 50): a match by meaning that
+    clear is as telling as an exact identifier, which rank fusion alone would not show."""
+    found: set[Key] = set()
+    for leg in legs:
+        sims = [p.similarity for p in leg.ranked[:50] if p.similarity is not None]
+        if len(sims) < 10:
+            continue
+        mean = sum(sims) / len(sims)
+        spread = math.sqrt(sum((x - mean) ** 2 for x in sims) / len(sims))
+        if spread <= 1e-6:
+            continue
+        for place in leg.ranked[:3]:
+            if place.similarity is not None and (place.similarity - mean) / spread > STANDOUT_Z:
+                found.add(place.key)
+    return found
 
 
 def _excluded(key: Key, exclude_from: tuple[int, int]) -> bool:
@@ -535,7 +564,8 @@ async def load(
         },
     )
     hits = [
-        _hit(row, scores[(int(row.conversation_id), int(row.level), int(row.seq))]) for row in rows
+        as_hit(row, scores[(int(row.conversation_id), int(row.level), int(row.seq))])
+        for row in rows
     ]
     return sorted(hits, key=lambda hit: (-hit.score, -hit.seq, hit.node_id))
 
@@ -552,7 +582,7 @@ async def load_nodes(conn: AsyncConnection, *, tenant_id: int, ids: Sequence[int
         ),
         {"tenant_id": tenant_id, "ids": list(ids)},
     )
-    return [_hit(row, 0.0) for row in rows]
+    return [as_hit(row, 0.0) for row in rows]
 
 
 async def _newest(
@@ -567,7 +597,8 @@ async def _newest(
     return {int(row.id): int(row.next_seq) - 1 for row in rows}
 
 
-def _hit(row: Any, score: float) -> Hit:
+def as_hit(row: Any, score: float) -> Hit:
+    """A hit from a row of `nodes` with the columns `_LOAD` selects."""
     return Hit(
         node_id=int(row.id),
         conversation_id=int(row.conversation_id),
