@@ -20,13 +20,19 @@ would (`gateway.chat.dry_run`: the question as the new user message, model gpt-4
 by the share of its evidence turns whose whole text is present verbatim in the prompt. Evidence
 ids are normalized (`D:11:26` → `D11:26`, `D8:6; D9:17` → two ids); ids that name no turn are
 dropped and counted. Scores are reported with the dataset's evidence and with the audit file's
-`correct_evidence` in place of the cited one. Three baselines get the same budgets and the same
+`correct_evidence` in place of the cited one. memstrata is measured twice: with the memory
+tools off (`MEMSTRATA_MEMORY_TOOLS=never`: the prompt is all messages, like the baselines') and
+with them offered (the default `auto`: their definitions are reserved out of the budget, so the
+messages get less). Three baselines get the same budgets and the same
 token counting: the newest turns only (verbatim chat messages), flat embedding top-k (MiniLM
 cosine over all turns) and flat full-text top-k (Postgres `ts_rank_cd` over the question's words
 joined by `or`), the last two as one memory message of `[date speaker] text` lines.
 
 The data is CC BY-NC: it is read from its path and never copied into the repository. Results
-are printed and written to `bench/results/locomo.json`; `--quick` runs 2 conversations at 4k.
+are printed and written to `bench/results/locomo.json`, and the `## Memory quality (LoCoMo)`
+section of docs/benchmarks.md is redrawn (`bench.locomo_report`; `--report-only` redraws it
+from the results alone). `--quick` runs 2 conversations at 4k into `locomo-quick.json`, docs
+untouched; `--data-dir DIR` keeps the database there and reuses it on the next run.
 """
 
 from __future__ import annotations
@@ -52,6 +58,7 @@ import numpy as np
 from sqlalchemy import insert, select, text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from bench.locomo_report import CATEGORIES, METHODS, ROOT, render, update_docs
 from gateway import chat, importer
 from gateway.deps import State
 from gateway.settings import Settings
@@ -62,13 +69,10 @@ from memory.postgres import EmbeddedPostgres
 from memory.schema import nodes, tenants
 from memory.summarize import ExtractiveSummarizer
 
-ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results" / "locomo.json"
 DATA = ROOT.parent / "shared" / "data" / "locomo10.json"
 AUDIT = ROOT.parent / "shared" / "data" / "locomo_audit_errors.json"
 MODEL = "gpt-4o"
-CATEGORIES = {1: "multi-hop", 2: "temporal", 3: "open-domain", 4: "single-hop"}
-METHODS = ("memstrata", "memstrata_tools", "newest", "flat_embedding", "flat_fulltext")
 _EVIDENCE = re.compile(r"D\s*:?\s*(\d+)\s*[:\s]\s*(\d+)")
 
 
@@ -452,118 +456,6 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         "total_seconds": round(time.perf_counter() - started, 1),
         **report,
     }
-
-
-DOCS = ROOT / "docs" / "benchmarks.md"
-BEGIN, END = "<!-- locomo:begin -->", "<!-- locomo:end -->"
-LABELS = {
-    "memstrata": "memstrata (memory tools off)",
-    "memstrata_tools": "memstrata, memory tools offered (their definitions reserved)",
-    "newest": "newest turns only",
-    "flat_embedding": "flat MiniLM top-k",
-    "flat_fulltext": "flat full-text top-k",
-}
-
-
-def render(report: dict[str, Any]) -> str:
-    """The `## Memory quality (LoCoMo)` section of docs/benchmarks.md."""
-    budgets = [str(b) for b in report["budgets"]]
-    lines = [
-        "## Memory quality (LoCoMo)",
-        "",
-        f"Measured {report.get('measured', '')} on {report['conversations']} conversations "
-        f"({report['turns']:,} turns), {report['questions']:,} questions of categories 1-4; "
-        f"`python -m bench.locomo` ({report['total_seconds']:.0f} s here). Raw figures: "
-        "`bench/results/locomo.json`.",
-        "",
-        "**What is measured.** Every conversation is replayed through the import path and its "
-        "summary tree built (extractive summaries, local MiniLM embeddings). For each question "
-        "the prompt is built exactly as the gateway would send it upstream "
-        "(`gateway.chat.dry_run`, the question as the new user message, gpt-4o's tokenizer) "
-        "and scored by the share of the question's evidence turns whose whole text is in it "
-        "verbatim; the score is the mean over questions. The baselines get the same budgets "
-        "and tokenizer: the newest turns as chat messages; the turns ranked by MiniLM cosine "
-        "or by Postgres `ts_rank_cd`, as `[date speaker] text` lines in one message.",
-        "",
-        "Speakers: the sample's `speaker_a` is `user`, `speaker_b` is `assistant`; the name is "
-        "kept in OpenAI's `name` field (not in the searchable text). A shared photo's caption "
-        "is appended to the turn as `[shares a photo: …]`. Evidence ids are normalized "
-        f"(`D:11:26` → `D11:26`, several ids in one string split); "
-        f"{report['evidence_ids_unresolved']} cited ids name no turn and are left out.",
-        "",
-    ]
-    for variant, title in (
-        ("cited", "with the dataset's evidence"),
-        ("corrected", "with the audit file's corrected evidence"),
-    ):
-        table = report["recall"].get(variant)
-        if not table:
-            continue
-        lines += [
-            f"### Evidence recall {title}",
-            "",
-            "| method | " + " | ".join(f"{int(b) // 1000}k" for b in budgets) + " |",
-            "|---|" + "---|" * len(budgets),
-        ]
-        for method in METHODS:
-            cells = [f"{table[method][b]['overall']:.3f}" for b in budgets]
-            if method == "memstrata":
-                cells = [f"**{c}**" for c in cells]
-            lines.append(f"| {LABELS[method]} | " + " | ".join(cells) + " |")
-        lines += [
-            "",
-            "Per category (memstrata / with memory tools / newest / flat MiniLM / flat full-text):",
-            "",
-        ]
-        lines += [
-            "| category | " + " | ".join(f"{int(b) // 1000}k" for b in budgets) + " |",
-            "|---|" + "---|" * len(budgets),
-        ]
-        for number, name in CATEGORIES.items():
-            key = f"{number}_{name}"
-            cells = []
-            for b in budgets:
-                values = [table[m][b].get(key) for m in METHODS]
-                cells.append(" / ".join("-" if v is None else f"{v:.2f}" for v in values))
-            lines.append(f"| {number} {name} | " + " | ".join(cells) + " |")
-        lines.append("")
-    tokens_mean = report["prompt_tokens_mean"]
-    latency = report["build_latency_ms"]
-    lines += [
-        "### Prompt size and build time",
-        "",
-        "| budget | memstrata prompt tokens (mean) | flat MiniLM | build p50 ms | build p95 ms |",
-        "|---|---|---|---|---|",
-    ]
-    for b in budgets:
-        lines.append(
-            f"| {int(b):,} | {tokens_mean['memstrata'][b]:,.0f} | "
-            f"{tokens_mean['flat_embedding'][b]:,.0f} | {latency[b]['p50']:.1f} | "
-            f"{latency[b]['p95']:.1f} |"
-        )
-    lines += [
-        "",
-        "Build time is the whole `dry_run`: finding the conversation, embedding the question "
-        "(MiniLM on the CPU), both retrieval legs, loading and laying out the prompt, and exact "
-        f"token counting, on a machine shared with other work (load average "
-        f"{report.get('load_average', '?')} when the run ended).",
-        "",
-    ]
-    return "\n".join(lines)
-
-
-def update_docs(section: str, path: Path = DOCS) -> None:
-    """Put `section` between the LoCoMo markers of docs/benchmarks.md (appended if absent);
-    the rest of the file is left as it is."""
-    block = f"{BEGIN}\n{section}{END}\n"
-    current = path.read_text(encoding="utf-8") if path.exists() else "# Benchmarks\n\n"
-    if BEGIN in current and END in current:
-        head, rest = current.split(BEGIN, 1)
-        tail = rest.split(END, 1)[1].lstrip("\n")
-        updated = head + block + ("\n" + tail if tail else "")
-    else:
-        updated = current.rstrip("\n") + "\n\n" + block
-    path.write_text(updated, encoding="utf-8")
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -342,7 +342,7 @@ async def build(
         memory = {"role": "system", "content": preamble + block.render()}
         messages = [*head, memory, *recent_messages, *tail_new]
         count = tokens.count_messages(messages, model=model)
-        if count <= limit or not block.drop_weakest():
+        if count <= limit or not block.drop_weakest(count - limit):
             break
     while count > limit and recent_messages:  # only the recent turns can still give way
         recent_messages = _drop_first_turn(recent_messages)

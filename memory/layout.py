@@ -128,17 +128,24 @@ class MemoryBlock:
         self.costs[hit.node_id] = cost
         self.message_cost += cost
 
-    def drop_weakest(self) -> bool:
-        """Remove the lowest-scored retrieved message (else the last summary); False when
-        there is nothing left to remove."""
+    def drop_weakest(self, over: int = 1) -> bool:
+        """Remove the lowest-scored retrieved messages until their estimated cost reaches
+        `over` tokens (else the last milestone, else the last summary); False when there is
+        nothing left to remove."""
         if self.messages:
-            weakest = min(self.messages, key=lambda hit: (hit.score, hit.node_id))
-            self.messages.remove(weakest)
-            self.message_ids.discard(weakest.node_id)
-            self.message_cost -= self.costs.get(weakest.node_id, 0)
+            freed = 0
+            for weakest in sorted(self.messages, key=lambda hit: (hit.score, hit.node_id)):
+                self.messages.remove(weakest)
+                self.message_ids.discard(weakest.node_id)
+                cost = self.costs.get(weakest.node_id, 0)
+                self.message_cost -= cost
+                freed += cost
+                if freed >= over:
+                    break
             return True
         if self.milestones:
-            self.milestones.pop()
+            dropped = self.milestones.pop()
+            self.message_ids.discard(dropped.node_id)
             return True
         if self.summaries:
             hit, _ = self.summaries.pop()

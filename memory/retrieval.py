@@ -4,37 +4,51 @@
 
 * tenant-scoped: only nodes of `tenant_id` in `conversation_ids` are ever read; a conversation
   id of another tenant simply finds nothing;
-* two legs, fused by reciprocal rank (RRF, k = 60): pgvector cosine distance over the HNSW index
-  (`query_vector`, when given) and Postgres full text: candidates are the nodes matching
-  `websearch_to_tsquery` of the query's words joined by `or` (quoted phrases stay phrases),
-  ranked by a BM25-like score (inverse document frequency of each query lexeme within the
+* two legs fused by reciprocal rank (`RRF_K`): pgvector cosine distance (`query_vector`, when
+  given; exact for one conversation, the HNSW index scanned iteratively for several) and
+  Postgres full text: candidates are the nodes matching `websearch_to_tsquery` of the query's
+  words joined by `or` (quoted phrases stay phrases), ranked by a BM25-like score (inverse
+  document frequency of each query lexeme, and of each identifier the parser splits, within the
   searched conversations, normalized by node length), so a rare identifier outweighs "go";
+* exact matches win: a node holding a rare identifier of the query, or a vector hit standing
+  far above the rest of its leg, gets a bonus worth `EXACT_BONUS` first ranks;
 * messages that have no embedding yet are found by the full-text leg alone: nothing just written
   is invisible;
 * collapsed tree: summaries of every level are searched beside messages (`levels` restricts);
 * query routing (`route()`): sequential questions ("last time", "earlier", "before",
   "recently") weight recency heavily, relational ones ("how", "why", "relate") raise summaries,
   others are flat hybrid with a light recency tie-break;
-* temporal contiguity: a hit whose neighbouring message is also a candidate is raised, and
-  `neighbours()` fetches the messages around hits for the prompt builder.
+* temporal contiguity: each message lends a share of its score to the messages next to it
+  (`CONTIGUITY`), so an answer right after the best match is found even when it shares no word
+  with the question;
+* speakers: a query naming one participant (a message `name`) raises that participant's
+  messages; callers strip participants' names from the text they embed (`without_names`).
 
 System and developer messages are never returned (they are the client's prompt, not memory).
-`search()` costs one SQL round trip per leg; the full-text leg does not need the vector, so
-callers may run it (`fulltext_candidates`) while the query is being embedded.
+`search()` costs one SQL round trip per leg plus one to load the hits; the full-text leg does
+not need the vector, so callers may run it (`fulltext_candidates`) while the query is embedded.
+Weights were tuned on LoCoMo (see docs/benchmarks.md).
 """
 
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
-from enum import StrEnum
 from typing import Any, Final
 
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncConnection
+
+from memory.query import (
+    Route,
+    identifiers,
+    participants_named,
+    route,
+    websearch_query,
+    without_names,
+)
 
 __all__ = [
     "Candidates",
@@ -43,6 +57,7 @@ __all__ = [
     "as_hit",
     "fulltext_candidates",
     "fuse",
+    "identifiers",
     "load",
     "load_nodes",
     "participants_named",
@@ -76,14 +91,6 @@ SPEAKER_BOOST: Final = 1.5
 """Multiplier of messages written by the one participant a query names."""
 
 
-class Route(StrEnum):
-    """How a query is answered (SPEC §6 query routing)."""
-
-    FLAT = "flat"
-    SEQUENTIAL = "sequential"
-    RELATIONAL = "relational"
-
-
 @dataclass(frozen=True)
 class Weights:
     """How one route weighs summaries and recency against relevance."""
@@ -97,18 +104,6 @@ ROUTE_WEIGHTS: Final[Mapping[Route, Weights]] = {
     Route.SEQUENTIAL: Weights(summary=0.8, recency=1.5),
     Route.RELATIONAL: Weights(summary=1.5, recency=0.05),
 }
-
-_SEQUENTIAL = re.compile(
-    r"\b(last time|earlier|before|recent(ly)?|previous(ly)?|lately|just now|ago|"
-    r"last (week|month|session|conversation|chat))\b",
-    re.IGNORECASE,
-)
-_RELATIONAL = re.compile(
-    r"\b(how|why|relate[sd]?|relation(ship)?s?|connect(ed|ion)?s?|overall|in general)\b",
-    re.IGNORECASE,
-)
-_PHRASE = re.compile(r'"([^"]+)"')
-_WORD = re.compile(r"[^\s\"()]+")
 
 
 @dataclass(frozen=True)
@@ -153,27 +148,6 @@ class Candidates:
     ranked: list[Place]
 
 
-def route(query: str) -> Route:
-    """The route of a query: sequential wins over relational, else flat."""
-    if _SEQUENTIAL.search(query):
-        return Route.SEQUENTIAL
-    if _RELATIONAL.search(query):
-        return Route.RELATIONAL
-    return Route.FLAT
-
-
-def websearch_query(query: str) -> str:
-    """`query` in `websearch_to_tsquery` syntax with its words joined by `or`.
-
-    Quoted phrases stay phrases; a leading `-` (negation) is dropped: recall matters more than
-    precision here, the ranking sorts the matches."""
-    phrases = [f'"{p.strip()}"' for p in _PHRASE.findall(query) if p.strip()]
-    rest = _PHRASE.sub(" ", query)
-    words = [w.lstrip("-") for w in _WORD.findall(rest)]
-    words = [w for w in words if w and w.lower() != "or"]
-    return " or ".join(phrases + words)
-
-
 # -- the legs ------------------------------------------------------------------------------
 
 _SCOPE = """
@@ -193,6 +167,11 @@ _FULLTEXT = text(
 WITH terms AS (
     SELECT DISTINCT lexeme, quote_literal(lexeme)::tsquery AS tq
     FROM unnest(tsvector_to_array(to_tsvector('english', :query))) AS lexeme
+    UNION
+    -- An identifier the parser splits ("PO-2314" → 'po', '-2314') is a term of its own too.
+    SELECT word, phraseto_tsquery('english', word)
+    FROM unnest(CAST(:identifiers AS text[])) AS word
+    WHERE numnode(phraseto_tsquery('english', word)) > 1
 ),
 matched AS MATERIALIZED (
     SELECT n.id, n.conversation_id, n.level, n.seq, n.span_end, n.name, n.tsv, n.token_count
@@ -207,7 +186,8 @@ stats AS MATERIALIZED (
     WHERE c.tenant_id = :tenant_id AND c.id = ANY(:conversation_ids)
 ),
 df AS MATERIALIZED (
-    SELECT t.lexeme, t.tq, count(m.id) AS df FROM terms t
+    -- Messages only: summaries repeat their messages' identifiers and would halve the idf.
+    SELECT t.lexeme, t.tq, count(m.id) FILTER (WHERE m.level = 0) AS df FROM terms t
     LEFT JOIN matched m ON m.tsv @@ t.tq
     GROUP BY t.lexeme, t.tq
 )
@@ -303,6 +283,7 @@ async def fulltext_candidates(
             ),
             "query": query,
             "websearch": websearch,
+            "identifiers": identifiers(query),
             "limit": limit,
         },
     )
@@ -459,26 +440,6 @@ def _standouts(legs: Sequence[Candidates]) -> set[Key]:
 def _excluded(key: Key, exclude_from: tuple[int, int]) -> bool:
     conv, level, seq = key
     return conv == exclude_from[0] and level == 0 and seq >= exclude_from[1]
-
-
-def participants_named(query: str, participants: Collection[str]) -> set[str]:
-    """The participants (message `name`s) that `query` names as a whole word."""
-    return {
-        name
-        for name in participants
-        if name and re.search(rf"(?<!\w){re.escape(name)}(?!\w)", query, re.IGNORECASE)
-    }
-
-
-def without_names(query: str, names: Collection[str]) -> str:
-    """`query` without the given names (and their possessive 's): inside a conversation its
-    participants' names say nothing about the topic, and would pull the vector toward every
-    message that greets them."""
-    result = query
-    for name in sorted(names, key=len, reverse=True):
-        result = re.sub(rf"(?<!\w){re.escape(name)}('s)?(?!\w)", " ", result, flags=re.I)
-    result = re.sub(r"\s+", " ", result).strip()
-    return result or query
 
 
 # -- the entry point -----------------------------------------------------------------------

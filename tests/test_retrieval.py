@@ -313,6 +313,15 @@ def test_websearch_query_ors_words_and_keeps_phrases() -> None:
     assert retrieval.websearch_query("   ") == ""
 
 
+def test_identifiers_are_the_words_with_digits() -> None:
+    assert retrieval.identifiers("is PO-2314 done, or v2.3.1 on 2025-11-15 at 9am?") == [
+        "PO-2314",
+        "v2.3.1",
+        "2025-11-15",
+    ]
+    assert retrieval.identifiers("nothing here") == []
+
+
 def test_names_are_found_and_stripped() -> None:
     names = {"Caroline", "Mel"}
     assert retrieval.participants_named("What did Caroline's sister say?", names) == {"Caroline"}
