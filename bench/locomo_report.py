@@ -43,15 +43,15 @@ contiguity window (-0.2).
 **Limits.** The remaining misses are mostly multi-hop questions (evidence scattered over many \
 sessions, e.g. "what activities does X do") and open-domain ones whose evidence shares little \
 with the question; a cross-encoder or an LLM re-ranker would be the next step, neither is \
-available offline here. On this data the segmenter closes a segment every two turns or so \
-(chit-chat moves past the 0.30 cosine threshold at almost every message), so level-1 summaries \
-are short and the extractive roll-ups above them are weak; they cost little budget, but a \
-better-tuned segmenter or LLM summaries would make the summary part of the prompt worth more. \
+available offline here. The summaries are extractive (no LLM here): they keep the sentences \
+with the most names, numbers and dates, which reads poorly for chit-chat; they take 6 % of the \
+budget and count only where they happen to hold a whole turn. \
 With the memory tools offered (`MEMSTRATA_MEMORY_TOOLS=auto`, the default), their definitions \
 ({tools} tokens with gpt-4o's tokenizer) are reserved out of the same budget, which is what the \
-"memory tools offered" row pays; the baselines carry no tools. The baselines' lines carry a \
-date and speaker tag, which makes them cost more than bare text: the issue's own figures for \
-the same baselines (newest 0.19, flat MiniLM 0.83 at 4k) were measured without them."""
+"memory tools offered" row pays; the baselines carry no tools. The issue quotes other figures \
+for the baselines at 4k (newest 0.19, flat MiniLM 0.83, MiniLM + TF-IDF 0.87), measured \
+elsewhere; here every baseline line carries a date and speaker tag, which costs budget and may \
+account for the gap."""
 
 
 def render(report: dict[str, Any]) -> str:

@@ -282,6 +282,7 @@ async def build(
                 query_vector=vector,
                 limit=pool,
                 exclude_from=exclude,
+                messages=first_kept if len(scope_ids) == 1 else None,
             )
         )
     scores = retrieval.fuse(
@@ -300,7 +301,7 @@ async def build(
     )
     frontier = _frontier(tree, budget=summary_budget, cap=cap)
     # Enough candidates to fill the room left even with short messages.
-    wanted = (available - sum(row.token_count for row in recent)) // 20 + 20
+    wanted = (available - sum(row.token_count for row in recent)) // 25 + 20
     hits = await retrieval.load(conn, tenant_id=tenant_id, scores=scores, limit=wanted)
     chosen_summaries = {
         hit.node_id: hit
