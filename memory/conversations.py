@@ -78,8 +78,8 @@ class Deleted:
 _SUMMARY_COLUMNS = (
     conversations.c.id,
     conversations.c.external_id,
-    conversations.c.user_id,
-    conversations.c.next_seq,
+    conversations.c.user_id.label("user"),
+    conversations.c.next_seq.label("messages"),
     conversations.c.token_count,
     conversations.c.requests,
     conversations.c.tokens_sent,
@@ -90,18 +90,7 @@ _SUMMARY_COLUMNS = (
 
 
 def _summary(row: AnyRow) -> ConversationSummary:
-    return ConversationSummary(
-        id=row.id,
-        external_id=row.external_id,
-        user=row.user_id,
-        messages=row.next_seq,
-        token_count=row.token_count,
-        requests=row.requests,
-        tokens_sent=row.tokens_sent,
-        tokens_full=row.tokens_full,
-        created_at=row.created_at,
-        updated_at=row.updated_at,
-    )
+    return ConversationSummary(**row._mapping)
 
 
 async def list_conversations(

@@ -251,11 +251,4 @@ _KEY_COLUMNS = (
 
 
 def _key(row: AnyRow) -> KeyRecord:
-    return KeyRecord(
-        id=row.id,
-        tenant_id=row.tenant_id,
-        name=row.name,
-        prefix=row.prefix,
-        created_at=row.created_at,
-        revoked_at=row.revoked_at,
-    )
+    return KeyRecord(**row._mapping)

@@ -171,21 +171,7 @@ async def conversation_messages(
         )
     return MessagesPublic(
         conversation=conversation,
-        messages=[
-            MessagePublic(
-                node_id=record.node_id,
-                seq=record.seq,
-                role=record.role,
-                content=record.content,
-                name=record.name,
-                tool_calls=record.tool_calls,
-                tool_call_id=record.tool_call_id,
-                status=record.status,
-                token_count=record.token_count,
-                created_at=record.created_at,
-            )
-            for record in records
-        ],
+        messages=[MessagePublic.model_validate(record) for record in records],
     )
 
 

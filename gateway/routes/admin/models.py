@@ -7,13 +7,15 @@ time zone. A key's secret appears only in `KeyCreated`, the answer that creates 
 from datetime import datetime
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 TENANT_PATTERN = r"^[A-Za-z0-9._-]{1,64}$"
 CONVERSATION_PATTERN = r"^[A-Za-z0-9._:-]{1,128}$"
 # Text Postgres can hold: no NUL characters.
 TEXT_PATTERN = r"^[^\x00]*$"
 MAX_ID = 2**63 - 1
+# Answers built straight from the store's records (`Model.model_validate(record)`).
+FROM_RECORD = ConfigDict(from_attributes=True)
 
 
 # -- tenants and keys ------------------------------------------------------------------------
@@ -24,6 +26,8 @@ class TenantCreate(BaseModel):
 
 
 class TenantPublic(BaseModel):
+    model_config = FROM_RECORD
+
     id: int
     name: str
     created_at: datetime
@@ -110,6 +114,8 @@ class ConversationDeleted(BaseModel):
 
 class MessagePublic(BaseModel):
     """A stored message with its place in the conversation."""
+
+    model_config = FROM_RECORD
 
     node_id: int
     seq: int
@@ -209,6 +215,8 @@ class SearchResults(BaseModel):
 
 
 class JobPublic(BaseModel):
+    model_config = FROM_RECORD
+
     id: int
     kind: str
     status: str

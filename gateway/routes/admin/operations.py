@@ -107,21 +107,7 @@ async def list_jobs(
         records = await jobs.list_jobs(conn, status=status, tenant_id=tenant_id, limit=limit)
     return JobsPublic(
         depth=depth,
-        jobs=[
-            JobPublic(
-                id=job.id,
-                kind=job.kind,
-                status=job.status,
-                attempts=job.attempts,
-                max_attempts=job.max_attempts,
-                conversation_id=job.conversation_id,
-                last_error=job.last_error,
-                run_after=job.run_after,
-                created_at=job.created_at,
-                updated_at=job.updated_at,
-            )
-            for job in records
-        ],
+        jobs=[JobPublic.model_validate(job) for job in records],
     )
 
 

@@ -27,16 +27,6 @@ from memory.db import transaction
 router = APIRouter()
 
 
-def _tenant(record: tenants.TenantRecord) -> TenantPublic:
-    return TenantPublic(
-        id=record.id,
-        name=record.name,
-        created_at=record.created_at,
-        conversations=record.conversations,
-        active_keys=record.active_keys,
-    )
-
-
 def _key(record: tenants.KeyRecord, tenant: str) -> KeyPublic:
     return KeyPublic(
         id=record.id,
@@ -52,19 +42,23 @@ def _key(record: tenants.KeyRecord, tenant: str) -> KeyPublic:
 async def create_tenant(body: TenantCreate, engine: EngineDep) -> TenantPublic:
     """A new, empty tenant (409 if the name is taken)."""
     async with transaction(engine) as conn:
-        return _tenant(await tenants.create_tenant(conn, name=body.name))
+        return TenantPublic.model_validate(await tenants.create_tenant(conn, name=body.name))
 
 
 @router.get("/tenants", summary="List tenants")
 async def list_tenants(engine: EngineDep) -> TenantList:
     async with transaction(engine) as conn:
-        return TenantList(data=[_tenant(record) for record in await tenants.list_tenants(conn)])
+        return TenantList(
+            data=[
+                TenantPublic.model_validate(record) for record in await tenants.list_tenants(conn)
+            ]
+        )
 
 
 @router.get("/tenants/{tenant}", summary="One tenant")
 async def get_tenant(tenant: TenantPath, engine: EngineDep) -> TenantPublic:
     async with transaction(engine) as conn:
-        return _tenant(await tenants.get_tenant(conn, name=tenant))
+        return TenantPublic.model_validate(await tenants.get_tenant(conn, name=tenant))
 
 
 @router.delete("/tenants/{tenant}", summary="Delete a tenant and everything it owns")
