@@ -17,6 +17,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from memory.db import connect, migrate
 from memory.postgres import EmbeddedPostgres
 from memory.schema import tenants
+from tests.upstream import UpstreamServer
 
 
 @pytest.fixture(scope="session")
@@ -44,6 +45,19 @@ async def engine(database_url: str) -> AsyncIterator[AsyncEngine]:
     await migrate(engine)
     yield engine
     await engine.dispose()
+
+
+@pytest.fixture(scope="module")
+def upstream() -> Iterator[UpstreamServer]:
+    """The fake OpenAI upstream, a real HTTP server process, one per test module."""
+    with UpstreamServer() as server:
+        yield server
+
+
+@pytest.fixture
+def fresh_upstream(upstream: UpstreamServer) -> None:
+    """Forget what earlier tests scripted and recorded on the module's upstream."""
+    upstream.reset()
 
 
 @pytest.fixture

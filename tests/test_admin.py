@@ -8,7 +8,7 @@ upstream; each test makes tenants of its own (`POST /admin/tenants`) and address
 
 import json
 import uuid
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Sequence
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -33,12 +33,6 @@ TOPICS = [
     "Now the garden: plant tomatoes in the raised bed after the last frost in April.",
     "Water the tomato seedlings every morning and stake them once they reach 30 centimetres.",
 ]
-
-
-@pytest.fixture(scope="module")
-def upstream() -> Iterator[UpstreamServer]:
-    with UpstreamServer() as server:
-        yield server
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ conversations, messages and queued jobs before and after each request.
 import dataclasses
 import json
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import httpx
@@ -32,19 +32,11 @@ CHAT = "/v1/chat/completions"
 JSON_HEADERS = {"content-type": "application/json"}
 
 
+pytestmark = pytest.mark.usefixtures("fresh_upstream")
+
+
 def _user(text: str = "hello") -> list[dict[str, Any]]:
     return [{"role": "user", "content": text}]
-
-
-@pytest.fixture(scope="module")
-def upstream() -> Iterator[UpstreamServer]:
-    with UpstreamServer() as server:
-        yield server
-
-
-@pytest.fixture(autouse=True)
-def _fresh_upstream(upstream: UpstreamServer) -> None:
-    upstream.reset()
 
 
 @dataclasses.dataclass

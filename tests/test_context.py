@@ -414,12 +414,6 @@ async def test_dry_run_rebuilds_when_the_history_does_not_fit(
 
 
 @pytest.fixture(scope="module")
-def upstream() -> Iterator[UpstreamServer]:
-    with UpstreamServer() as server:
-        yield server
-
-
-@pytest.fixture(scope="module")
 def gateway(database_url: str, upstream: UpstreamServer) -> Iterator[GatewayProcess]:
     with GatewayProcess(database_url=database_url, upstream_url=upstream.url, workers=0) as process:
         yield process

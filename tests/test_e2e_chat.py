@@ -46,6 +46,9 @@ TOOLS: list[ChatCompletionToolParam] = [
 Message = dict[str, Any]
 
 
+pytestmark = pytest.mark.usefixtures("fresh_upstream")
+
+
 def unique(text: str) -> str:
     return f"{text} [{uuid.uuid4().hex[:12]}]"
 
@@ -72,11 +75,6 @@ def gateway(database_url: str, upstream: UpstreamServer) -> Iterator[GatewayProc
         upstream_timeout=UPSTREAM_TIMEOUT,
     ) as process:
         yield process
-
-
-@pytest.fixture(autouse=True)
-def _fresh_upstream(upstream: UpstreamServer) -> None:
-    upstream.reset()
 
 
 @pytest.fixture

@@ -38,12 +38,6 @@ def server() -> Iterator[EmbeddedPostgres]:
     shutil.rmtree(folder, ignore_errors=True)
 
 
-@pytest.fixture(scope="module")
-def upstream() -> Iterator[UpstreamServer]:
-    with UpstreamServer() as fake:
-        yield fake
-
-
 @pytest.fixture(autouse=True)
 def _fresh(upstream: UpstreamServer) -> None:
     upstream.reset()

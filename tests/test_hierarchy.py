@@ -19,7 +19,7 @@ import dataclasses
 import itertools
 import json
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -504,12 +504,6 @@ async def test_final_build_closes_the_open_segment(
 
 
 # --- admin endpoints over a built conversation ---------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def upstream() -> Iterator[UpstreamServer]:
-    with UpstreamServer() as server:
-        yield server
 
 
 @pytest.fixture

@@ -31,12 +31,6 @@ TOOL_NAMES = ["memory_expand", "memory_search", "memory_browse", "memory_find", 
 
 
 @pytest.fixture(scope="module")
-def upstream() -> Iterator[UpstreamServer]:
-    with UpstreamServer() as server:
-        yield server
-
-
-@pytest.fixture(scope="module")
 def gateway(database_url: str, upstream: UpstreamServer) -> Iterator[GatewayProcess]:
     with GatewayProcess(
         database_url=database_url,

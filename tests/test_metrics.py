@@ -36,12 +36,6 @@ Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
 
 @pytest.fixture(scope="module")
-def upstream() -> Iterator[UpstreamServer]:
-    with UpstreamServer() as server:
-        yield server
-
-
-@pytest.fixture(scope="module")
 async def app(database_url: str, upstream: UpstreamServer) -> AsyncIterator[App]:
     settings = Settings(
         database_url=database_url,

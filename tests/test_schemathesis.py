@@ -31,12 +31,6 @@ AUTH = {"Authorization": f"Bearer {TOKEN}"}
 
 
 @pytest.fixture(scope="module")
-def upstream() -> Iterator[UpstreamServer]:
-    with UpstreamServer() as server:
-        yield server
-
-
-@pytest.fixture(scope="module")
 def gateway(database_url: str, upstream: UpstreamServer) -> Iterator[GatewayProcess]:
     with GatewayProcess(
         database_url=database_url, upstream_url=upstream.url, workers=0, admin_token=TOKEN

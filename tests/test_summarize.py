@@ -15,7 +15,7 @@ import json
 import logging
 import random
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -313,12 +313,6 @@ LLM_FACTS: dict[str, list[str]] = {
     "open_questions": ["Disable retries for non-idempotent calls?"],
 }
 NARRATIVE = "The user asked why INV-2041 was charged twice; a retry caused it and was refunded."
-
-
-@pytest.fixture(scope="module")
-def upstream() -> Iterator[UpstreamServer]:
-    with UpstreamServer() as server:
-        yield server
 
 
 @pytest.fixture

@@ -57,12 +57,6 @@ class Tenant:
         return {"Authorization": f"Bearer {self.key}"}
 
 
-@pytest.fixture(scope="module")
-def upstream() -> Iterator[UpstreamServer]:
-    with UpstreamServer() as server:
-        yield server
-
-
 @pytest.fixture(autouse=True)
 def _fresh(upstream: UpstreamServer) -> None:
     upstream.reset()

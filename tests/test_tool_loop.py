@@ -50,6 +50,9 @@ WEATHER_CALL = {
 Message = dict[str, Any]
 
 
+pytestmark = pytest.mark.usefixtures("fresh_upstream")
+
+
 def unique(text: str) -> str:
     return f"{text} [{uuid.uuid4().hex[:12]}]"
 
@@ -70,12 +73,6 @@ def tool_names(body: dict[str, Any]) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def upstream() -> Iterator[UpstreamServer]:
-    with UpstreamServer() as server:
-        yield server
-
-
-@pytest.fixture(scope="module")
 def gateway(database_url: str, upstream: UpstreamServer) -> Iterator[GatewayProcess]:
     with GatewayProcess(
         database_url=database_url,
@@ -87,11 +84,6 @@ def gateway(database_url: str, upstream: UpstreamServer) -> Iterator[GatewayProc
         regex_timeout=0.3,
     ) as process:
         yield process
-
-
-@pytest.fixture(autouse=True)
-def _fresh_upstream(upstream: UpstreamServer) -> None:
-    upstream.reset()
 
 
 @pytest.fixture

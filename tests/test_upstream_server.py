@@ -34,12 +34,6 @@ TOOLS: list[ChatCompletionToolParam] = [
 ]
 
 
-@pytest.fixture(scope="module")
-def upstream() -> Iterator[UpstreamServer]:
-    with UpstreamServer() as server:
-        yield server
-
-
 @pytest.fixture
 def client(upstream: UpstreamServer) -> Iterator[openai.OpenAI]:
     upstream.reset()
