@@ -165,47 +165,54 @@ _SCOPE = """
 """
 
 # BM25 without term frequency: Σ idf(lexeme) over the query lexemes a node holds, normalized by
-# the node's length; idf is taken within the searched conversations.
+# the node's length; idf is taken within the searched conversations. The nodes are read once per
+# term through the GIN index (a node matching the whole query, as (term, node) pairs) instead of
+# testing every term against every matched node's tsvector; idf is computed once per term.
 _FULLTEXT = text(
     f"""
-WITH terms AS (
-    SELECT DISTINCT lexeme, quote_literal(lexeme)::tsquery AS tq
-    FROM unnest(tsvector_to_array(to_tsvector('english', :query))) AS lexeme
-    UNION
-    -- An identifier the parser splits ("PO-2314" → 'po', '-2314') is a term of its own too.
-    SELECT word, phraseto_tsquery('english', word)
-    FROM unnest(CAST(:identifiers AS text[])) AS word
-    WHERE numnode(phraseto_tsquery('english', word)) > 1
+WITH terms AS MATERIALIZED (
+    SELECT row_number() OVER () AS term, lexeme, tq FROM (
+        SELECT DISTINCT lexeme, quote_literal(lexeme)::tsquery AS tq
+        FROM unnest(tsvector_to_array(to_tsvector('english', :query))) AS lexeme
+        UNION
+        -- An identifier the parser splits ("PO-2314" → 'po', '-2314') is a term of its own.
+        SELECT word, phraseto_tsquery('english', word)
+        FROM unnest(CAST(:identifiers AS text[])) AS word
+        WHERE numnode(phraseto_tsquery('english', word)) > 1
+    ) AS query_terms
 ),
-matched AS MATERIALIZED (
-    SELECT n.id, n.conversation_id, n.level, n.seq, n.span_end, n.name, n.tsv, n.token_count
-    FROM nodes n
+pairs AS MATERIALIZED (
+    SELECT t.term, n.id, n.conversation_id, n.level, n.seq, n.span_end, n.name, n.token_count
+    FROM terms t
+    JOIN nodes n ON n.tsv @@ t.tq
     WHERE {_SCOPE}
       AND n.tsv @@ websearch_to_tsquery('english', :websearch)
 ),
 stats AS MATERIALIZED (
     SELECT greatest(sum(c.next_seq), 1) AS total,
-           (SELECT greatest(avg(token_count), 1) FROM matched) AS avg_tokens
+           (SELECT greatest(avg(token_count), 1)
+            FROM (SELECT DISTINCT ON (id) token_count FROM pairs) AS matched) AS avg_tokens
     FROM conversations c
     WHERE c.tenant_id = :tenant_id AND c.id = ANY(:conversation_ids)
 ),
 df AS MATERIALIZED (
     -- Messages only: summaries repeat their messages' identifiers and would halve the idf.
-    SELECT t.lexeme, t.tq, count(m.id) FILTER (WHERE m.level = 0) AS df FROM terms t
-    LEFT JOIN matched m ON m.tsv @@ t.tq
-    GROUP BY t.lexeme, t.tq
+    SELECT d.term, d.lexeme, d.df, ln(1 + (s.total - d.df + 0.5) / (d.df + 0.5)) AS idf
+    FROM (SELECT t.term, t.lexeme, count(p.id) FILTER (WHERE p.level = 0) AS df
+          FROM terms t LEFT JOIN pairs p ON p.term = t.term
+          GROUP BY t.term, t.lexeme) AS d
+    CROSS JOIN stats s
 )
-SELECT m.conversation_id, m.level, m.seq, m.span_end, m.name,
+SELECT p.conversation_id, p.level, p.seq, p.span_end, p.name,
        bool_or(df.df <= 3 AND df.lexeme ~ '[0-9]' AND length(df.lexeme) >= 4) AS exact,
        NULL::float AS similarity,
-       sum(ln(1 + (s.total - df.df + 0.5) / (df.df + 0.5)))
-       * 2.2 / (1 + 1.2 * (0.25 + 0.75 * m.token_count / s.avg_tokens)) AS score
-FROM matched m
-JOIN df ON m.tsv @@ df.tq
+       sum(df.idf) * 2.2 / (1 + 1.2 * (0.25 + 0.75 * p.token_count / s.avg_tokens)) AS score
+FROM pairs p
+JOIN df ON df.term = p.term
 CROSS JOIN stats s
-GROUP BY m.id, m.conversation_id, m.level, m.seq, m.span_end, m.name, m.token_count,
+GROUP BY p.id, p.conversation_id, p.level, p.seq, p.span_end, p.name, p.token_count,
          s.total, s.avg_tokens
-ORDER BY score DESC, m.id DESC
+ORDER BY score DESC, p.id DESC
 LIMIT :limit
 """
 )
