@@ -87,7 +87,7 @@ def setup(data_dir: Path, messages: int, tenant: int | None) -> None:
             env=env,
             check=True,
         )
-    asyncio.run(_fill_tenant(data_dir, f"bench-{messages}"))
+    asyncio.run(_fill_tenant(data_dir))
 
 
 async def _count_conversations(data_dir: Path) -> int:
@@ -104,8 +104,8 @@ async def _count_conversations(data_dir: Path) -> int:
         server.stop_if_started()
 
 
-async def _fill_tenant(data_dir: Path, source: str) -> None:
-    """Give the tenant's other conversations the source's vectors (by seq, plus noise) and
+async def _fill_tenant(data_dir: Path) -> None:
+    """Give the tenant's other conversations the first conversation's vectors (by seq, plus noise) and
     copies of its summaries, and drop their queued jobs."""
     server = EmbeddedPostgres(data_dir)
     server.start()
@@ -114,7 +114,10 @@ async def _fill_tenant(data_dir: Path, source: str) -> None:
         async with engine.begin() as conn:
             await conn.execute(text("DELETE FROM jobs"))
             source_id = await conn.scalar(
-                text("SELECT id FROM conversations WHERE external_id = :e"), {"e": source}
+                text(
+                    "SELECT id FROM conversations WHERE external_id NOT LIKE 'tenant-%' "
+                    "ORDER BY id LIMIT 1"
+                )
             )
             rows = (
                 await conn.execute(

@@ -268,6 +268,20 @@ async def build(
                 {"tenant_id": tenant_id, "conversation_id": conversation_id, "before": recent_from},
             )
         ]
+        # The summaries do not depend on the query: read them while it is embedded.
+        summary_budget = int(available * shares.summaries)
+        cap = summary_cap(
+            sum(1 for node in tree if node.parent_id is None),
+            budget=summary_budget,
+            cap=shares.summary_cap,
+        )
+        frontier = _frontier(tree, budget=summary_budget, cap=cap)
+        chosen_summaries = {
+            hit.node_id: hit
+            for hit in await retrieval.load_nodes(
+                conn, tenant_id=tenant_id, ids=[node.id for node in frontier]
+            )
+        }
         vector = await vector_task if vector_task is not None else None
     finally:
         if vector_task is not None and not vector_task.done():
@@ -293,22 +307,9 @@ async def build(
         speakers=speakers,
         exclude_from=exclude,
     )
-    summary_budget = int(available * shares.summaries)
-    cap = summary_cap(
-        sum(1 for node in tree if node.parent_id is None),
-        budget=summary_budget,
-        cap=shares.summary_cap,
-    )
-    frontier = _frontier(tree, budget=summary_budget, cap=cap)
     # Enough candidates to fill the room left even with short messages.
     wanted = (available - sum(row.token_count for row in recent)) // 25 + 20
     hits = await retrieval.load(conn, tenant_id=tenant_id, scores=scores, limit=wanted)
-    chosen_summaries = {
-        hit.node_id: hit
-        for hit in await retrieval.load_nodes(
-            conn, tenant_id=tenant_id, ids=[node.id for node in frontier]
-        )
-    }
 
     enc = tokens.get_encoding(tokens.encoding_name_for_model(model))
     block = MemoryBlock(enc=enc, primary=conversation_id)
