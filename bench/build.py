@@ -105,8 +105,8 @@ async def _count_conversations(data_dir: Path) -> int:
 
 
 async def _fill_tenant(data_dir: Path) -> None:
-    """Give the tenant's other conversations the first conversation's vectors (by seq, plus noise) and
-    copies of its summaries, and drop their queued jobs."""
+    """Give the tenant's other conversations the first conversation's vectors (by seq, plus
+    noise) and copies of its summaries, and drop their queued jobs."""
     server = EmbeddedPostgres(data_dir)
     server.start()
     engine = connect(server.url)
