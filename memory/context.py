@@ -232,20 +232,23 @@ async def build(
     frame = tokens.count_message({"role": "system", "content": preamble}, model=model)
     available = max(0, limit - fixed - frame)
 
-    recent, participants = await _recent(
-        conn, tenant_id, conversation_id, before=first_kept, available=available, shares=shares
-    )
-    recent_from = recent[0].seq if recent else first_kept
-    speakers = retrieval.participants_named(query, participants)
-    search_text = retrieval.without_names(query, participants)
-    scope_ids = [conversation_id, *(c for c in conversation_ids if c != conversation_id)]
-    exclude = (conversation_id, recent_from)
-    which = retrieval.route(query)
-    pool = max(60, min(300, available // 12))
-    vector_task = (
-        asyncio.ensure_future(embed(search_text)) if embed is not None and search_text else None
-    )
+    # The query is embedded while the recent turns are read. The participants' names to leave
+    # out of it are known only then; a query naming one is embedded again without it.
+    vector_task = asyncio.ensure_future(embed(query)) if embed is not None and query else None
     try:
+        recent, participants = await _recent(
+            conn, tenant_id, conversation_id, before=first_kept, available=available, shares=shares
+        )
+        recent_from = recent[0].seq if recent else first_kept
+        speakers = retrieval.participants_named(query, participants)
+        search_text = retrieval.without_names(query, participants)
+        scope_ids = [conversation_id, *(c for c in conversation_ids if c != conversation_id)]
+        exclude = (conversation_id, recent_from)
+        which = retrieval.route(query)
+        pool = max(60, min(300, available // 12))
+        if vector_task is not None and search_text != query:
+            vector_task.cancel()
+            vector_task = asyncio.ensure_future(embed(search_text)) if embed is not None else None
         fulltext = await retrieval.fulltext_candidates(
             conn,
             tenant_id=tenant_id,
