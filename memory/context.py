@@ -232,20 +232,23 @@ async def build(
     frame = tokens.count_message({"role": "system", "content": preamble}, model=model)
     available = max(0, limit - fixed - frame)
 
-    recent, participants = await _recent(
-        conn, tenant_id, conversation_id, before=first_kept, available=available, shares=shares
-    )
-    recent_from = recent[0].seq if recent else first_kept
-    speakers = retrieval.participants_named(query, participants)
-    search_text = retrieval.without_names(query, participants)
-    scope_ids = [conversation_id, *(c for c in conversation_ids if c != conversation_id)]
-    exclude = (conversation_id, recent_from)
-    which = retrieval.route(query)
-    pool = max(60, min(300, available // 12))
-    vector_task = (
-        asyncio.ensure_future(embed(search_text)) if embed is not None and search_text else None
-    )
+    # The query is embedded while the recent turns are read. The participants' names to leave
+    # out of it are known only then; a query naming one is embedded again without it.
+    vector_task = asyncio.ensure_future(embed(query)) if embed is not None and query else None
     try:
+        recent, participants = await _recent(
+            conn, tenant_id, conversation_id, before=first_kept, available=available, shares=shares
+        )
+        recent_from = recent[0].seq if recent else first_kept
+        speakers = retrieval.participants_named(query, participants)
+        search_text = retrieval.without_names(query, participants)
+        scope_ids = [conversation_id, *(c for c in conversation_ids if c != conversation_id)]
+        exclude = (conversation_id, recent_from)
+        which = retrieval.route(query)
+        pool = max(60, min(300, available // 12))
+        if vector_task is not None and search_text != query:
+            vector_task.cancel()
+            vector_task = asyncio.ensure_future(embed(search_text)) if embed is not None else None
         fulltext = await retrieval.fulltext_candidates(
             conn,
             tenant_id=tenant_id,
@@ -268,6 +271,20 @@ async def build(
                 {"tenant_id": tenant_id, "conversation_id": conversation_id, "before": recent_from},
             )
         ]
+        # The summaries do not depend on the query: read them while it is embedded.
+        summary_budget = int(available * shares.summaries)
+        cap = summary_cap(
+            sum(1 for node in tree if node.parent_id is None),
+            budget=summary_budget,
+            cap=shares.summary_cap,
+        )
+        frontier = _frontier(tree, budget=summary_budget, cap=cap)
+        chosen_summaries = {
+            hit.node_id: hit
+            for hit in await retrieval.load_nodes(
+                conn, tenant_id=tenant_id, ids=[node.id for node in frontier]
+            )
+        }
         vector = await vector_task if vector_task is not None else None
     finally:
         if vector_task is not None and not vector_task.done():
@@ -293,22 +310,9 @@ async def build(
         speakers=speakers,
         exclude_from=exclude,
     )
-    summary_budget = int(available * shares.summaries)
-    cap = summary_cap(
-        sum(1 for node in tree if node.parent_id is None),
-        budget=summary_budget,
-        cap=shares.summary_cap,
-    )
-    frontier = _frontier(tree, budget=summary_budget, cap=cap)
     # Enough candidates to fill the room left even with short messages.
     wanted = (available - sum(row.token_count for row in recent)) // 25 + 20
     hits = await retrieval.load(conn, tenant_id=tenant_id, scores=scores, limit=wanted)
-    chosen_summaries = {
-        hit.node_id: hit
-        for hit in await retrieval.load_nodes(
-            conn, tenant_id=tenant_id, ids=[node.id for node in frontier]
-        )
-    }
 
     enc = tokens.get_encoding(tokens.encoding_name_for_model(model))
     block = MemoryBlock(enc=enc, primary=conversation_id)

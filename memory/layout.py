@@ -50,6 +50,7 @@ class MemoryBlock:
         self.message_ids: set[int] = set()
         self.days: set[tuple[int, str]] = set()  # sittings with a heading
         self.piece_tokens: dict[str, int] = {}
+        self.summary_lines: dict[tuple[int, int], tuple[str, int]] = {}
         self.summary_cost = 0
         self.milestone_cost = 0
         self.message_cost = 0
@@ -82,14 +83,20 @@ class MemoryBlock:
             found = self.piece_tokens[piece] = len(self.enc.encode_ordinary(piece))
         return found
 
-    def _summary_line(self, hit: Hit, cap: int) -> str:
+    def _summary_line(self, hit: Hit, cap: int) -> tuple[str, int]:
+        """A summary's line and its cost; costed first, then added: encoded once."""
+        found = self.summary_lines.get((hit.node_id, cap))
+        if found is not None:
+            return found
         ids = self.enc.encode_ordinary(hit.text)
         body = hit.text if len(ids) <= cap else self.enc.decode(ids[:cap]).rstrip() + " …"
         where = "" if hit.conversation_id == self.primary else " other conversation,"
-        return (
+        line = (
             f"[#{hit.node_id} level {hit.level},{where} messages {hit.span_start}-{hit.span_end},"
             f" until {_day(hit.created_at)}] {body}"
         )
+        found = self.summary_lines[(hit.node_id, cap)] = (line, self._count(line))
+        return found
 
     def _message_line(self, hit: Hit) -> str:
         speaker = hit.name or hit.role or "?"
@@ -97,7 +104,7 @@ class MemoryBlock:
         return f"[#{hit.node_id} {speaker}{where}] {_message_text(hit)}"
 
     def cost_of_summary(self, hit: Hit, *, cap: int) -> int:
-        return self._count(self._summary_line(hit, cap))
+        return self._summary_line(hit, cap)[1]
 
     def cost_of_message(self, hit: Hit) -> int:
         cost = self._estimate(hit)
@@ -106,11 +113,10 @@ class MemoryBlock:
         return cost
 
     def add_summary(self, hit: Hit, *, cap: int) -> None:
-        line = self._summary_line(hit, cap)
+        line, cost = self._summary_line(hit, cap)
         self.summaries.append((hit, line))
         self.summary_ids.add(hit.node_id)
         self.lines[hit.node_id] = line
-        cost = self._count(line)
         self.costs[hit.node_id] = cost
         self.summary_cost += cost
 

@@ -32,6 +32,7 @@ Weights were tuned on LoCoMo (see docs/benchmarks.md).
 
 from __future__ import annotations
 
+import heapq
 import math
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
@@ -61,6 +62,7 @@ __all__ = [
     "load",
     "load_nodes",
     "participants_named",
+    "ranked",
     "route",
     "search",
     "vector_candidates",
@@ -165,47 +167,54 @@ _SCOPE = """
 """
 
 # BM25 without term frequency: Σ idf(lexeme) over the query lexemes a node holds, normalized by
-# the node's length; idf is taken within the searched conversations.
+# the node's length; idf is taken within the searched conversations. The nodes are read once per
+# term through the GIN index (a node matching the whole query, as (term, node) pairs) instead of
+# testing every term against every matched node's tsvector; idf is computed once per term.
 _FULLTEXT = text(
     f"""
-WITH terms AS (
-    SELECT DISTINCT lexeme, quote_literal(lexeme)::tsquery AS tq
-    FROM unnest(tsvector_to_array(to_tsvector('english', :query))) AS lexeme
-    UNION
-    -- An identifier the parser splits ("PO-2314" → 'po', '-2314') is a term of its own too.
-    SELECT word, phraseto_tsquery('english', word)
-    FROM unnest(CAST(:identifiers AS text[])) AS word
-    WHERE numnode(phraseto_tsquery('english', word)) > 1
+WITH terms AS MATERIALIZED (
+    SELECT row_number() OVER () AS term, lexeme, tq FROM (
+        SELECT DISTINCT lexeme, quote_literal(lexeme)::tsquery AS tq
+        FROM unnest(tsvector_to_array(to_tsvector('english', :query))) AS lexeme
+        UNION
+        -- An identifier the parser splits ("PO-2314" → 'po', '-2314') is a term of its own.
+        SELECT word, phraseto_tsquery('english', word)
+        FROM unnest(CAST(:identifiers AS text[])) AS word
+        WHERE numnode(phraseto_tsquery('english', word)) > 1
+    ) AS query_terms
 ),
-matched AS MATERIALIZED (
-    SELECT n.id, n.conversation_id, n.level, n.seq, n.span_end, n.name, n.tsv, n.token_count
-    FROM nodes n
+pairs AS MATERIALIZED (
+    SELECT t.term, n.id, n.conversation_id, n.level, n.seq, n.span_end, n.name, n.token_count
+    FROM terms t
+    JOIN nodes n ON n.tsv @@ t.tq
     WHERE {_SCOPE}
       AND n.tsv @@ websearch_to_tsquery('english', :websearch)
 ),
 stats AS MATERIALIZED (
     SELECT greatest(sum(c.next_seq), 1) AS total,
-           (SELECT greatest(avg(token_count), 1) FROM matched) AS avg_tokens
+           (SELECT greatest(avg(token_count), 1)
+            FROM (SELECT DISTINCT ON (id) token_count FROM pairs) AS matched) AS avg_tokens
     FROM conversations c
     WHERE c.tenant_id = :tenant_id AND c.id = ANY(:conversation_ids)
 ),
 df AS MATERIALIZED (
     -- Messages only: summaries repeat their messages' identifiers and would halve the idf.
-    SELECT t.lexeme, t.tq, count(m.id) FILTER (WHERE m.level = 0) AS df FROM terms t
-    LEFT JOIN matched m ON m.tsv @@ t.tq
-    GROUP BY t.lexeme, t.tq
+    SELECT d.term, d.lexeme, d.df, ln(1 + (s.total - d.df + 0.5) / (d.df + 0.5)) AS idf
+    FROM (SELECT t.term, t.lexeme, count(p.id) FILTER (WHERE p.level = 0) AS df
+          FROM terms t LEFT JOIN pairs p ON p.term = t.term
+          GROUP BY t.term, t.lexeme) AS d
+    CROSS JOIN stats s
 )
-SELECT m.conversation_id, m.level, m.seq, m.span_end, m.name,
+SELECT p.conversation_id, p.level, p.seq, p.span_end, p.name,
        bool_or(df.df <= 3 AND df.lexeme ~ '[0-9]' AND length(df.lexeme) >= 4) AS exact,
        NULL::float AS similarity,
-       sum(ln(1 + (s.total - df.df + 0.5) / (df.df + 0.5)))
-       * 2.2 / (1 + 1.2 * (0.25 + 0.75 * m.token_count / s.avg_tokens)) AS score
-FROM matched m
-JOIN df ON m.tsv @@ df.tq
+       sum(df.idf) * 2.2 / (1 + 1.2 * (0.25 + 0.75 * p.token_count / s.avg_tokens)) AS score
+FROM pairs p
+JOIN df ON df.term = p.term
 CROSS JOIN stats s
-GROUP BY m.id, m.conversation_id, m.level, m.seq, m.span_end, m.name, m.token_count,
+GROUP BY p.id, p.conversation_id, p.level, p.seq, p.span_end, p.name, p.token_count,
          s.total, s.avg_tokens
-ORDER BY score DESC, m.id DESC
+ORDER BY score DESC, p.id DESC
 LIMIT :limit
 """
 )
@@ -349,16 +358,17 @@ def _vector_literal(vector: Sequence[float]) -> str:
 
 
 def _candidates(rows: Any) -> Candidates:
+    # By position: named access to a row's columns costs more than the rest of this loop.
     return Candidates(
         [
             Place(
-                key=(int(row.conversation_id), int(row.level), int(row.seq)),
-                span_end=int(row.span_end),
-                name=row.name,
-                exact=bool(row.exact),
-                similarity=None if row.similarity is None else float(row.similarity),
+                key=(conversation_id, level, seq),
+                span_end=span_end,
+                name=name,
+                exact=bool(exact),
+                similarity=None if similarity is None else float(similarity),
             )
-            for row in rows
+            for conversation_id, level, seq, span_end, name, exact, similarity, *_ in rows
         ]
     )
 
@@ -400,31 +410,38 @@ def fuse(
             if names.get(key) in speakers:
                 base[key] *= SPEAKER_BOOST
     exact |= _standouts(legs)
+    # Thousands of keys per prompt: the loops below keep their lookups local.
+    summary_weight = weights.summary
+    recency_weight = weights.recency
+    lends = list(enumerate(kernel, start=1))
     # The exact-identifier bonus is the node's own: it is not lent to neighbours.
     scores: dict[Key, float] = {key: EXACT_BONUS / (RRF_K + 1) for key in exact}
+    get = scores.get
     for key, score in base.items():
         conv, level, seq = key
         if level > 0:
-            scores[key] = scores.get(key, 0.0) + score * weights.summary
+            scores[key] = get(key, 0.0) + score * summary_weight
             continue
-        scores[key] = scores.get(key, 0.0) + score
-        for distance, share in enumerate(kernel, start=1):
+        scores[key] = get(key, 0.0) + score
+        for distance, share in lends:
             for near in (seq - distance, seq + distance):
                 if near >= 0:
                     lent: Key = (conv, 0, near)
-                    scores[lent] = scores.get(lent, 0.0) + share * score
+                    scores[lent] = get(lent, 0.0) + share * score
+    excluded_conv, excluded_from = exclude_from if exclude_from is not None else (None, 0)
     result: dict[Key, float] = {}
     for key, score in scores.items():
         conv, level, seq = key
         end = span_end.get(key, seq)
         last = newest.get(conv)
-        if last is not None and level == 0 and seq > last:
-            continue  # a neighbour past the end
-        if exclude_from is not None and _excluded(key, exclude_from):
+        if level == 0 and (
+            (last is not None and seq > last)  # a neighbour past the end
+            or (conv == excluded_conv and seq >= excluded_from)
+        ):
             continue
         last = end if last is None else last
         recency = math.exp(-max(0, last - end) / max(50.0, 0.05 * (last + 1)))
-        score *= 1.0 + weights.recency * recency
+        score *= 1.0 + recency_weight * recency
         if primary is not None and conv != primary:
             score *= 0.9
         result[key] = score
@@ -448,11 +465,6 @@ def _standouts(legs: Sequence[Candidates]) -> set[Key]:
             if place.similarity is not None and (place.similarity - mean) / spread > STANDOUT_Z:
                 found.add(place.key)
     return found
-
-
-def _excluded(key: Key, exclude_from: tuple[int, int]) -> bool:
-    conv, level, seq = key
-    return conv == exclude_from[0] and level == 0 and seq >= exclude_from[1]
 
 
 # -- the entry point -----------------------------------------------------------------------
@@ -526,7 +538,7 @@ async def load(
 ) -> list[Hit]:
     """The `limit` best-scored places that exist (and are not system prompts), as hits in
     descending score order."""
-    best = sorted(scores, key=lambda key: (-scores[key], -key[2], key))[: max(0, limit)]
+    best = ranked(scores, limit)
     if not best:
         return []
     rows = await conn.execute(
@@ -538,11 +550,18 @@ async def load(
             "seqs": [key[2] for key in best],
         },
     )
-    hits = [
-        as_hit(row, scores[(int(row.conversation_id), int(row.level), int(row.seq))])
-        for row in rows
-    ]
+    hits = [as_hit(row, scores[(row[1], row[2], row[3])]) for row in rows]
     return sorted(hits, key=lambda hit: (-hit.score, -hit.seq, hit.node_id))
+
+
+def ranked(scores: Mapping[Key, float], limit: int) -> list[Key]:
+    """The `limit` best-scored places, best first (ties: the newer first)."""
+    if limit <= 0 or not scores:
+        return []
+    # Only the places scoring at least the `limit`-th best score need the full sort.
+    floor = heapq.nlargest(limit, scores.values())[-1]
+    best = [key for key, score in scores.items() if score >= floor]
+    return sorted(best, key=lambda key: (-scores[key], -key[2], key))[:limit]
 
 
 async def load_nodes(conn: AsyncConnection, *, tenant_id: int, ids: Sequence[int]) -> list[Hit]:
@@ -573,20 +592,36 @@ async def _newest(
 
 
 def as_hit(row: Any, score: float) -> Hit:
-    """A hit from a row of `nodes` with the columns `_LOAD` selects."""
+    """A hit from a row of `nodes` with the columns `_LOAD` selects, in its order (read by
+    position: hundreds of rows per prompt)."""
+    (
+        node_id,
+        conversation_id,
+        level,
+        seq,
+        span_start,
+        span_end,
+        role,
+        name,
+        body,
+        created_at,
+        token_count,
+        tool_calls,
+        tool_call_id,
+    ) = row
     return Hit(
-        node_id=int(row.id),
-        conversation_id=int(row.conversation_id),
-        level=int(row.level),
-        seq=int(row.seq),
-        span_start=int(row.span_start),
-        span_end=int(row.span_end),
-        role=row.role,
-        text=row.text,
-        created_at=row.created_at,
+        node_id=node_id,
+        conversation_id=conversation_id,
+        level=level,
+        seq=seq,
+        span_start=span_start,
+        span_end=span_end,
+        role=role,
+        text=body,
+        created_at=created_at,
         score=score,
-        name=row.name,
-        token_count=int(row.token_count),
-        tool_calls=row.tool_calls,
-        tool_call_id=row.tool_call_id,
+        name=name,
+        token_count=token_count,
+        tool_calls=tool_calls,
+        tool_call_id=tool_call_id,
     )

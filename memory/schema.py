@@ -137,6 +137,14 @@ nodes = Table(
         postgresql_using="hnsw",
         postgresql_ops={"embedding": "vector_cosine_ops"},
     ),
+    # The pinned milestones the prompt builder reads on every rebuilt prompt (a few per
+    # thousand messages: without it that read scans the table).
+    Index(
+        "ix_nodes_pinned",
+        "conversation_id",
+        "seq",
+        postgresql_where=text("pinned AND level = 0"),
+    ),
     Index(
         "ix_nodes_unembedded",
         "conversation_id",
