@@ -230,6 +230,18 @@ def test_fact_patterns() -> None:
     assert facts["open_questions"] == ["TODO: ask Bob."]
 
 
+def test_a_full_name_opening_a_sentence_keeps_its_first_word() -> None:
+    text = (
+        "Caroline Smith said the venue is booked. Yesterday Melanie Brown called. "
+        "Ask Bob about the cake. Caroline agreed."
+    )
+    names = extract_facts([message(1, "user", text)])["names"]
+    assert {"Caroline Smith", "Melanie Brown", "Bob"} <= set(names)
+    # A common word that opens a sentence is no part of the name after it, and a lone capital
+    # there says nothing.
+    assert not {"Smith", "Yesterday Melanie Brown", "Ask Bob", "Caroline"} & set(names)
+
+
 async def test_bad_arguments() -> None:
     summarizer = ExtractiveSummarizer()
     with pytest.raises(ValueError):
