@@ -45,6 +45,7 @@ __all__ = [
     "Embedder",
     "LocalEmbedder",
     "UpstreamEmbedder",
+    "Vector",
     "centroid",
     "cosine_distance",
     "make_embedder",
