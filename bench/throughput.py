@@ -86,7 +86,7 @@ class Timers:
 
 
 # What `_embed_pending` is embedding: a build embeds its new messages first, then (in its last
-# step) the summaries it made.
+# step) the summaries that got no centroid of their children's vectors (rarely any).
 EMBEDDING: contextvars.ContextVar[str] = contextvars.ContextVar("embedding", default="messages")
 
 
@@ -439,6 +439,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             "seed": args.seed,
             "summary_mode": "extractive",
             "embedder": f"local {embedder.name}, max_length {args.max_length}",
+            "summary_vectors": "unit centroid of the children's vectors (no model call)",
             "segment_policy": "default (shift 0.30, token cap 2048, max 64 messages)",
             "fanout": 8,
             "import_batch": args.import_batch,
