@@ -1,6 +1,7 @@
 """Background throughput: messages per second from import to a fully summarized tree.
 
     python -m bench.throughput --messages 10000 [--runs 1x1,2x4] [--max-length 256] [--profile]
+                               [--embedder local|instant]
 
 Starts its own embedded Postgres (pgvector) in a temporary folder, `durable=False` (fsync,
 synchronous_commit and full_page_writes off, as in the test suite; `--durable` for the real
@@ -27,6 +28,7 @@ import asyncio
 import contextlib
 import contextvars
 import cProfile
+import hashlib
 import importlib.metadata
 import io
 import json
@@ -44,12 +46,13 @@ from pathlib import Path
 from typing import Any
 
 import asyncpg
+import numpy as np
 from sqlalchemy import func, insert, select
 
 from gateway import importer
 from memory import hierarchy, segments, tokens
 from memory.db import connect, migrate
-from memory.embeddings import LocalEmbedder
+from memory.embeddings import EMBEDDING_DIM, Embedder, LocalEmbedder
 from memory.postgres import EmbeddedPostgres
 from memory.schema import jobs, nodes, tenants
 from memory.segments import SegmentPolicy
@@ -86,12 +89,29 @@ class Timers:
 
 
 # What `_embed_pending` is embedding: a build embeds its new messages first, then (in its last
-# step) the summaries it made.
+# step) the summaries that got no centroid of their children's vectors (rarely any).
 EMBEDDING: contextvars.ContextVar[str] = contextvars.ContextVar("embedding", default="messages")
 
 
+class InstantEmbedder:
+    """Unit vectors drawn from a hash of the text, at no cost: `--embedder instant` measures
+    what the pipeline costs besides the model (segments then close where random vectors
+    say, so level counts differ a little from the real model's)."""
+
+    name = "instant (hash-seeded random unit vectors)"
+    dim = EMBEDDING_DIM
+
+    async def embed(self, texts: Sequence[str]) -> list[list[float]]:
+        vectors = []
+        for text in texts:
+            seed = int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big")
+            vector = np.random.default_rng(seed).standard_normal(self.dim)
+            vectors.append((vector / np.linalg.norm(vector)).tolist())
+        return vectors
+
+
 class TimedEmbedder:
-    def __init__(self, inner: LocalEmbedder, timers: Timers) -> None:
+    def __init__(self, inner: Embedder, timers: Timers) -> None:
         self.inner = inner
         self.name = inner.name
         self.dim = inner.dim
@@ -233,7 +253,7 @@ async def one_run(
     *,
     pgdata: Path,
     conversation: synthetic.Conversation,
-    embedder: LocalEmbedder,
+    embedder: Embedder,
     import_batch: int,
     profile: bool,
 ) -> dict[str, Any]:
@@ -394,8 +414,13 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     server = EmbeddedPostgres(folder / "data", durable=args.durable)
     conversation = synthetic.generate(args.messages, seed=args.seed, with_tools=True)
     texts = [tokens.message_text(m) for m in conversation.messages]
-    embedder = LocalEmbedder(max_length=args.max_length)
-    await embedder.warmup()
+    embedder: Embedder
+    if args.embedder == "local":
+        local = LocalEmbedder(max_length=args.max_length)
+        await local.warmup()
+        embedder = local
+    else:
+        embedder = InstantEmbedder()
     await embedder.embed(["warm up the session"] * 8)
     started = time.perf_counter()
     try:
@@ -438,7 +463,12 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             "messages": args.messages,
             "seed": args.seed,
             "summary_mode": "extractive",
-            "embedder": f"local {embedder.name}, max_length {args.max_length}",
+            "embedder": (
+                f"local {embedder.name}, max_length {args.max_length}"
+                if args.embedder == "local"
+                else embedder.name
+            ),
+            "summary_vectors": "unit centroid of the children's vectors (no model call)",
             "segment_policy": "default (shift 0.30, token cap 2048, max 64 messages)",
             "fanout": 8,
             "import_batch": args.import_batch,
@@ -471,6 +501,12 @@ def main(argv: Sequence[str] | None = None) -> None:
         help="comma-separated CONCURRENCYxCONVERSATIONS (default: 1x1,1x4,2x4)",
     )
     parser.add_argument("--max-length", type=int, default=256, help="embedder token truncation")
+    parser.add_argument(
+        "--embedder",
+        choices=("local", "instant"),
+        default="local",
+        help="local MiniLM, or instant: free vectors, to measure everything but the model",
+    )
     parser.add_argument("--import-batch", type=int, default=1000)
     parser.add_argument("--durable", action="store_true", help="fsync on (default: off)")
     parser.add_argument("--profile", action="store_true", help="cProfile the processing")

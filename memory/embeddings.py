@@ -45,6 +45,7 @@ __all__ = [
     "Embedder",
     "LocalEmbedder",
     "UpstreamEmbedder",
+    "Vector",
     "centroid",
     "cosine_distance",
     "make_embedder",
@@ -106,7 +107,9 @@ class LocalEmbedder:
         tokenizer_path: str | Path | None = None,
         *,
         max_length: int = 256,
-        batch_size: int = 64,
+        # Measured on 2 cores with ~30-token chat messages: batches of 16-32 take ~10% less CPU
+        # and time than 64 (smaller activations stay in cache); 128 is slower still.
+        batch_size: int = 32,
         intra_op_num_threads: int | None = None,
         dim: int = EMBEDDING_DIM,
         name: str = LOCAL_MODEL_NAME,

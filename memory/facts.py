@@ -257,6 +257,21 @@ _NAME_STOPWORDS_TEXT = (
     "UTC GMT NB PS FIXME Dr Mr Mrs Ms Prof Sr Jr St"
 )
 _NAME_STOPWORDS = frozenset(_wordlist(_NAME_STOPWORDS_TEXT))
+# Words that open a sentence with a capital only because they open it: before a name
+# ("Yesterday Caroline said", "Ask Bob") they are dropped; any other first word of a run of
+# capitalised words is kept, since it is a name's first word ("Caroline Smith said").
+_SENTENCE_OPENERS = frozenset(
+    _wordlist(
+        "About After Again All Although Another Any Anyway As At Because Before Both By "
+        "Dear During Each Either Even Every Finally First For From Had Has Have Having However "
+        "In Instead Is Last Later Like Many Meanwhile More Most Much Neither Next Nor Of On "
+        "Once One Only Other Over Per Perhaps Plus Since Some Still Such Than Thus To Today "
+        "Tomorrow Tonight Under Unless Until Upon Was Were Whether With Within Without Yes "
+        "Yesterday Yet Ask Call Contact Email Invite Message Meet Ping Remind Send Tell Text "
+        "Thank Welcome Congrats Congratulations Happy Hey Hi Hello Did Does Do Can Could Will "
+        "Would Should Shall May Might Must Are Am Be Been Being Was Went Met Saw Told Asked"
+    )
+)
 
 # Sentence weights: exact, reusable facts count most; names and soft decision words least.
 _W_ID = 3.0
@@ -371,11 +386,13 @@ def _clean_url(url: str) -> str:
 
 def _name_of(match: re.Match[str], sentence_lead: int) -> str | None:
     words = match.group().split()
-    # A capital at the start of a sentence says nothing: drop that word unless more follow.
+    # A capital at the start of a sentence says nothing on its own: a lone word there is no
+    # name, and a common word there is dropped from the names that follow it.
     if match.start() == sentence_lead:
         if len(words) == 1:
             return None
-        words = words[1:]
+        if words[0] in _SENTENCE_OPENERS:
+            words = words[1:]
     while words and words[0] in _NAME_STOPWORDS:
         words = words[1:]
     while words and words[-1] in _NAME_STOPWORDS:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import math
 import random
-import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -450,7 +449,7 @@ def test_split_agrees_with_close_reason_and_closes_after() -> None:
             assert closes_after(segment.messages[i - 1]) is None
 
 
-def test_split_is_fast() -> None:
+def test_split_of_10k_messages_keeps_every_message() -> None:
     rng = np.random.default_rng(0)
     topics = rng.normal(size=(25, 384))
     texts = [
@@ -472,8 +471,6 @@ def test_split_is_fast() -> None:
                 tool_names=(),
             )
         )
-    started = time.perf_counter()
     closed, rest = split(messages, POLICY)
-    elapsed = time.perf_counter() - started
+    # Its speed is measured by `bench.throughput` ("segmentation (split)"), not timed here.
     assert sum(len(s.messages) for s in closed) + len(rest) == 10_000
-    assert elapsed < 1.0, f"split of 10k messages took {elapsed:.2f}s"

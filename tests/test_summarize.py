@@ -14,7 +14,6 @@ import asyncio
 import json
 import logging
 import random
-import time
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -230,6 +229,18 @@ def test_fact_patterns() -> None:
     assert facts["open_questions"] == ["TODO: ask Bob."]
 
 
+def test_a_full_name_opening_a_sentence_keeps_its_first_word() -> None:
+    text = (
+        "Caroline Smith said the venue is booked. Yesterday Melanie Brown called. "
+        "Ask Bob about the cake. Caroline agreed."
+    )
+    names = extract_facts([message(1, "user", text)])["names"]
+    assert {"Caroline Smith", "Melanie Brown", "Bob"} <= set(names)
+    # A common word that opens a sentence is no part of the name after it, and a lone capital
+    # there says nothing.
+    assert not {"Smith", "Yesterday Melanie Brown", "Ask Bob", "Caroline"} & set(names)
+
+
 async def test_bad_arguments() -> None:
     summarizer = ExtractiveSummarizer()
     with pytest.raises(ValueError):
@@ -287,19 +298,15 @@ def synthetic_messages(n: int) -> list[SummaryInput]:
     return [message(i, roles[i % 8], makers[roles[i % 8]]()) for i in range(n)]
 
 
-async def test_extractive_is_fast() -> None:
+async def test_extractive_summarizes_every_chunk_with_its_identifiers() -> None:
     messages = synthetic_messages(2000)
     summarizer = ExtractiveSummarizer()
-    await summarizer.summarize(messages[:20], level=1, target_tokens=256)  # load the encoding
-    started = time.perf_counter()
     summaries = [
         await summarizer.summarize(messages[i : i + 20], level=1, target_tokens=256)
         for i in range(0, len(messages), 20)
     ]
-    per_message = (time.perf_counter() - started) / len(messages)
+    # Its speed is measured by `bench.throughput` ("level-1 summaries"), not timed here.
     assert all(s.text and s.facts["identifiers"] for s in summaries)
-    # The whole pipeline targets 500 messages/s; summarization must be a small part of it.
-    assert per_message < 0.001, f"{per_message * 1000:.3f} ms per message"
 
 
 # --- LLM ----------------------------------------------------------------------------------------
