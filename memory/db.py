@@ -4,10 +4,14 @@
 without pgvector with a message saying so; `migrate(engine)` applies Alembic migrations under a
 Postgres advisory lock, so any number of processes may start at once. Errors of the driver are
 translated to `StorageUnavailable` / `SchemaMismatch` here.
+
+Pooled connections are not pinged before use (a round trip per transaction, on every request):
+`transaction` instead begins once more on a fresh connection when the pooled one turns out to
+be dead (a restarted server), which SQLAlchemy detects and answers by emptying the pool.
 """
 
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import AsyncExitStack, asynccontextmanager
 from pathlib import Path
 from typing import Any, TypeAlias
 
@@ -33,7 +37,6 @@ def connect(url: str, *, pool_size: int = 10) -> AsyncEngine:
         url,
         pool_size=pool_size,
         max_overflow=pool_size,
-        pool_pre_ping=True,
         pool_recycle=1800,
         # Errors must not quote statement parameters: they hold message contents and key hashes.
         hide_parameters=True,
@@ -92,11 +95,22 @@ async def transaction(engine: AsyncEngine) -> AsyncIterator[AsyncConnection]:
     """A transaction that commits on success; a lost or refused database becomes
     `StorageUnavailable`, so callers handle one error whatever the driver said."""
     try:
-        async with engine.begin() as conn:
-            yield conn
+        async with AsyncExitStack() as stack:
+            yield await _begin(stack, engine)
     except (OperationalError, InterfaceError, OSError, TimeoutError) as exc:
         raise StorageUnavailable(f"the database is unavailable: {type(exc).__name__}") from exc
     except DBAPIError as exc:
         if exc.connection_invalidated:
             raise StorageUnavailable("the database connection was lost") from exc
         raise
+
+
+async def _begin(stack: AsyncExitStack, engine: AsyncEngine) -> AsyncConnection:
+    """Begin a transaction, once more if the pooled connection was found dead: nothing has
+    been sent on it yet, so the retry cannot repeat any work."""
+    try:
+        return await stack.enter_async_context(engine.begin())
+    except DBAPIError as exc:
+        if not exc.connection_invalidated:
+            raise
+    return await stack.enter_async_context(engine.begin())
