@@ -30,9 +30,6 @@ from memory.schema import DEFAULT_TENANT, conversations, nodes, tenants
 MESSAGE_FIELDS = ("role", "name", "content", "tool_calls", "tool_call_id")
 """Fields of an OpenAI message stored in columns; the rest are kept in `meta`."""
 _SYSTEM_ROLES = ("system", "developer")
-# Up to this many messages are inserted by one statement that also moves the conversation's
-# head; a bulk import goes through executemany (a statement has at most 32,767 parameters).
-_ONE_STATEMENT_ROWS = 32
 
 
 @dataclass(frozen=True)
@@ -350,6 +347,12 @@ async def _append_locked(
         if created_at is not None:
             row["created_at"] = created_at[offset] or now
         rows.append(row)
+    node_ids: list[int] = []
+    if rows:
+        result = await conn.execute(
+            insert(nodes).returning(nodes.c.id, sort_by_parameter_order=True), rows
+        )
+        node_ids = [int(node_id) for node_id in result.scalars()]
     added = sum(row["token_count"] for row in rows)
     values: dict[str, Any] = {
         "next_seq": conv.next_seq + len(rows),
@@ -366,22 +369,7 @@ async def _append_locked(
         values["requests"] = conversations.c.requests + 1
         values["tokens_sent"] = conversations.c.tokens_sent + sent
         values["tokens_full"] = conversations.c.tokens_full + full
-    move = update(conversations).where(conversations.c.id == conv.id).values(values)
-    node_ids: list[int] = []
-    if 0 < len(rows) <= _ONE_STATEMENT_ROWS:
-        # A chat request's few messages: inserted and the head moved in one round trip.
-        inserted = insert(nodes).values(rows).returning(nodes.c.id, nodes.c.seq).cte("inserted")
-        result = await conn.execute(
-            select(inserted.c.id).add_cte(move.cte("moved")).order_by(inserted.c.seq)
-        )
-        node_ids = [int(node_id) for node_id in result.scalars()]
-    else:
-        if rows:
-            result = await conn.execute(
-                insert(nodes).returning(nodes.c.id, sort_by_parameter_order=True), rows
-            )
-            node_ids = [int(node_id) for node_id in result.scalars()]
-        await conn.execute(move)
+    await conn.execute(update(conversations).where(conversations.c.id == conv.id).values(values))
     return Appended(
         conversation=ref,
         node_ids=node_ids,
