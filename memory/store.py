@@ -143,11 +143,7 @@ async def append(
     and what the whole history would have cost, counted on the conversation with the reply
     (its statistics: requests, tokens sent, tokens full)."""
     conv = (
-        await conn.execute(
-            select(conversations)
-            .where(conversations.c.id == conversation_id, conversations.c.tenant_id == tenant_id)
-            .with_for_update()
-        )
+        await conn.execute(_LOCK_BY_ID, {"id": conversation_id, "tenant_id": tenant_id})
     ).one_or_none()
     if conv is None:
         raise NotFound(f"conversation {conversation_id} does not exist")
@@ -226,6 +222,49 @@ async def list_messages(
 
 # -- internals ---------------------------------------------------------------------------
 
+# The statements every chat request runs, built once: SQLAlchemy then neither rebuilds them nor
+# recomputes their cache keys on each call.
+_LOCK_BY_ID = (
+    select(conversations)
+    .where(
+        conversations.c.id == bindparam("id"), conversations.c.tenant_id == bindparam("tenant_id")
+    )
+    .with_for_update()
+)
+_CHAIN = bindparam("chain", type_=ARRAY(Text))
+# The conversation whose head is latest in the history. Locked as found: a candidate that
+# another request extended meanwhile is read again after the lock, and skipped if its new head
+# is not in this history (the next candidate is taken).
+_LOCK_BY_PREFIX = (
+    select(conversations)
+    .where(
+        conversations.c.tenant_id == bindparam("tenant_id"),
+        conversations.c.head_hash == func.any(_CHAIN),
+        conversations.c.user_id.is_not_distinct_from(bindparam("user", type_=Text)),
+    )
+    .order_by(
+        func.array_position(_CHAIN, conversations.c.head_hash).desc(),
+        conversations.c.updated_at.desc(),
+    )
+    .limit(1)
+    .with_for_update()
+)
+# Moves the head after new messages (a NULL hash keeps the stored one) and counts a request.
+_MOVE_HEAD = (
+    update(conversations)
+    .where(conversations.c.id == bindparam("conversation"))
+    .values(
+        next_seq=bindparam("new_next_seq"),
+        token_count=conversations.c.token_count + bindparam("added"),
+        head_hash=func.coalesce(bindparam("new_head", type_=Text), conversations.c.head_hash),
+        system_hash=func.coalesce(bindparam("new_system", type_=Text), conversations.c.system_hash),
+        requests=conversations.c.requests + bindparam("requests"),
+        tokens_sent=conversations.c.tokens_sent + bindparam("sent"),
+        tokens_full=conversations.c.tokens_full + bindparam("full"),
+        updated_at=func.now(),
+    )
+)
+
 
 async def _lock_or_create(
     conn: AsyncConnection, *, tenant_id: int, external_id: str, user: str | None
@@ -272,23 +311,9 @@ async def _match_prefix(
 ) -> tuple[AnyRow, int, bool]:
     """Lock the conversation whose whole chain is the longest prefix of the history; return
     it, where the new messages start, and whether it was created."""
-    chain = bindparam("chain", list(hashes), type_=ARRAY(Text))
-    # Locked as found: a candidate that another request extended meanwhile is read again
-    # after the lock and skipped if its new head is not in this history (the next is taken).
     conv = (
         await conn.execute(
-            select(conversations)
-            .where(
-                conversations.c.tenant_id == tenant_id,
-                conversations.c.head_hash == func.any(chain),
-                conversations.c.user_id.is_not_distinct_from(user),
-            )
-            .order_by(
-                func.array_position(chain, conversations.c.head_hash).desc(),
-                conversations.c.updated_at.desc(),
-            )
-            .limit(1)
-            .with_for_update()
+            _LOCK_BY_PREFIX, {"tenant_id": tenant_id, "chain": list(hashes), "user": user}
         )
     ).one_or_none()
     if conv is not None:
@@ -354,22 +379,21 @@ async def _append_locked(
         )
         node_ids = [int(node_id) for node_id in result.scalars()]
     added = sum(row["token_count"] for row in rows)
-    values: dict[str, Any] = {
-        "next_seq": conv.next_seq + len(rows),
-        "token_count": conversations.c.token_count + added,
-        "updated_at": func.now(),
-    }
-    if hashes:
-        values["head_hash"] = hashes[-1]
     systems = [m for m in messages if m.get("role") in _SYSTEM_ROLES]
-    if systems:
-        values["system_hash"] = identity.content_hash(systems[-1].get("content"))
-    if request_tokens is not None:
-        sent, full = request_tokens
-        values["requests"] = conversations.c.requests + 1
-        values["tokens_sent"] = conversations.c.tokens_sent + sent
-        values["tokens_full"] = conversations.c.tokens_full + full
-    await conn.execute(update(conversations).where(conversations.c.id == conv.id).values(values))
+    sent, full = request_tokens or (0, 0)
+    await conn.execute(
+        _MOVE_HEAD,
+        {
+            "conversation": conv.id,
+            "new_next_seq": conv.next_seq + len(rows),
+            "added": added,
+            "new_head": hashes[-1] if hashes else None,
+            "new_system": (identity.content_hash(systems[-1].get("content")) if systems else None),
+            "requests": 0 if request_tokens is None else 1,
+            "sent": sent,
+            "full": full,
+        },
+    )
     return Appended(
         conversation=ref,
         node_ids=node_ids,
