@@ -6,21 +6,22 @@ Postgres advisory lock, so any number of processes may start at once. Errors of 
 translated to `StorageUnavailable` / `SchemaMismatch` here.
 
 Pooled connections are not pinged before use (a round trip per transaction, on every request):
-`transaction` instead begins once more on a fresh connection when the pooled one turns out to
-be dead (a restarted server), which SQLAlchemy detects and answers by emptying the pool.
+a connection the server has closed (a restart, a terminated backend) is known closed to the
+driver without asking, and is replaced at checkout instead (`_replace_closed`).
 """
 
 from collections.abc import AsyncIterator
-from contextlib import AsyncExitStack, asynccontextmanager
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any, TypeAlias
 
 from alembic import command
 from alembic.config import Config
-from sqlalchemy import Row, text
+from sqlalchemy import Row, event, text
 from sqlalchemy.engine import Connection
-from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
+from sqlalchemy.exc import DBAPIError, DisconnectionError, InterfaceError, OperationalError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
+from sqlalchemy.pool import ConnectionPoolEntry, PoolProxiedConnection
 
 from memory.errors import SchemaMismatch, StorageUnavailable
 
@@ -33,7 +34,7 @@ _MIGRATION_LOCK = 7_240_311  # arbitrary, constant advisory-lock key for migrati
 
 def connect(url: str, *, pool_size: int = 10) -> AsyncEngine:
     """The engine for `url`; no connection is opened until first use."""
-    return create_async_engine(
+    engine = create_async_engine(
         url,
         pool_size=pool_size,
         max_overflow=pool_size,
@@ -43,6 +44,16 @@ def connect(url: str, *, pool_size: int = 10) -> AsyncEngine:
         # A statement that hangs must not hold a request forever.
         connect_args={"command_timeout": 60, "server_settings": {"application_name": "memstrata"}},
     )
+    event.listen(engine.sync_engine, "checkout", _replace_closed)
+    return engine
+
+
+def _replace_closed(
+    dbapi_connection: Any, _record: ConnectionPoolEntry, _proxy: PoolProxiedConnection
+) -> None:
+    """A pooled connection the server closed is replaced (the pool retries the checkout)."""
+    if dbapi_connection.driver_connection.is_closed():
+        raise DisconnectionError("the server closed this pooled connection")
 
 
 async def check(engine: AsyncEngine) -> None:
@@ -95,22 +106,11 @@ async def transaction(engine: AsyncEngine) -> AsyncIterator[AsyncConnection]:
     """A transaction that commits on success; a lost or refused database becomes
     `StorageUnavailable`, so callers handle one error whatever the driver said."""
     try:
-        async with AsyncExitStack() as stack:
-            yield await _begin(stack, engine)
+        async with engine.begin() as conn:
+            yield conn
     except (OperationalError, InterfaceError, OSError, TimeoutError) as exc:
         raise StorageUnavailable(f"the database is unavailable: {type(exc).__name__}") from exc
     except DBAPIError as exc:
         if exc.connection_invalidated:
             raise StorageUnavailable("the database connection was lost") from exc
         raise
-
-
-async def _begin(stack: AsyncExitStack, engine: AsyncEngine) -> AsyncConnection:
-    """Begin a transaction, once more if the pooled connection was found dead: nothing has
-    been sent on it yet, so the retry cannot repeat any work."""
-    try:
-        return await stack.enter_async_context(engine.begin())
-    except DBAPIError as exc:
-        if not exc.connection_invalidated:
-            raise
-    return await stack.enter_async_context(engine.begin())
