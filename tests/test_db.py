@@ -60,11 +60,11 @@ def _upgrade_to(revision: str) -> Callable[[Connection], None]:
     return upgrade
 
 
-async def test_migration_0003_fingerprints_the_newest_system_prompt(empty_database: str) -> None:
+async def test_migration_0005_fingerprints_the_newest_system_prompt(empty_database: str) -> None:
     engine = connect(empty_database)
     try:
         async with engine.connect() as conn:
-            await conn.run_sync(_upgrade_to("0002"))
+            await conn.run_sync(_upgrade_to("0004"))
             await conn.commit()
         async with transaction(engine) as conn:
             await conn.execute(text("INSERT INTO tenants (name) VALUES ('t')"))

@@ -5,8 +5,8 @@ recognises it by `conversations.system_hash` instead of looking the prompt up am
 conversation's messages. Existing conversations get theirs computed here, with the formula of
 `memory.identity.content_hash` (copied: a migration must not change when that module does).
 
-Revision ID: 0003
-Revises: 0002
+Revision ID: 0005
+Revises: 0004
 Create Date: 2026-11-21 09:00:00.000000
 """
 
@@ -19,8 +19,8 @@ import sqlalchemy as sa
 from alembic import op
 from sqlalchemy.dialects import postgresql
 
-revision: str = "0003"
-down_revision: str | None = "0002"
+revision: str = "0005"
+down_revision: str | None = "0004"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 
