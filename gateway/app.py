@@ -2,8 +2,8 @@
 
 The lifespan owns every resource of the process: the embedded Postgres when no
 `MEMSTRATA_DATABASE_URL` is set (started, and stopped on exit if this process started it), the
-database engine (checked for pgvector and migrated at start), the pooled upstream client, and the
-in-process background workers. Routes reach them through `gateway.deps`.
+database engine (checked for pgvector and migrated at start), the pooled upstream clients, and
+the in-process background workers. Routes reach them through `gateway.deps`.
 """
 
 import asyncio
@@ -21,7 +21,7 @@ from gateway.logs import RequestIdMiddleware
 from gateway.metrics import Metrics, MetricsMiddleware
 from gateway.routes import admin, health, openai
 from gateway.settings import Settings
-from gateway.upstream import Upstream, make_client
+from gateway.upstream import Upstream, make_clients
 from memory import store, tokens
 from memory.db import connect, migrate, transaction
 from memory.postgres import EmbeddedPostgres
@@ -46,10 +46,13 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                 url = embedded.url
             engine = connect(url, pool_size=settings.db_pool_size)
             stack.push_async_callback(engine.dispose)
-            client = make_client(
+            clients = make_clients(
                 timeout=settings.upstream_timeout, connect_timeout=settings.upstream_connect_timeout
             )
-            stack.push_async_callback(client.aclose)
+            for one in clients:
+                stack.push_async_callback(one.aclose)
+            # Background calls (embeddings, summaries) are few: one client serves them.
+            client = clients[0]
             # Load the tokenizer now rather than on the first request.
             await asyncio.to_thread(tokens.get_encoding, "o200k_base")
             await migrate(engine)
@@ -70,7 +73,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                 settings=settings,
                 engine=engine,
                 upstream=Upstream(
-                    client,
+                    clients,
                     base_url=settings.upstream_url,
                     api_key=settings.upstream_api_key,
                     forward_client_auth=settings.auth == "off",

@@ -159,6 +159,7 @@ async def assemble(
         new_messages=new_messages,
         new_from=first_seq,
         whole=messages if whole else None,
+        stored=(appended.token_count, appended.user_id) if appended is not None else None,
         budget=budget,
         reserved_tokens=reserved_tokens + _tools_cost(body),
         max_output=_max_output(body),
@@ -221,13 +222,16 @@ async def _prompt(
     budget: int | None,
     reserved_tokens: int,
     max_output: int | None,
+    stored: tuple[int, str | None] | None = None,
     unstored_tokens: int = 0,
     tools_guide: bool = True,
 ) -> tuple[list[dict[str, Any]], int, int, bool]:
     """(messages, their tokens, the whole history's tokens, rebuilt?).
 
     The messages and `reserved_tokens` (tool definitions) together stay within the budget;
-    the tokens returned are the messages' own."""
+    the tokens returned are the messages' own. `stored` is the conversation's (token count,
+    user) when the caller has just read them: a resent history that fits then needs no
+    database at all."""
     settings = state.settings
     limit_budget = context.budget_for(
         model,
@@ -237,33 +241,29 @@ async def _prompt(
         max_output=max_output,
     )
     limit = limit_budget - reserved_tokens
-    async with transaction(state.engine) as conn:
-        conv = (
-            await conn.execute(
-                select(conversations.c.token_count, conversations.c.user_id).where(
-                    conversations.c.id == conversation_id,
-                    conversations.c.tenant_id == tenant_id,
-                )
-            )
-        ).one()
-        stored_tokens = int(conv.token_count)
-        full = stored_tokens + unstored_tokens + tokens.REPLY_PRIMING_TOKENS
-        if full <= limit * 1.25:  # stored counts may come from another model's tokenizer
-            verbatim = whole
-            if verbatim is None:
+    if stored is None:
+        async with transaction(state.engine) as conn:
+            stored = await _figures(conn, tenant_id, conversation_id)
+    stored_tokens, user = stored
+    full = stored_tokens + unstored_tokens + tokens.REPLY_PRIMING_TOKENS
+    if full <= limit * 1.25:  # stored counts may come from another model's tokenizer
+        verbatim = whole
+        if verbatim is None:
+            async with transaction(state.engine) as conn:
                 kept = await _history(conn, tenant_id, conversation_id, before=new_from)
-                stored_system = _leading_system(kept)
-                verbatim = [
-                    *(request_system or stored_system),
-                    *kept[len(stored_system) :],
-                    *new_messages,
-                ]
-            count = tokens.count_messages(verbatim, model=model)
-            if count <= limit:
-                return verbatim, count, full, False
+            stored_system = _leading_system(kept)
+            verbatim = [
+                *(request_system or stored_system),
+                *kept[len(stored_system) :],
+                *new_messages,
+            ]
+        count = tokens.count_messages(verbatim, model=model)
+        if count <= limit:
+            return verbatim, count, full, False
+    async with transaction(state.engine) as conn:
         related: list[int] = []
-        if settings.cross_conversation == "on" and conv.user_id is not None:
-            related = await _related(conn, tenant_id, conversation_id, conv.user_id)
+        if settings.cross_conversation == "on" and user is not None:
+            related = await _related(conn, tenant_id, conversation_id, user)
         system = request_system or await _stored_system(conn, tenant_id, conversation_id)
         try:
             built = await context.build(
@@ -288,6 +288,21 @@ async def _prompt(
                 400, str(exc), param="messages", code="context_length_exceeded"
             ) from exc
     return built.messages, built.tokens, full, True
+
+
+async def _figures(
+    conn: AsyncConnection, tenant_id: int, conversation_id: int
+) -> tuple[int, str | None]:
+    """The stored conversation's (token count, user)."""
+    row = (
+        await conn.execute(
+            select(conversations.c.token_count, conversations.c.user_id).where(
+                conversations.c.id == conversation_id,
+                conversations.c.tenant_id == tenant_id,
+            )
+        )
+    ).one()
+    return int(row.token_count), row.user_id
 
 
 async def _related(

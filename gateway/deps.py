@@ -1,5 +1,8 @@
 """Dependencies of the routes, as `Annotated` aliases over the app's lifespan state.
 
+Every dependency is `async def`, even where it awaits nothing: FastAPI runs a plain `def`
+dependency in a worker thread, a thread hop on every request for a field lookup.
+
 `State` is everything the app holds for its lifetime. `TenantDep` is the tenant a client
 request acts for and `require_admin` guards the admin API; both are decided in `gateway.auth`.
 """
@@ -33,20 +36,20 @@ class State:
     key_grace: auth.KeyGrace = field(default_factory=lambda: auth.KeyGrace(seconds=0))
 
 
-def get_state(request: Request) -> State:
+async def get_state(request: Request) -> State:
     state: State = request.state.memstrata
     return state
 
 
-def get_settings(state: Annotated[State, Depends(get_state)]) -> Settings:
+async def get_settings(state: Annotated[State, Depends(get_state)]) -> Settings:
     return state.settings
 
 
-def get_engine(state: Annotated[State, Depends(get_state)]) -> AsyncEngine:
+async def get_engine(state: Annotated[State, Depends(get_state)]) -> AsyncEngine:
     return state.engine
 
 
-def get_upstream(state: Annotated[State, Depends(get_state)]) -> Upstream:
+async def get_upstream(state: Annotated[State, Depends(get_state)]) -> Upstream:
     return state.upstream
 
 
@@ -74,7 +77,7 @@ async def get_tenant_id(
     return await auth.tenant_from_headers(state, request.headers)
 
 
-def require_admin(
+async def require_admin(
     request: Request,
     state: Annotated[State, Depends(get_state)],
     _: Annotated[HTTPAuthorizationCredentials | None, Security(_admin_token)],

@@ -170,7 +170,7 @@ async def _call_tool(
     request = ctx.request
     if not isinstance(request, Request) or _TENANT not in request.scope:
         return _error("memstrata's tools are served over HTTP at /mcp only")
-    state = get_state(request)
+    state = await get_state(request)
     tenant_id: int = request.scope[_TENANT]
     arguments = dict(params.arguments or {})
     try:

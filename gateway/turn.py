@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gateway.deps import State
-from memory import conversations, hierarchy, store
+from memory import hierarchy, store
 from memory.db import transaction
 from memory.errors import MemstrataError
 
@@ -66,16 +66,10 @@ class Turn:
                     messages=[reply],
                     model=self.model,
                     status="complete" if complete else "incomplete",
+                    request_tokens=(self.context_tokens or 0, self.full_tokens or 0),
                 )
                 await hierarchy.enqueue(
                     conn, tenant_id=self.tenant_id, conversation_id=self.conversation_id
-                )
-                await conversations.record_request(
-                    conn,
-                    tenant_id=self.tenant_id,
-                    conversation_id=self.conversation_id,
-                    tokens_sent=self.context_tokens or 0,
-                    tokens_full=self.full_tokens or 0,
                 )
             state.metrics.observe_tokens(sent=self.context_tokens or 0, full=self.full_tokens or 0)
         except MemstrataError:

@@ -1,4 +1,8 @@
-"""The upstream OpenAI-compatible server, reached through one pooled `httpx.AsyncClient`.
+"""The upstream OpenAI-compatible server, reached through a few pooled `httpx.AsyncClient`s.
+
+One client shared by many concurrent requests does not scale: its connection pool does work
+proportional to the requests waiting on it for each one it serves (encode/httpx#3215), so a
+process keeps `CLIENTS` of them (`make_clients`) and sends each request through the next.
 
 `Upstream.open(method, path, ...)` sends a request and returns the response with its body not
 yet read, so that a stream can be relayed chunk by chunk; transport failures become
@@ -9,9 +13,10 @@ metrics). The upstream gets our `api_key` if set, else the client's own `Authori
 never while gateway keys are in use (`forward_client_auth=False`): that header is a gateway key.
 """
 
+import itertools
 import time
-from collections.abc import Callable, Mapping
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Final
 
 import httpx
 
@@ -34,6 +39,11 @@ _HOP_BY_HOP = frozenset(
         "te",
     }
 )
+CLIENTS: Final = 8
+# Idle upstream connections are closed by us before the server may close them: uvicorn (and
+# many servers) drop idle connections after 5 s, and a request sent on a connection the server
+# is closing at that moment fails (ReadError, a 502 for the client).
+_KEEPALIVE_SECONDS: Final = 4.0
 # Client headers worth passing on besides the body: auth is decided separately.
 _FORWARDED_REQUEST_HEADERS = ("openai-organization", "openai-project", "openai-beta")
 
@@ -52,14 +62,16 @@ class Upstream:
 
     def __init__(
         self,
-        client: httpx.AsyncClient,
+        clients: Sequence[httpx.AsyncClient],
         *,
         base_url: str,
         api_key: str | None,
         forward_client_auth: bool = True,
         observe: Observer | None = None,
     ) -> None:
-        self._client = client
+        if not clients:
+            raise ValueError("Upstream needs at least one client")
+        self._clients = itertools.cycle(clients)
         self._base_url = base_url.rstrip("/")
         self._api_key = api_key
         self._forward_client_auth = forward_client_auth
@@ -88,7 +100,8 @@ class Upstream:
         stream: bool = False,
     ) -> httpx.Response:
         """Send a request; the caller must `aclose()` the response (its body is unread)."""
-        request = self._client.build_request(
+        client = next(self._clients)
+        request = client.build_request(
             method,
             f"{self._base_url}{path}",
             json=json,
@@ -97,7 +110,7 @@ class Upstream:
         )
         started = time.perf_counter()
         try:
-            response = await self._client.send(request, stream=True)
+            response = await client.send(request, stream=True)
         except httpx.TimeoutException as exc:
             self._observed(path, started, "timeout")
             raise UpstreamTimeout(f"the upstream did not answer in time ({_name(exc)})") from exc
@@ -135,9 +148,25 @@ def _name(exc: Exception) -> str:
     return f"{type(exc).__name__}: {detail}" if detail else type(exc).__name__
 
 
-def make_client(*, timeout: float, connect_timeout: float) -> httpx.AsyncClient:
-    """The pooled client every upstream call of a process goes through."""
+def make_client(
+    *, timeout: float, connect_timeout: float, max_connections: int = 1000
+) -> httpx.AsyncClient:
+    """A pooled client for upstream calls."""
     return httpx.AsyncClient(
         timeout=httpx.Timeout(timeout, connect=connect_timeout),
-        limits=httpx.Limits(max_connections=1000, max_keepalive_connections=100),
+        limits=httpx.Limits(
+            max_connections=max_connections,
+            max_keepalive_connections=max(max_connections // 10, 1),
+            keepalive_expiry=_KEEPALIVE_SECONDS,
+        ),
     )
+
+
+def make_clients(*, timeout: float, connect_timeout: float) -> list[httpx.AsyncClient]:
+    """The `CLIENTS` clients chat completions go through, 1000 connections between them."""
+    return [
+        make_client(
+            timeout=timeout, connect_timeout=connect_timeout, max_connections=1000 // CLIENTS
+        )
+        for _ in range(CLIENTS)
+    ]

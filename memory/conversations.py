@@ -1,5 +1,5 @@
-"""Conversations as an operator sees them: listing, statistics, export, deletion, and the
-per-request counters those statistics come from.
+"""Conversations as an operator sees them: listing, statistics, export, deletion (the
+per-request counters those statistics come from are kept by `store.append` with each reply).
 
 Every function is scoped by `tenant_id`: a conversation of another tenant behaves as missing
 (`NotFound`). Listing pages by conversation id, newest first, with the last id of a page as the
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import ColumnElement, delete, func, select, update
+from sqlalchemy import ColumnElement, delete, func, select
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from memory import store
@@ -227,24 +227,3 @@ async def delete_conversation(
     )
     await conn.execute(delete(conversations).where(conversations.c.id == conversation_id))
     return Deleted(messages=int(counts[0]), summaries=int(counts[1]), jobs=int(job_count or 0))
-
-
-async def record_request(
-    conn: AsyncConnection,
-    *,
-    tenant_id: int,
-    conversation_id: int,
-    tokens_sent: int,
-    tokens_full: int,
-) -> None:
-    """Count one answered request: the prompt tokens sent and what the history would have
-    cost."""
-    await conn.execute(
-        update(conversations)
-        .where(conversations.c.id == conversation_id, conversations.c.tenant_id == tenant_id)
-        .values(
-            requests=conversations.c.requests + 1,
-            tokens_sent=conversations.c.tokens_sent + tokens_sent,
-            tokens_full=conversations.c.tokens_full + tokens_full,
-        )
-    )

@@ -4,6 +4,10 @@
 without pgvector with a message saying so; `migrate(engine)` applies Alembic migrations under a
 Postgres advisory lock, so any number of processes may start at once. Errors of the driver are
 translated to `StorageUnavailable` / `SchemaMismatch` here.
+
+Pooled connections are not pinged before use (a round trip per transaction, on every request):
+a connection the server has closed (a restart, a terminated backend) is known closed to the
+driver without asking, and is replaced at checkout instead (`_replace_closed`).
 """
 
 from collections.abc import AsyncIterator
@@ -13,10 +17,11 @@ from typing import Any, TypeAlias
 
 from alembic import command
 from alembic.config import Config
-from sqlalchemy import Row, text
+from sqlalchemy import Row, event, text
 from sqlalchemy.engine import Connection
-from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
+from sqlalchemy.exc import DBAPIError, DisconnectionError, InterfaceError, OperationalError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
+from sqlalchemy.pool import ConnectionPoolEntry, PoolProxiedConnection
 
 from memory.errors import SchemaMismatch, StorageUnavailable
 
@@ -29,17 +34,26 @@ _MIGRATION_LOCK = 7_240_311  # arbitrary, constant advisory-lock key for migrati
 
 def connect(url: str, *, pool_size: int = 10) -> AsyncEngine:
     """The engine for `url`; no connection is opened until first use."""
-    return create_async_engine(
+    engine = create_async_engine(
         url,
         pool_size=pool_size,
         max_overflow=pool_size,
-        pool_pre_ping=True,
         pool_recycle=1800,
         # Errors must not quote statement parameters: they hold message contents and key hashes.
         hide_parameters=True,
         # A statement that hangs must not hold a request forever.
         connect_args={"command_timeout": 60, "server_settings": {"application_name": "memstrata"}},
     )
+    event.listen(engine.sync_engine, "checkout", _replace_closed)
+    return engine
+
+
+def _replace_closed(
+    dbapi_connection: Any, _record: ConnectionPoolEntry, _proxy: PoolProxiedConnection
+) -> None:
+    """A pooled connection the server closed is replaced (the pool retries the checkout)."""
+    if dbapi_connection.driver_connection.is_closed():
+        raise DisconnectionError("the server closed this pooled connection")
 
 
 async def check(engine: AsyncEngine) -> None:

@@ -7,6 +7,9 @@ message (`head_hash`); an incoming history that contains that hash extends the c
 and only the messages after it are new. Fields a client may add or drop when it resends a
 message it received (`refusal`, `annotations`, `audio`, a null `content` vs ``""``) are left
 out of the hash so that resending the SDK's own objects still matches.
+
+`content_hash(content)` fingerprints a message's content alone: a conversation keeps the one of
+its newest system prompt (`system_hash`) to recognise a client that repeats it.
 """
 
 import hashlib
@@ -53,6 +56,12 @@ def _identity(message: Mapping[str, Any]) -> dict[str, Any]:
         "tool_calls": tool_calls,
         "tool_call_id": message.get("tool_call_id"),
     }
+
+
+def content_hash(content: Any) -> str:
+    """A fingerprint of a message's content (a string or a list of parts)."""
+    canonical = json.dumps(content, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return hashlib.sha256(canonical.encode()).hexdigest()
 
 
 def chain_hash(parent: str, message: Mapping[str, Any]) -> str:

@@ -81,6 +81,8 @@ conversations = Table(
     Column("requests", Integer, nullable=False, server_default="0"),
     Column("tokens_sent", BigInteger, nullable=False, server_default="0"),
     Column("tokens_full", BigInteger, nullable=False, server_default="0"),
+    # `identity.content_hash` of the newest stored system or developer message (migration 0005).
+    Column("system_hash", Text),
     _created_at(),
     Column("updated_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
     UniqueConstraint("tenant_id", "external_id", name="uq_conversations_tenant_external"),

@@ -6,6 +6,10 @@ lock its row first (`FOR UPDATE`), so concurrent requests on one conversation ge
 never duplicated, sequence numbers and a consistent hash chain. Callers own the transaction:
 `ingest` and `append` do their work inside the caller's transaction so that queueing the
 background work commits or rolls back with the messages it concerns.
+
+The request path runs `ingest` and `append` on every chat request, so each keeps its round
+trips to the database few: the conversation is found and locked in one statement, and what
+the request path needs next (the conversation's token count and user) comes back in `Appended`.
 """
 
 from collections.abc import Mapping, Sequence
@@ -13,8 +17,8 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from sqlalchemy import func, insert, select, update
-from sqlalchemy.dialects.postgresql import aggregate_order_by
+from sqlalchemy import Text, bindparam, func, insert, literal_column, select, update
+from sqlalchemy.dialects.postgresql import ARRAY, aggregate_order_by
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.ext.asyncio import AsyncConnection
 
@@ -25,6 +29,7 @@ from memory.schema import DEFAULT_TENANT, conversations, nodes, tenants
 
 MESSAGE_FIELDS = ("role", "name", "content", "tool_calls", "tool_call_id")
 """Fields of an OpenAI message stored in columns; the rest are kept in `meta`."""
+_SYSTEM_ROLES = ("system", "developer")
 
 
 @dataclass(frozen=True)
@@ -38,11 +43,14 @@ class ConversationRef:
 
 @dataclass(frozen=True)
 class Appended:
-    """What `ingest` or `append` stored."""
+    """What `ingest` or `append` stored, and the conversation as it is now."""
 
     conversation: ConversationRef
     node_ids: list[int]
     first_seq: int
+    token_count: int
+    """Tokens of every message the conversation holds, the new ones included."""
+    user_id: str | None
 
 
 @dataclass(frozen=True)
@@ -102,7 +110,7 @@ async def ingest(
         )
         start = _after_head(hashes, conv.head_hash)
         if start is None:
-            start = await _repeated_system(conn, conversation_id=conv.id, messages=messages)
+            start = _repeated_system(conv.system_hash, messages)
     else:
         conv, start, created = await _match_prefix(
             conn, tenant_id=tenant_id, user=user, hashes=hashes
@@ -127,14 +135,15 @@ async def append(
     model: str,
     status: str = "complete",
     created_at: Sequence[datetime | None] | None = None,
+    request_tokens: tuple[int, int] | None = None,
 ) -> Appended:
-    """Append `messages` to a stored conversation (a reply, or a bulk import)."""
+    """Append `messages` to a stored conversation (a reply, or a bulk import).
+
+    `request_tokens`, for a reply: the prompt tokens sent upstream for the request it answers
+    and what the whole history would have cost, counted on the conversation with the reply
+    (its statistics: requests, tokens sent, tokens full)."""
     conv = (
-        await conn.execute(
-            select(conversations)
-            .where(conversations.c.id == conversation_id, conversations.c.tenant_id == tenant_id)
-            .with_for_update()
-        )
+        await conn.execute(_LOCK_BY_ID, {"id": conversation_id, "tenant_id": tenant_id})
     ).one_or_none()
     if conv is None:
         raise NotFound(f"conversation {conversation_id} does not exist")
@@ -147,6 +156,7 @@ async def append(
         model=model,
         status=status,
         created_at=created_at,
+        request_tokens=request_tokens,
     )
 
 
@@ -212,27 +222,67 @@ async def list_messages(
 
 # -- internals ---------------------------------------------------------------------------
 
+# The statements every chat request runs, built once: SQLAlchemy then neither rebuilds them nor
+# recomputes their cache keys on each call.
+_LOCK_BY_ID = (
+    select(conversations)
+    .where(
+        conversations.c.id == bindparam("id"), conversations.c.tenant_id == bindparam("tenant_id")
+    )
+    .with_for_update()
+)
+_CHAIN = bindparam("chain", type_=ARRAY(Text))
+# The conversation whose head is latest in the history. Locked as found: a candidate that
+# another request extended meanwhile is read again after the lock, and skipped if its new head
+# is not in this history (the next candidate is taken).
+_LOCK_BY_PREFIX = (
+    select(conversations)
+    .where(
+        conversations.c.tenant_id == bindparam("tenant_id"),
+        conversations.c.head_hash == func.any(_CHAIN),
+        conversations.c.user_id.is_not_distinct_from(bindparam("user", type_=Text)),
+    )
+    .order_by(
+        func.array_position(_CHAIN, conversations.c.head_hash).desc(),
+        conversations.c.updated_at.desc(),
+    )
+    .limit(1)
+    .with_for_update()
+)
+# Moves the head after new messages (a NULL hash keeps the stored one) and counts a request.
+_MOVE_HEAD = (
+    update(conversations)
+    .where(conversations.c.id == bindparam("conversation"))
+    .values(
+        next_seq=bindparam("new_next_seq"),
+        token_count=conversations.c.token_count + bindparam("added"),
+        head_hash=func.coalesce(bindparam("new_head", type_=Text), conversations.c.head_hash),
+        system_hash=func.coalesce(bindparam("new_system", type_=Text), conversations.c.system_hash),
+        requests=conversations.c.requests + bindparam("requests"),
+        tokens_sent=conversations.c.tokens_sent + bindparam("sent"),
+        tokens_full=conversations.c.tokens_full + bindparam("full"),
+        updated_at=func.now(),
+    )
+)
+
 
 async def _lock_or_create(
     conn: AsyncConnection, *, tenant_id: int, external_id: str, user: str | None
 ) -> tuple[AnyRow, bool]:
-    inserted = await conn.scalar(
-        pg_insert(conversations)
-        .values(tenant_id=tenant_id, external_id=external_id, user_id=user)
-        .on_conflict_do_nothing(constraint="uq_conversations_tenant_external")
-        .returning(conversations.c.id)
+    # One statement: the conflicting update is a no-op that locks the existing row (a new one
+    # is ours until commit); `xmax` is 0 only on a row this statement inserted.
+    statement = pg_insert(conversations).values(
+        tenant_id=tenant_id, external_id=external_id, user_id=user
     )
     conv = (
         await conn.execute(
-            select(conversations)
-            .where(
-                conversations.c.tenant_id == tenant_id,
-                conversations.c.external_id == external_id,
-            )
-            .with_for_update()
+            statement.on_conflict_do_update(
+                constraint="uq_conversations_tenant_external",
+                set_={"external_id": statement.excluded.external_id},
+            ).returning(*conversations.c, literal_column("xmax = 0").label("inserted"))
         )
     ).one()
-    return conv, inserted is not None
+    return conv, bool(conv.inserted)
 
 
 def _after_head(hashes: Sequence[str], head: str | None) -> int | None:
@@ -245,23 +295,15 @@ def _after_head(hashes: Sequence[str], head: str | None) -> int | None:
         return None
 
 
-async def _repeated_system(
-    conn: AsyncConnection, *, conversation_id: int, messages: Sequence[Mapping[str, Any]]
-) -> int:
-    """Clients that send only new turns usually repeat their system prompt: store it once."""
-    if not messages or messages[0].get("role") not in ("system", "developer"):
+def _repeated_system(system_hash: str | None, messages: Sequence[Mapping[str, Any]]) -> int:
+    """Clients that send only new turns usually repeat their system prompt: store it once
+    (1 to skip it, when it is the conversation's newest stored system prompt)."""
+    if system_hash is None or not messages:
         return 0
-    stored = await conn.scalar(
-        select(nodes.c.content)
-        .where(
-            nodes.c.conversation_id == conversation_id,
-            nodes.c.level == 0,
-            nodes.c.role.in_(("system", "developer")),
-        )
-        .order_by(nodes.c.seq.desc())
-        .limit(1)
-    )
-    return 1 if stored == messages[0].get("content") else 0
+    first = messages[0]
+    if first.get("role") not in _SYSTEM_ROLES:
+        return 0
+    return 1 if identity.content_hash(first.get("content")) == system_hash else 0
 
 
 async def _match_prefix(
@@ -269,33 +311,20 @@ async def _match_prefix(
 ) -> tuple[AnyRow, int, bool]:
     """Lock the conversation whose whole chain is the longest prefix of the history; return
     it, where the new messages start, and whether it was created."""
-    position = {digest: index for index, digest in enumerate(hashes)}
-    for _attempt in range(3):
-        candidates = (
-            await conn.execute(
-                select(conversations.c.id, conversations.c.head_hash)
-                .where(
-                    conversations.c.tenant_id == tenant_id,
-                    conversations.c.head_hash.in_(hashes),
-                    conversations.c.user_id.is_not_distinct_from(user),
-                )
-                .order_by(conversations.c.updated_at.desc())
-            )
-        ).all()
-        if not candidates:
-            break
-        best = max(candidates, key=lambda row: position[row.head_hash])
-        conv = (
-            await conn.execute(
-                select(conversations).where(conversations.c.id == best.id).with_for_update()
-            )
-        ).one()
-        if conv.head_hash == best.head_hash:
-            return conv, position[conv.head_hash] + 1, False
-        # Another request extended it between our read and our lock: look again.
-    conv, _ = await _lock_or_create(
-        conn, tenant_id=tenant_id, external_id=identity.new_conversation_id(), user=user
-    )
+    conv = (
+        await conn.execute(
+            _LOCK_BY_PREFIX, {"tenant_id": tenant_id, "chain": list(hashes), "user": user}
+        )
+    ).one_or_none()
+    if conv is not None:
+        return conv, hashes.index(conv.head_hash) + 1, False
+    conv = (
+        await conn.execute(
+            insert(conversations)
+            .values(tenant_id=tenant_id, external_id=identity.new_conversation_id(), user_id=user)
+            .returning(*conversations.c)
+        )
+    ).one()
     return conv, 0, True
 
 
@@ -309,11 +338,18 @@ async def _append_locked(
     model: str,
     status: str = "complete",
     created_at: Sequence[datetime | None] | None = None,
+    request_tokens: tuple[int, int] | None = None,
 ) -> Appended:
     """Insert `messages` after the locked conversation's head and move the head."""
     ref = ConversationRef(id=conv.id, external_id=conv.external_id, created=created)
-    if not messages:
-        return Appended(conversation=ref, node_ids=[], first_seq=conv.next_seq)
+    if not messages and request_tokens is None:
+        return Appended(
+            conversation=ref,
+            node_ids=[],
+            first_seq=conv.next_seq,
+            token_count=conv.token_count,
+            user_id=conv.user_id,
+        )
     hashes = identity.chain(messages, conv.head_hash or identity.ROOT_HASH)
     now = datetime.now(UTC)
     rows = []
@@ -336,21 +372,35 @@ async def _append_locked(
         if created_at is not None:
             row["created_at"] = created_at[offset] or now
         rows.append(row)
-    result = await conn.execute(
-        insert(nodes).returning(nodes.c.id, sort_by_parameter_order=True), rows
-    )
-    node_ids = [int(node_id) for node_id in result.scalars()]
-    await conn.execute(
-        update(conversations)
-        .where(conversations.c.id == conv.id)
-        .values(
-            next_seq=conv.next_seq + len(rows),
-            head_hash=hashes[-1],
-            token_count=conversations.c.token_count + sum(row["token_count"] for row in rows),
-            updated_at=func.now(),
+    node_ids: list[int] = []
+    if rows:
+        result = await conn.execute(
+            insert(nodes).returning(nodes.c.id, sort_by_parameter_order=True), rows
         )
+        node_ids = [int(node_id) for node_id in result.scalars()]
+    added = sum(row["token_count"] for row in rows)
+    systems = [m for m in messages if m.get("role") in _SYSTEM_ROLES]
+    sent, full = request_tokens or (0, 0)
+    await conn.execute(
+        _MOVE_HEAD,
+        {
+            "conversation": conv.id,
+            "new_next_seq": conv.next_seq + len(rows),
+            "added": added,
+            "new_head": hashes[-1] if hashes else None,
+            "new_system": (identity.content_hash(systems[-1].get("content")) if systems else None),
+            "requests": 0 if request_tokens is None else 1,
+            "sent": sent,
+            "full": full,
+        },
     )
-    return Appended(conversation=ref, node_ids=node_ids, first_seq=conv.next_seq)
+    return Appended(
+        conversation=ref,
+        node_ids=node_ids,
+        first_seq=conv.next_seq,
+        token_count=conv.token_count + added,
+        user_id=conv.user_id,
+    )
 
 
 def _message_record(row: AnyRow) -> MessageRecord:
