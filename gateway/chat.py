@@ -1,7 +1,9 @@
 """One chat completion: identify → store → assemble → forward → record → enqueue.
 
 The client's messages are stored (and their background processing queued) in one transaction
-before anything goes upstream, so an upstream failure never loses them. The prompt is then
+before anything goes upstream, so an upstream failure never loses them; a turn whose system
+prompt and new messages alone exceed the budget is refused (400) inside that transaction, so it
+stores nothing. The prompt is then
 assembled from memory, forwarded and relayed (`gateway.relay`); the reply is recorded by the
 `Turn` when it is complete. When the database is down during the store or assembly step, the
 request is forwarded unchanged or refused with 503, as `gateway.degraded` decides.
@@ -11,6 +13,7 @@ import functools
 import json
 import logging
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Request
@@ -75,6 +78,8 @@ async def complete(request: Request, state: State, *, tenant_id: int) -> Respons
                 messages=body["messages"],
                 model=chat.model,
             )
+            # Refused inside the transaction, so that an oversized turn stores nothing.
+            _check_fits(state, body, _split(body["messages"], stored), budget=budget)
             await hierarchy.enqueue(
                 conn, tenant_id=tenant_id, conversation_id=stored.conversation.id
             )
@@ -142,23 +147,16 @@ async def assemble(
     `memory.context.build`. Sets the turn's token counts and `rebuilt`. `reserved_tokens` is
     room kept for tool schemas the gateway adds (the memory tools)."""
     messages: list[dict[str, Any]] = body["messages"]
-    new_count = len(appended.node_ids) if appended is not None else len(messages)
-    first_seq = appended.first_seq if appended is not None else 0
-    if new_count == 0:  # a resent history with nothing new: the last message is the question
-        new_count, first_seq = 1, max(0, first_seq - 1)
-    whole = len(messages) == first_seq + new_count
-    system = _leading_system(messages)
-    # The leading system prompt goes first, never again among the new messages.
-    new_messages = messages[max(len(messages) - new_count, len(system)) :]
+    turn_part = _split(messages, appended)
     prompt, tokens_sent, full, rebuilt = await _prompt(
         state,
         tenant_id=turn.tenant_id,
         conversation_id=turn.conversation_id,
         model=str(body.get("model", "")),
-        request_system=system,
-        new_messages=new_messages,
-        new_from=first_seq,
-        whole=messages if whole else None,
+        request_system=turn_part.system,
+        new_messages=turn_part.new_messages,
+        new_from=turn_part.first_seq,
+        whole=messages if turn_part.whole else None,
         stored=(appended.token_count, appended.user_id) if appended is not None else None,
         budget=budget,
         reserved_tokens=reserved_tokens + _tools_cost(body),
@@ -171,6 +169,71 @@ async def assemble(
     if prompt is messages:
         return body
     return {**body, "messages": prompt}
+
+
+@dataclass(frozen=True)
+class _TurnPart:
+    """How a request's messages divide: the leading system prompt, the messages new to the
+    conversation (stored from `first_seq` on), and whether the request holds the whole history."""
+
+    system: list[dict[str, Any]]
+    new_messages: list[dict[str, Any]]
+    first_seq: int
+    whole: bool
+
+
+def _split(messages: list[dict[str, Any]], appended: store.Appended | None) -> _TurnPart:
+    new_count = len(appended.node_ids) if appended is not None else len(messages)
+    first_seq = appended.first_seq if appended is not None else 0
+    if new_count == 0:  # a resent history with nothing new: the last message is the question
+        new_count, first_seq = 1, max(0, first_seq - 1)
+    system = _leading_system(messages)
+    # The leading system prompt goes first, never again among the new messages.
+    return _TurnPart(
+        system=system,
+        new_messages=messages[max(len(messages) - new_count, len(system)) :],
+        first_seq=first_seq,
+        whole=len(messages) == first_seq + new_count,
+    )
+
+
+def _check_fits(state: State, body: dict[str, Any], part: _TurnPart, *, budget: int | None) -> None:
+    """400 `context_length_exceeded` when the system prompt and the new messages alone exceed
+    the budget: no memory could make such a turn fit."""
+    model = str(body.get("model", ""))
+    reserved = toolloop.reserved_tokens(state.settings, body) + _tools_cost(body)
+    limit = _limit(
+        state, model, budget=budget, reserved_tokens=reserved, max_output=_max_output(body)
+    )
+    need = tokens.count_messages([*part.system, *part.new_messages], model=model)
+    if need > limit:
+        raise GatewayError(
+            400,
+            f"the system prompt and the new messages need {need} tokens, more than the "
+            f"{max(limit, 0)} a budget of {limit + reserved} leaves after {reserved} for tool "
+            "definitions (MEMSTRATA_CONTEXT_BUDGET or X-Memstrata-Budget, capped by the "
+            "model's window less its reply)",
+            param="messages",
+            code="context_length_exceeded",
+        )
+
+
+def _limit(
+    state: State, model: str, *, budget: int | None, reserved_tokens: int, max_output: int | None
+) -> int:
+    """The tokens the prompt's messages may take: the budget, capped by the model's window
+    less its output reserve, less the room kept for tool definitions."""
+    settings = state.settings
+    return (
+        context.budget_for(
+            model,
+            requested=budget if budget is not None else settings.context_budget,
+            default_window=settings.context_window,
+            default_reserve=settings.output_reserve,
+            max_output=max_output,
+        )
+        - reserved_tokens
+    )
 
 
 async def dry_run(
@@ -233,14 +296,9 @@ async def _prompt(
     user) when the caller has just read them: a resent history that fits then needs no
     database at all."""
     settings = state.settings
-    limit_budget = context.budget_for(
-        model,
-        requested=budget if budget is not None else settings.context_budget,
-        default_window=settings.context_window,
-        default_reserve=settings.output_reserve,
-        max_output=max_output,
+    limit = _limit(
+        state, model, budget=budget, reserved_tokens=reserved_tokens, max_output=max_output
     )
-    limit = limit_budget - reserved_tokens
     if stored is None:
         async with transaction(state.engine) as conn:
             stored = await _figures(conn, tenant_id, conversation_id)
@@ -275,7 +333,7 @@ async def _prompt(
                 new_from=new_from,
                 query=_query(new_messages),
                 embed=lambda text: _embed(state, text),
-                budget=limit_budget,
+                budget=limit + reserved_tokens,
                 model=model,
                 reserved_tokens=reserved_tokens,
                 conversation_ids=related,

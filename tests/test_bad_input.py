@@ -372,6 +372,26 @@ async def test_bad_conversation_id_is_400(
     assert error["param"] == "X-Memstrata-Conversation"
 
 
+async def test_a_turn_larger_than_the_budget_is_400_and_stores_nothing(
+    client: httpx.AsyncClient, refused: _Refused, upstream: UpstreamServer
+) -> None:
+    conversation = f"budget-{uuid.uuid4().hex}"
+    headers = {"X-Memstrata-Conversation": conversation}
+    first = await client.post(CHAT, json={"model": "m", "messages": _user()}, headers=headers)
+    assert first.status_code == 200, first.text
+    upstream.reset()
+    big = " ".join(f"word{i}" for i in range(400))
+    tight = {**headers, "X-Memstrata-Budget": "200"}
+    error = await refused(
+        400, lambda: client.post(CHAT, json={"model": "m", "messages": _user(big)}, headers=tight)
+    )
+    assert (error["code"], error["param"]) == ("context_length_exceeded", "messages")
+    assert "200" in error["message"]
+    # The same turn within a budget that holds it is stored and answered.
+    response = await client.post(CHAT, json={"model": "m", "messages": _user(big)}, headers=headers)
+    assert response.status_code == 200, response.text
+
+
 async def test_longest_valid_conversation_id_is_accepted(client: httpx.AsyncClient) -> None:
     conversation = ("A-z0.9_:" + uuid.uuid4().hex) * 8
     conversation = conversation[:128]
