@@ -9,7 +9,7 @@
    and tagged `[#node_id]` with its span and period); pinned milestones; and the messages
    retrieved for the new message (`memory.retrieval`), verbatim, each tagged `[#node_id]` and
    its speaker, in chronological order under a heading per sitting that gives its date and
-   time span (`memory.layout`);
+   the time it began (`memory.layout`);
 3. the most recent stored turns verbatim, never starting inside a tool call's results;
 4. the new messages (and, when they are tool results, the assistant message that called them).
 
@@ -67,9 +67,8 @@ MODEL_LIMITS: Final[Mapping[str, tuple[int, int]]] = {
 }
 
 TOOLS_GUIDE: Final = (
-    "Tools: memory_search(query, limit) finds more; memory_expand(node_id) opens a [#id] "
-    "(a summary's content, a message's neighbours); memory_browse(level, start, end) lists "
-    "summaries; memory_find(pattern, start_seq, end_seq) finds exact text."
+    "Tools: memory_search finds more, memory_expand opens a [#id], memory_browse lists "
+    "summaries, memory_find matches exact text."
 )
 """How the memory message tells the model to use the memory tools."""
 
@@ -241,7 +240,8 @@ async def build(
     scope_ids = [conversation_id, *(c for c in conversation_ids if c != conversation_id)]
     exclude = (conversation_id, recent_from)
     which = retrieval.route(query)
-    pool = max(60, min(300, available // 12))
+    # Candidates per leg: enough that what fills the room is chosen among several times more.
+    pool = max(100, min(400, available // 8))
     vector_task = (
         asyncio.ensure_future(embed(search_text)) if embed is not None and search_text else None
     )

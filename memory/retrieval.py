@@ -22,7 +22,9 @@
   (`CONTIGUITY`), so an answer right after the best match is found even when it shares no word
   with the question;
 * speakers: a query naming one participant (a message `name`) raises that participant's
-  messages; callers strip participants' names from the text they embed (`without_names`).
+  messages, after contiguity (what a message lends its neighbours is not raised, so the other
+  participant's replies around it do not crowd out the named one's own words); callers strip
+  participants' names from the text they embed (`without_names`).
 
 System and developer messages are never returned (they are the client's prompt, not memory).
 `search()` costs one SQL round trip per leg plus one to load the hits; the full-text leg does
@@ -91,8 +93,8 @@ let a near-miss by meaning tie with the exact match."""
 STANDOUT_Z: Final = 4.0
 """How far (in standard deviations) a vector hit must stand above its leg to count as exact."""
 
-SPEAKER_BOOST: Final = 1.5
-"""Multiplier of messages written by the one participant a query names."""
+SPEAKER_BOOST: Final = 2.0
+"""Multiplier of the fused score of candidates written by the one participant a query names."""
 
 
 @dataclass(frozen=True)
@@ -378,11 +380,11 @@ def fuse(
 ) -> dict[Key, float]:
     """Fused score per node place (see the module docstring).
 
-    Reciprocal-rank fusion of the legs; messages by the one participant in `speakers` are
-    raised; each message lends `kernel[d-1]` of its score to the messages `d` places away
-    (which may not be candidates themselves); summaries are weighted by the route; recency
-    (`newest` maps a conversation to its newest message seq) raises newer nodes, more so for
-    sequential queries; other conversations than `primary` weigh a little less."""
+    Reciprocal-rank fusion of the legs; each message lends `kernel[d-1]` of its score to the
+    messages `d` places away (which may not be candidates themselves); candidates written by
+    the one participant in `speakers` are then raised; summaries are weighted by the route;
+    recency (`newest` maps a conversation to its newest message seq) raises newer nodes, more
+    so for sequential queries; other conversations than `primary` weigh a little less."""
     weights = ROUTE_WEIGHTS[which]
     base: dict[Key, float] = {}
     span_end: dict[Key, int] = {}
@@ -395,10 +397,6 @@ def fuse(
             names[place.key] = place.name
             if place.exact:
                 exact.add(place.key)
-    if len(speakers) == 1:
-        for key in base:
-            if names.get(key) in speakers:
-                base[key] *= SPEAKER_BOOST
     exact |= _standouts(legs)
     # The exact-identifier bonus is the node's own: it is not lent to neighbours.
     scores: dict[Key, float] = {key: EXACT_BONUS / (RRF_K + 1) for key in exact}
@@ -427,6 +425,8 @@ def fuse(
         score *= 1.0 + weights.recency * recency
         if primary is not None and conv != primary:
             score *= 0.9
+        if level == 0 and len(speakers) == 1 and names.get(key) in speakers:
+            score *= SPEAKER_BOOST
         result[key] = score
     return result
 

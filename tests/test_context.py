@@ -140,7 +140,7 @@ def check_layout(
         return
     memory = messages[len(system)]
     assert memory["role"] == "system" and memory["content"].startswith("[Memory")
-    assert "memory_search(" in memory["content"]
+    assert "memory_search" in memory["content"]  # the tools guide
     assert messages[len(messages) - len(new) :] == list(new)
     # Between the memory message and the new messages: a contiguous run of stored messages
     # that ends where the history ends (the recent turns, verbatim and in order).
