@@ -342,7 +342,8 @@ async def evaluate(
                 latency[budget].append((time.perf_counter() - began) * 1000)
                 prompts = {"memstrata": built}
                 if with_tools is not None and "memstrata_tools" in systems:
-                    prompts["memstrata_tools"] = (await dry(with_tools, sample, question, budget))[0]
+                    tooled, _ = await dry(with_tools, sample, question, budget)
+                    prompts["memstrata_tools"] = tooled
                 if "newest" in systems:
                     prompts["newest"] = newest(sample, question.question, budget)
                 if "flat_embedding" in systems:

@@ -19,6 +19,8 @@ prompt and new messages alone exceed that, `ContextOverflow` is raised and nothi
 when they fit but not even the memory message's preamble does, the prompt is the system prompt
 and the new messages alone.
 The budget is split between the parts by `Shares`: what a part leaves unused goes to retrieval.
+Retrieved nodes are added best first by estimated cost; the exact count then drops the weakest
+when the estimates fell short, and a second pass fills the room they left when they ran high.
 
 Budgets are capped by the model's window minus its output reserve (`budget_for`): a table of
 known models, and the caller's defaults for others.
@@ -84,6 +86,9 @@ class Shares:
     recent: float = 0.1
     summaries: float = 0.06
     milestones: float = 0.04
+    # Summaries retrieved for the query, beside the frontier's: they rarely hold the words
+    # asked about, so they may not crowd out the messages.
+    found_summaries: float = 0.1
     # Each summary is cut to this many tokens at most (its [#id] lets the model expand it).
     summary_cap: int = 120
     # Messages at least kept verbatim at the end when they fit in half the budget.
@@ -172,6 +177,7 @@ _PINNED = text(
     "AND pinned AND seq < :before ORDER BY seq DESC LIMIT 32"
 )
 _TAIL_PAGE = 128
+_TOP_UP = 24  # room left after the exact count worth a second filling pass
 
 
 @dataclass(frozen=True)
@@ -322,28 +328,18 @@ async def build(
         if block.milestone_cost + block.cost_of_message(hit) <= milestone_budget:
             block.add_milestone(hit)
     room = available - sum(row.token_count for row in recent) - block.total
-    for hit in hits:
-        if room <= 8:
-            break
-        if hit.node_id in block.summary_ids or hit.node_id in block.message_ids:
-            continue
-        if hit.level > 0:
-            cost = block.cost_of_summary(hit, cap=cap)
-            if cost <= room:
-                block.add_summary(hit, cap=cap)
-                room -= cost
-            continue
-        cost = block.cost_of_message(hit)
-        if cost <= room:
-            block.add_message(hit)
-            room -= cost
-
+    found = int(available * shares.found_summaries)
     recent_messages = [_openai(row) for row in recent]
-    while True:
-        memory = {"role": "system", "content": preamble + block.render()}
-        messages = [*head, memory, *recent_messages, *tail_new]
-        count = tokens.count_messages(messages, model=model)
-        if count <= limit or not block.drop_weakest(count - limit):
+    for _ in range(2):  # the second pass fills what the estimates (which run high) left over
+        found = _fill(block, hits, room=room, found=found, cap=cap)
+        while True:
+            memory = {"role": "system", "content": preamble + block.render()}
+            messages = [*head, memory, *recent_messages, *tail_new]
+            count = tokens.count_messages(messages, model=model)
+            if count <= limit or not block.drop_weakest(count - limit):
+                break
+        room = limit - count
+        if room <= _TOP_UP:
             break
     while count > limit and recent_messages:  # only the recent turns can still give way
         recent_messages = _drop_first_turn(recent_messages)
@@ -360,6 +356,30 @@ async def build(
         milestones=[hit.node_id for hit in block.milestones],
         route=str(which),
     )
+
+
+def _fill(
+    block: MemoryBlock, hits: Sequence[retrieval.Hit], *, room: int, found: int, cap: int
+) -> int:
+    """Add the hits, best first, that fit in `room` tokens (summaries also within `found`);
+    the summaries' budget left."""
+    for hit in hits:
+        if room <= 8:
+            break
+        if hit.node_id in block.summary_ids or hit.node_id in block.message_ids:
+            continue
+        if hit.level > 0:
+            cost = block.cost_of_summary(hit, cap=cap)
+            if cost <= min(room, found):
+                block.add_summary(hit, cap=cap)
+                room -= cost
+                found -= cost
+            continue
+        cost = block.cost_of_message(hit)
+        if cost <= room:
+            block.add_message(hit)
+            room -= cost
+    return found
 
 
 def _preamble(messages: int | None, stored_tokens: int | None, guide: str | None) -> str:
