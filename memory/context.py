@@ -298,6 +298,7 @@ async def build(
         primary=conversation_id,
         speakers=speakers,
         exclude_from=exclude,
+        within=retrieval.periods(query),
     )
     summary_budget = int(available * shares.summaries)
     cap = summary_cap(

@@ -21,6 +21,8 @@
 * temporal contiguity: each message lends a share of its score to the messages next to it
   (`CONTIGUITY`), so an answer right after the best match is found even when it shares no word
   with the question;
+* periods: a query naming a calendar period ("in March 2023", "on 2023-03-16") raises the
+  messages written within it (or in the week after), after contiguity too;
 * speakers: a query naming one participant (a message `name`) raises that participant's
   messages, after contiguity (what a message lends its neighbours is not raised, so the other
   participant's replies around it do not crowd out the named one's own words); callers strip
@@ -37,7 +39,7 @@ from __future__ import annotations
 import math
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import date, datetime
 from typing import Any, Final
 
 from sqlalchemy import text
@@ -47,6 +49,7 @@ from memory.query import (
     Route,
     identifiers,
     participants_named,
+    periods,
     route,
     websearch_query,
     without_names,
@@ -63,6 +66,7 @@ __all__ = [
     "load",
     "load_nodes",
     "participants_named",
+    "periods",
     "route",
     "search",
     "vector_candidates",
@@ -95,6 +99,11 @@ STANDOUT_Z: Final = 4.0
 
 SPEAKER_BOOST: Final = 2.0
 """Multiplier of the fused score of candidates written by the one participant a query names."""
+
+PERIOD_BOOST: Final = 2.0
+"""Multiplier of the fused score of candidates written within a calendar period the query
+names (`memory.query.periods`: "in March 2023" also reaches the week after, when messages
+still tell of it)."""
 
 
 @dataclass(frozen=True)
@@ -145,6 +154,7 @@ class Place:
     name: str | None
     exact: bool = False  # holds a rare identifier-like word of the query (digits, ≥ 4 chars)
     similarity: float | None = None  # cosine similarity to the query (vector leg)
+    created_at: datetime | None = None
 
 
 @dataclass(frozen=True)
@@ -180,7 +190,8 @@ WITH terms AS (
     WHERE numnode(phraseto_tsquery('english', word)) > 1
 ),
 matched AS MATERIALIZED (
-    SELECT n.id, n.conversation_id, n.level, n.seq, n.span_end, n.name, n.tsv, n.token_count
+    SELECT n.id, n.conversation_id, n.level, n.seq, n.span_end, n.name, n.created_at, n.tsv,
+           n.token_count
     FROM nodes n
     WHERE {_SCOPE}
       AND n.tsv @@ websearch_to_tsquery('english', :websearch)
@@ -197,7 +208,7 @@ df AS MATERIALIZED (
     LEFT JOIN matched m ON m.tsv @@ t.tq
     GROUP BY t.lexeme, t.tq
 )
-SELECT m.conversation_id, m.level, m.seq, m.span_end, m.name,
+SELECT m.conversation_id, m.level, m.seq, m.span_end, m.name, m.created_at,
        bool_or(df.df <= 3 AND df.lexeme ~ '[0-9]' AND length(df.lexeme) >= 4) AS exact,
        NULL::float AS similarity,
        sum(ln(1 + (s.total - df.df + 0.5) / (df.df + 0.5)))
@@ -205,8 +216,8 @@ SELECT m.conversation_id, m.level, m.seq, m.span_end, m.name,
 FROM matched m
 JOIN df ON m.tsv @@ df.tq
 CROSS JOIN stats s
-GROUP BY m.id, m.conversation_id, m.level, m.seq, m.span_end, m.name, m.token_count,
-         s.total, s.avg_tokens
+GROUP BY m.id, m.conversation_id, m.level, m.seq, m.span_end, m.name, m.created_at,
+         m.token_count, s.total, s.avg_tokens
 ORDER BY score DESC, m.id DESC
 LIMIT :limit
 """
@@ -214,7 +225,7 @@ LIMIT :limit
 
 _VECTOR = text(
     f"""
-SELECT n.conversation_id, n.level, n.seq, n.span_end, n.name, false AS exact,
+SELECT n.conversation_id, n.level, n.seq, n.span_end, n.name, n.created_at, false AS exact,
        1 - (n.embedding <=> CAST(:vector AS vector)) AS similarity
 FROM nodes n
 WHERE {_SCOPE} AND n.embedding IS NOT NULL
@@ -226,7 +237,7 @@ LIMIT :limit
 # read through the (conversation_id, level, seq) index and every distance is computed.
 _VECTOR_EXACT = text(
     f"""
-SELECT n.conversation_id, n.level, n.seq, n.span_end, n.name, false AS exact,
+SELECT n.conversation_id, n.level, n.seq, n.span_end, n.name, n.created_at, false AS exact,
        1 - (n.embedding <=> CAST(:vector AS vector)) AS similarity
 FROM nodes n
 WHERE {_SCOPE} AND n.embedding IS NOT NULL
@@ -359,6 +370,7 @@ def _candidates(rows: Any) -> Candidates:
                 name=row.name,
                 exact=bool(row.exact),
                 similarity=None if row.similarity is None else float(row.similarity),
+                created_at=row.created_at,
             )
             for row in rows
         ]
@@ -377,24 +389,29 @@ def fuse(
     speakers: Collection[str] = (),
     exclude_from: tuple[int, int] | None = None,
     kernel: Sequence[float] = CONTIGUITY,
+    within: Sequence[tuple[date, date]] = (),
 ) -> dict[Key, float]:
     """Fused score per node place (see the module docstring).
 
     Reciprocal-rank fusion of the legs; each message lends `kernel[d-1]` of its score to the
     messages `d` places away (which may not be candidates themselves); candidates written by
-    the one participant in `speakers` are then raised; summaries are weighted by the route;
+    the one participant in `speakers`, and those written within one of the periods `within`
+    (first day, last day), are then raised; summaries are weighted by the route;
     recency (`newest` maps a conversation to its newest message seq) raises newer nodes, more
     so for sequential queries; other conversations than `primary` weigh a little less."""
     weights = ROUTE_WEIGHTS[which]
     base: dict[Key, float] = {}
     span_end: dict[Key, int] = {}
     names: dict[Key, str | None] = {}
+    written: dict[Key, date] = {}
     exact: set[Key] = set()
     for leg in legs:
         for rank, place in enumerate(leg.ranked):
             base[place.key] = base.get(place.key, 0.0) + 1.0 / (RRF_K + rank + 1)
             span_end[place.key] = place.span_end
             names[place.key] = place.name
+            if place.created_at is not None:
+                written[place.key] = place.created_at.date()
             if place.exact:
                 exact.add(place.key)
     exact |= _standouts(legs)
@@ -427,6 +444,9 @@ def fuse(
             score *= 0.9
         if level == 0 and len(speakers) == 1 and names.get(key) in speakers:
             score *= SPEAKER_BOOST
+        day = written.get(key)
+        if level == 0 and day is not None and any(a <= day <= b for a, b in within):
+            score *= PERIOD_BOOST
         result[key] = score
     return result
 
@@ -517,6 +537,7 @@ async def search(
         speakers=participants_named(query, participants),
         exclude_from=exclude_from,
         kernel=CONTIGUITY if levels is None or 0 in levels else (),
+        within=periods(query),
     )
     return (await load(conn, tenant_id=tenant_id, scores=scores, limit=limit))[:limit]
 
