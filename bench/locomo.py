@@ -3,6 +3,7 @@
     python -m bench.locomo [--data ../shared/data/locomo10.json]
                            [--audit ../shared/data/locomo_audit_errors.json]
                            [--budgets 1000,2000,4000,8000] [--quick] [--output FILE]
+                           [--conversations 0-4] [--systems memstrata,flat_embedding]
 
 Starts its own embedded Postgres (throw-away, `durable=False`), migrates it, and replays every
 LoCoMo conversation through the real import path (`gateway.importer.import_messages`): one
@@ -33,6 +34,9 @@ are printed and written to `bench/results/locomo.json`, and the `## Memory quali
 section of docs/benchmarks.md is redrawn (`bench.locomo_report`; `--report-only` redraws it
 from the results alone). `--quick` runs 2 conversations at 4k into `locomo-quick.json`, docs
 untouched; `--data-dir DIR` keeps the database there and reuses it on the next run.
+`--conversations` (`0-4`, `5-9`, `0,3`) and `--systems` (methods to score) narrow a run for
+iterating on the policy; such runs write `locomo-quick.json` unless `--output` is given and
+leave the docs untouched.
 """
 
 from __future__ import annotations
@@ -48,7 +52,7 @@ import sys
 import tempfile
 import time
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -301,6 +305,7 @@ async def evaluate(
     samples: Sequence[Sample],
     budgets: Sequence[int],
     with_tools: State | None = None,
+    systems: Collection[str] = METHODS,
 ) -> dict[str, Any]:
     # scores[variant][method][budget][category] → per-question recalls
     scores: dict[str, Any] = defaultdict(
@@ -335,17 +340,16 @@ async def evaluate(
                     model=MODEL,
                 )
                 latency[budget].append((time.perf_counter() - began) * 1000)
-                prompts = {
-                    "memstrata": built,
-                    **(
-                        {"memstrata_tools": (await dry(with_tools, sample, question, budget))[0]}
-                        if with_tools is not None
-                        else {}
-                    ),
-                    "newest": newest(sample, question.question, budget),
-                    "flat_embedding": fill_lines(by_embedding, question.question, budget),
-                    "flat_fulltext": fill_lines(by_fulltext, question.question, budget),
-                }
+                prompts = {"memstrata": built}
+                if with_tools is not None and "memstrata_tools" in systems:
+                    tooled, _ = await dry(with_tools, sample, question, budget)
+                    prompts["memstrata_tools"] = tooled
+                if "newest" in systems:
+                    prompts["newest"] = newest(sample, question.question, budget)
+                if "flat_embedding" in systems:
+                    prompts["flat_embedding"] = fill_lines(by_embedding, question.question, budget)
+                if "flat_fulltext" in systems:
+                    prompts["flat_fulltext"] = fill_lines(by_fulltext, question.question, budget)
                 for method, messages in prompts.items():
                     used = tokens.count_messages(messages, model=MODEL)
                     if method == "memstrata":
@@ -364,7 +368,7 @@ async def evaluate(
     table: dict[str, Any] = {}
     for variant, methods in scores.items():
         table[variant] = {}
-        for method in METHODS:
+        for method in (m for m in METHODS if m in methods):
             table[variant][method] = {}
             for budget in budgets:
                 per = methods[method][budget]
@@ -397,6 +401,9 @@ async def evaluate(
 
 async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     samples = load(args.data, args.audit, 2 if args.quick else None)
+    if args.conversations:
+        wanted = _numbers(args.conversations)
+        samples = [sample for sample in samples if sample.number in wanted]
     budgets = [4000] if args.quick else [int(b) for b in args.budgets.split(",")]
     keep = args.data_dir is not None
     folder = args.data_dir or Path(tempfile.mkdtemp(prefix="memstrata-locomo-"))
@@ -435,7 +442,8 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             embedder=embedder,
             default_tenant_id=tenant,
         )
-        report = await evaluate(state, tenant, samples, budgets, with_tools)
+        systems = args.systems.split(",") if args.systems else METHODS
+        report = await evaluate(state, tenant, samples, budgets, with_tools, systems)
         report["memory_tool_definition_tokens"] = tools.tool_tokens(MODEL)
         await engine.dispose()
     finally:
@@ -458,6 +466,15 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def _numbers(spec: str) -> set[int]:
+    """`0-4,7` → {0, 1, 2, 3, 4, 7}."""
+    found: set[int] = set()
+    for part in spec.split(","):
+        first, _, last = part.partition("-")
+        found.update(range(int(first), int(last or first) + 1))
+    return found
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--data", type=Path, default=DATA)
@@ -468,6 +485,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument(
         "--data-dir", type=Path, default=None, help="keep the database here and reuse it"
     )
+    parser.add_argument("--conversations", default=None, help="e.g. 0-4 (default: all)")
+    parser.add_argument("--systems", default=None, help="methods to score (default: all)")
     parser.add_argument(
         "--report-only", action="store_true", help="redraw docs/benchmarks.md from the results"
     )
@@ -476,10 +495,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         update_docs(render(json.loads(RESULTS.read_text(encoding="utf-8"))))
         return
     report = asyncio.run(main_async(args))
-    output = args.output or (RESULTS.with_name("locomo-quick.json") if args.quick else RESULTS)
+    partial = args.quick or args.conversations is not None or args.systems is not None
+    output = args.output or (RESULTS.with_name("locomo-quick.json") if partial else RESULTS)
     output.parent.mkdir(parents=True, exist_ok=True)
     output.write_text(json.dumps(report, indent=2) + "\n")
-    if not args.quick and args.output is None:
+    if not partial and args.output is None:
         update_docs(render(report))
     for variant, methods in report["recall"].items():
         print(f"evidence recall ({variant} evidence)")

@@ -4,8 +4,9 @@ The client's messages are stored (and their background processing queued) in one
 before anything goes upstream, so an upstream failure never loses them; a turn whose system
 prompt and new messages alone exceed the budget is refused (400) inside that transaction, so it
 stores nothing. The prompt is then assembled from memory, forwarded and relayed
-(`gateway.relay`); the reply is recorded by the `Turn` when it is complete. When the database is down during the store or assembly step, the
-request is forwarded unchanged or refused with 503, as `gateway.degraded` decides.
+(`gateway.relay`); the reply is recorded by the `Turn` when it is complete. When the database
+is down during the store or assembly step, the request is forwarded unchanged or refused with
+503, as `gateway.degraded` decides.
 """
 
 import functools

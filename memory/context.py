@@ -9,7 +9,7 @@
    and tagged `[#node_id]` with its span and period); pinned milestones; and the messages
    retrieved for the new message (`memory.retrieval`), verbatim, each tagged `[#node_id]` and
    its speaker, in chronological order under a heading per sitting that gives its date and
-   time span (`memory.layout`);
+   the time it began (`memory.layout`);
 3. the most recent stored turns verbatim, never starting inside a tool call's results;
 4. the new messages (and, when they are tool results, the assistant message that called them).
 
@@ -19,6 +19,8 @@ prompt and new messages alone exceed that, `ContextOverflow` is raised and nothi
 when they fit but not even the memory message's preamble does, the prompt is the system prompt
 and the new messages alone.
 The budget is split between the parts by `Shares`: what a part leaves unused goes to retrieval.
+Retrieved nodes are added best first by estimated cost; the exact count then drops the weakest
+when the estimates fell short, and a second pass fills the room they left when they ran high.
 
 Budgets are capped by the model's window minus its output reserve (`budget_for`): a table of
 known models, and the caller's defaults for others.
@@ -67,9 +69,8 @@ MODEL_LIMITS: Final[Mapping[str, tuple[int, int]]] = {
 }
 
 TOOLS_GUIDE: Final = (
-    "Tools: memory_search(query, limit) finds more; memory_expand(node_id) opens a [#id] "
-    "(a summary's content, a message's neighbours); memory_browse(level, start, end) lists "
-    "summaries; memory_find(pattern, start_seq, end_seq) finds exact text."
+    "Tools: memory_search finds more, memory_expand opens a [#id], memory_browse lists "
+    "summaries, memory_find matches exact text."
 )
 """How the memory message tells the model to use the memory tools."""
 
@@ -85,6 +86,9 @@ class Shares:
     recent: float = 0.1
     summaries: float = 0.06
     milestones: float = 0.04
+    # Summaries retrieved for the query, beside the frontier's: they rarely hold the words
+    # asked about, so they may not crowd out the messages.
+    found_summaries: float = 0.1
     # Each summary is cut to this many tokens at most (its [#id] lets the model expand it).
     summary_cap: int = 120
     # Messages at least kept verbatim at the end when they fit in half the budget.
@@ -173,6 +177,7 @@ _PINNED = text(
     "AND pinned AND seq < :before ORDER BY seq DESC LIMIT 32"
 )
 _TAIL_PAGE = 128
+_TOP_UP = 24  # room left after the exact count worth a second filling pass
 
 
 @dataclass(frozen=True)
@@ -245,7 +250,8 @@ async def build(
         scope_ids = [conversation_id, *(c for c in conversation_ids if c != conversation_id)]
         exclude = (conversation_id, recent_from)
         which = retrieval.route(query)
-        pool = max(60, min(300, available // 12))
+        # Candidates per leg: enough that what fills the room is chosen among several times more.
+        pool = max(100, min(400, available // 8))
         if vector_task is not None and search_text != query:
             vector_task.cancel()
             vector_task = asyncio.ensure_future(embed(search_text)) if embed is not None else None
@@ -309,6 +315,7 @@ async def build(
         primary=conversation_id,
         speakers=speakers,
         exclude_from=exclude,
+        within=retrieval.periods(query),
     )
     # Enough candidates to fill the room left even with short messages.
     wanted = (available - sum(row.token_count for row in recent)) // 25 + 20
@@ -326,28 +333,18 @@ async def build(
         if block.milestone_cost + block.cost_of_message(hit) <= milestone_budget:
             block.add_milestone(hit)
     room = available - sum(row.token_count for row in recent) - block.total
-    for hit in hits:
-        if room <= 8:
-            break
-        if hit.node_id in block.summary_ids or hit.node_id in block.message_ids:
-            continue
-        if hit.level > 0:
-            cost = block.cost_of_summary(hit, cap=cap)
-            if cost <= room:
-                block.add_summary(hit, cap=cap)
-                room -= cost
-            continue
-        cost = block.cost_of_message(hit)
-        if cost <= room:
-            block.add_message(hit)
-            room -= cost
-
+    found = int(available * shares.found_summaries)
     recent_messages = [_openai(row) for row in recent]
-    while True:
-        memory = {"role": "system", "content": preamble + block.render()}
-        messages = [*head, memory, *recent_messages, *tail_new]
-        count = tokens.count_messages(messages, model=model)
-        if count <= limit or not block.drop_weakest(count - limit):
+    for _ in range(2):  # the second pass fills what the estimates (which run high) left over
+        found = _fill(block, hits, room=room, found=found, cap=cap)
+        while True:
+            memory = {"role": "system", "content": preamble + block.render()}
+            messages = [*head, memory, *recent_messages, *tail_new]
+            count = tokens.count_messages(messages, model=model)
+            if count <= limit or not block.drop_weakest(count - limit):
+                break
+        room = limit - count
+        if room <= _TOP_UP:
             break
     while count > limit and recent_messages:  # only the recent turns can still give way
         recent_messages = _drop_first_turn(recent_messages)
@@ -364,6 +361,30 @@ async def build(
         milestones=[hit.node_id for hit in block.milestones],
         route=str(which),
     )
+
+
+def _fill(
+    block: MemoryBlock, hits: Sequence[retrieval.Hit], *, room: int, found: int, cap: int
+) -> int:
+    """Add the hits, best first, that fit in `room` tokens (summaries also within `found`);
+    the summaries' budget left."""
+    for hit in hits:
+        if room <= 8:
+            break
+        if hit.node_id in block.summary_ids or hit.node_id in block.message_ids:
+            continue
+        if hit.level > 0:
+            cost = block.cost_of_summary(hit, cap=cap)
+            if cost <= min(room, found):
+                block.add_summary(hit, cap=cap)
+                room -= cost
+                found -= cost
+            continue
+        cost = block.cost_of_message(hit)
+        if cost <= room:
+            block.add_message(hit)
+            room -= cost
+    return found
 
 
 def _preamble(messages: int | None, stored_tokens: int | None, guide: str | None) -> str:

@@ -9,13 +9,15 @@ tokens before it is added (so that the builder can fill its budget greedily), an
     2025-03-01 Sat 09:14:
     [#34 user] Remember that the door code is 5821.
     Earlier messages:
-    2025-03-01 Sat 11:30-11:38:
+    2025-03-01 Sat 11:30:
     [#151 user] The storage unit door code is 5821-KESTREL, remember that.
     [#152 assistant] Noted.
 
 Messages are verbatim (tool calls rendered as `[called name(arguments)]`, tool results as
 `[result of call_id]`), tagged with their node id and speaker (`name`, else role), in time
-order under one heading per sitting: same conversation, same day, no gap over `SITTING_GAP`.
+order under one heading per sitting (same conversation, same day, no gap over `SITTING_GAP`)
+that gives its date and the time it began: a message's time is its sitting's to within minutes,
+and a heading per sitting costs a fraction of a time per message.
 Messages of other conversations (the same user's) say so in their tag. Estimates may be off
 by a few tokens; the builder's final exact count corrects them (`drop_weakest`).
 """
@@ -109,7 +111,7 @@ class MemoryBlock:
     def cost_of_message(self, hit: Hit) -> int:
         cost = self._estimate(hit)
         if _sitting(hit) not in self.days:
-            cost += 14  # its sitting's heading
+            cost += 13  # its sitting's heading
         return cost
 
     def add_summary(self, hit: Hit, *, cap: int) -> None:
@@ -176,7 +178,7 @@ class MemoryBlock:
 
     def _day_grouped(self, hits: Sequence[Hit]) -> list[str]:
         """Messages in time order under one heading per sitting (same day, no gap over
-        `SITTING_GAP`) that gives its date and time span."""
+        `SITTING_GAP`) that gives its date and the time it began."""
         ordered = sorted(
             hits, key=lambda hit: (hit.conversation_id != self.primary, hit.created_at, hit.seq)
         )
@@ -194,9 +196,7 @@ class MemoryBlock:
                 groups[-1].append(hit)
         lines: list[str] = []
         for group in groups:
-            start, end = _clock(group[0].created_at), _clock(group[-1].created_at)
-            span = start if start == end else f"{start}-{end}"
-            lines.append(f"{_day(group[0].created_at)} {span}:")
+            lines.append(f"{_day(group[0].created_at)} {_clock(group[0].created_at)}:")
             lines.extend(self._message_line(hit) for hit in group)
         return lines
 

@@ -1,16 +1,19 @@
-"""Reading a query before searching: its route, its full-text form, its identifiers, and the
-participants it names (see `memory.retrieval`)."""
+"""Reading a query before searching: its route, its full-text form, its identifiers, the
+participants and the calendar periods it names (see `memory.retrieval`)."""
 
 from __future__ import annotations
 
 import re
 from collections.abc import Collection
+from datetime import date, timedelta
 from enum import StrEnum
+from typing import Final
 
 __all__ = [
     "Route",
     "identifiers",
     "participants_named",
+    "periods",
     "route",
     "websearch_query",
     "without_names",
@@ -87,3 +90,59 @@ def without_names(query: str, names: Collection[str]) -> str:
         result = re.sub(rf"(?<!\w){re.escape(name)}('s)?(?!\w)", " ", result, flags=re.I)
     result = re.sub(r"\s+", " ", result).strip()
     return result or query
+
+
+_MONTHS: Final = (
+    "january",
+    "february",
+    "march",
+    "april",
+    "may",
+    "june",
+    "july",
+    "august",
+    "september",
+    "october",
+    "november",
+    "december",
+)
+_MONTH = (
+    r"(jan(?:uary)?|feb(?:ruary)?|mar(?:ch)?|apr(?:il)?|may|june?|july?|aug(?:ust)?|"
+    r"sep(?:t(?:ember)?)?|oct(?:ober)?|nov(?:ember)?|dec(?:ember)?)"
+)
+_DAY = r"(\d{1,2})(?:st|nd|rd|th)?"
+_DATES = re.compile(
+    rf"\b(?:{_MONTH}\.?\s+(?:{_DAY},?\s+)?(\d{{4}})|{_DAY}\s+{_MONTH}\.?,?\s+(\d{{4}})|"
+    r"(\d{4})-(\d{2})(?:-(\d{2}))?)\b",
+    re.IGNORECASE,
+)
+AFTERWARDS: Final = timedelta(days=7)
+"""How long after a period messages may still tell of it ("yesterday I went …")."""
+
+
+def periods(query: str) -> list[tuple[date, date]]:
+    """The calendar periods the query names (`March 2023`, `March 16, 2022`, `16 March 2022`,
+    `2023-03`, `2023-03-16`), each as (first day, last day + `AFTERWARDS`)."""
+    found: list[tuple[date, date]] = []
+    for match in _DATES.finditer(query):
+        month_a, day_a, year_a, day_b, month_b, year_b, iso_y, iso_m, iso_d = match.groups()
+        try:
+            if year_a:
+                year, month, day = int(year_a), _month(month_a), int(day_a) if day_a else None
+            elif year_b:
+                year, month, day = int(year_b), _month(month_b), int(day_b)
+            else:
+                year, month, day = int(iso_y), int(iso_m), int(iso_d) if iso_d else None
+            if day is not None:
+                first = last = date(year, month, day)
+            else:
+                first = date(year, month, 1)
+                last = date(year + month // 12, month % 12 + 1, 1) - timedelta(days=1)
+        except ValueError:  # no such day
+            continue
+        found.append((first, last + AFTERWARDS))
+    return found
+
+
+def _month(name: str) -> int:
+    return next(i for i, full in enumerate(_MONTHS, start=1) if full.startswith(name.lower()[:3]))

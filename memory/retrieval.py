@@ -21,8 +21,12 @@
 * temporal contiguity: each message lends a share of its score to the messages next to it
   (`CONTIGUITY`), so an answer right after the best match is found even when it shares no word
   with the question;
+* periods: a query naming a calendar period ("in March 2023", "on 2023-03-16") raises the
+  messages written within it (or in the week after), after contiguity too;
 * speakers: a query naming one participant (a message `name`) raises that participant's
-  messages; callers strip participants' names from the text they embed (`without_names`).
+  messages, after contiguity (what a message lends its neighbours is not raised, so the other
+  participant's replies around it do not crowd out the named one's own words); callers strip
+  participants' names from the text they embed (`without_names`).
 
 System and developer messages are never returned (they are the client's prompt, not memory).
 `search()` costs one SQL round trip per leg plus one to load the hits; the full-text leg does
@@ -36,7 +40,7 @@ import heapq
 import math
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import date, datetime
 from typing import Any, Final
 
 from sqlalchemy import text
@@ -46,6 +50,7 @@ from memory.query import (
     Route,
     identifiers,
     participants_named,
+    periods,
     route,
     websearch_query,
     without_names,
@@ -62,6 +67,7 @@ __all__ = [
     "load",
     "load_nodes",
     "participants_named",
+    "periods",
     "ranked",
     "route",
     "search",
@@ -93,8 +99,13 @@ let a near-miss by meaning tie with the exact match."""
 STANDOUT_Z: Final = 4.0
 """How far (in standard deviations) a vector hit must stand above its leg to count as exact."""
 
-SPEAKER_BOOST: Final = 1.5
-"""Multiplier of messages written by the one participant a query names."""
+SPEAKER_BOOST: Final = 2.0
+"""Multiplier of the fused score of candidates written by the one participant a query names."""
+
+PERIOD_BOOST: Final = 2.0
+"""Multiplier of the fused score of candidates written within a calendar period the query
+names (`memory.query.periods`: "in March 2023" also reaches the week after, when messages
+still tell of it)."""
 
 
 @dataclass(frozen=True)
@@ -145,6 +156,7 @@ class Place:
     name: str | None
     exact: bool = False  # holds a rare identifier-like word of the query (digits, ≥ 4 chars)
     similarity: float | None = None  # cosine similarity to the query (vector leg)
+    created_at: datetime | None = None
 
 
 @dataclass(frozen=True)
@@ -184,7 +196,8 @@ WITH terms AS MATERIALIZED (
     ) AS query_terms
 ),
 pairs AS MATERIALIZED (
-    SELECT t.term, n.id, n.conversation_id, n.level, n.seq, n.span_end, n.name, n.token_count
+    SELECT t.term, n.id, n.conversation_id, n.level, n.seq, n.span_end, n.name, n.created_at,
+           n.token_count
     FROM terms t
     JOIN nodes n ON n.tsv @@ t.tq
     WHERE {_SCOPE}
@@ -205,15 +218,15 @@ df AS MATERIALIZED (
           GROUP BY t.term, t.lexeme) AS d
     CROSS JOIN stats s
 )
-SELECT p.conversation_id, p.level, p.seq, p.span_end, p.name,
+SELECT p.conversation_id, p.level, p.seq, p.span_end, p.name, p.created_at,
        bool_or(df.df <= 3 AND df.lexeme ~ '[0-9]' AND length(df.lexeme) >= 4) AS exact,
        NULL::float AS similarity,
        sum(df.idf) * 2.2 / (1 + 1.2 * (0.25 + 0.75 * p.token_count / s.avg_tokens)) AS score
 FROM pairs p
 JOIN df ON df.term = p.term
 CROSS JOIN stats s
-GROUP BY p.id, p.conversation_id, p.level, p.seq, p.span_end, p.name, p.token_count,
-         s.total, s.avg_tokens
+GROUP BY p.id, p.conversation_id, p.level, p.seq, p.span_end, p.name, p.created_at,
+         p.token_count, s.total, s.avg_tokens
 ORDER BY score DESC, p.id DESC
 LIMIT :limit
 """
@@ -221,7 +234,7 @@ LIMIT :limit
 
 _VECTOR = text(
     f"""
-SELECT n.conversation_id, n.level, n.seq, n.span_end, n.name, false AS exact,
+SELECT n.conversation_id, n.level, n.seq, n.span_end, n.name, n.created_at, false AS exact,
        1 - (n.embedding <=> CAST(:vector AS vector)) AS similarity
 FROM nodes n
 WHERE {_SCOPE} AND n.embedding IS NOT NULL
@@ -233,7 +246,7 @@ LIMIT :limit
 # read through the (conversation_id, level, seq) index and every distance is computed.
 _VECTOR_EXACT = text(
     f"""
-SELECT n.conversation_id, n.level, n.seq, n.span_end, n.name, false AS exact,
+SELECT n.conversation_id, n.level, n.seq, n.span_end, n.name, n.created_at, false AS exact,
        1 - (n.embedding <=> CAST(:vector AS vector)) AS similarity
 FROM nodes n
 WHERE {_SCOPE} AND n.embedding IS NOT NULL
@@ -367,8 +380,19 @@ def _candidates(rows: Any) -> Candidates:
                 name=name,
                 exact=bool(exact),
                 similarity=None if similarity is None else float(similarity),
+                created_at=created_at,
             )
-            for conversation_id, level, seq, span_end, name, exact, similarity, *_ in rows
+            for (
+                conversation_id,
+                level,
+                seq,
+                span_end,
+                name,
+                created_at,
+                exact,
+                similarity,
+                *_,
+            ) in rows
         ]
     )
 
@@ -385,30 +409,31 @@ def fuse(
     speakers: Collection[str] = (),
     exclude_from: tuple[int, int] | None = None,
     kernel: Sequence[float] = CONTIGUITY,
+    within: Sequence[tuple[date, date]] = (),
 ) -> dict[Key, float]:
     """Fused score per node place (see the module docstring).
 
-    Reciprocal-rank fusion of the legs; messages by the one participant in `speakers` are
-    raised; each message lends `kernel[d-1]` of its score to the messages `d` places away
-    (which may not be candidates themselves); summaries are weighted by the route; recency
-    (`newest` maps a conversation to its newest message seq) raises newer nodes, more so for
-    sequential queries; other conversations than `primary` weigh a little less."""
+    Reciprocal-rank fusion of the legs; each message lends `kernel[d-1]` of its score to the
+    messages `d` places away (which may not be candidates themselves); candidates written by
+    the one participant in `speakers`, and those written within one of the periods `within`
+    (first day, last day), are then raised; summaries are weighted by the route;
+    recency (`newest` maps a conversation to its newest message seq) raises newer nodes, more
+    so for sequential queries; other conversations than `primary` weigh a little less."""
     weights = ROUTE_WEIGHTS[which]
     base: dict[Key, float] = {}
     span_end: dict[Key, int] = {}
     names: dict[Key, str | None] = {}
+    written: dict[Key, date] = {}
     exact: set[Key] = set()
     for leg in legs:
         for rank, place in enumerate(leg.ranked):
             base[place.key] = base.get(place.key, 0.0) + 1.0 / (RRF_K + rank + 1)
             span_end[place.key] = place.span_end
             names[place.key] = place.name
+            if place.created_at is not None:
+                written[place.key] = place.created_at.date()
             if place.exact:
                 exact.add(place.key)
-    if len(speakers) == 1:
-        for key in base:
-            if names.get(key) in speakers:
-                base[key] *= SPEAKER_BOOST
     exact |= _standouts(legs)
     # Thousands of keys per prompt: the loops below keep their lookups local.
     summary_weight = weights.summary
@@ -444,6 +469,11 @@ def fuse(
         score *= 1.0 + recency_weight * recency
         if primary is not None and conv != primary:
             score *= 0.9
+        if level == 0 and len(speakers) == 1 and names.get(key) in speakers:
+            score *= SPEAKER_BOOST
+        day = written.get(key)
+        if level == 0 and day is not None and any(a <= day <= b for a, b in within):
+            score *= PERIOD_BOOST
         result[key] = score
     return result
 
@@ -529,6 +559,7 @@ async def search(
         speakers=participants_named(query, participants),
         exclude_from=exclude_from,
         kernel=CONTIGUITY if levels is None or 0 in levels else (),
+        within=periods(query),
     )
     return (await load(conn, tenant_id=tenant_id, scores=scores, limit=limit))[:limit]
 

@@ -61,58 +61,41 @@ TOOL_NAMES: Final = frozenset({"memory_expand", "memory_search", "memory_browse"
 
 DESCRIPTIONS: Final[Mapping[str, str]] = {
     "memory_expand": (
-        "Open a node of the conversation's memory by its id (the number in a [#id] tag). "
-        "A summary opens into the nodes it summarizes (finer summaries, or the original "
-        "messages verbatim); a message opens with its neighbouring messages."
+        "Open a [#id] of memory: a summary shows what it summarizes, a message its neighbours."
     ),
-    "memory_search": (
-        "Search the whole conversation history (every message, and the summaries of older "
-        "parts) by meaning and keywords. Returns the best matching nodes with their [#id]s."
-    ),
+    "memory_search": "Search the whole history (messages and summaries) by meaning and words.",
     "memory_browse": (
-        "Read the nodes of one memory level in order. Level 0 holds the original messages, "
-        "numbered by their sequence number; level 1 holds summaries of segments of messages, "
-        "level 2 summaries of level-1 summaries, and so on, each numbered from 0."
+        "List one memory level in order: 0 = messages by seq; 1+ = summaries, numbered from 0."
     ),
-    "memory_find": (
-        "Find the original messages whose text matches a regular expression (Python syntax; "
-        "prefix (?i) to ignore case), optionally between two message sequence numbers."
-    ),
+    "memory_find": "Find messages matching a regex ((?i) ignores case), optionally by seq range.",
 }
+"""Short on purpose: the definitions are reserved out of every prompt's budget (`tool_tokens`)."""
 
 _PARAMETERS: Final[Mapping[str, dict[str, Any]]] = {
     "memory_expand": {
-        "properties": {
-            "node_id": {"type": "integer", "description": "The node's id, e.g. 812 for [#812]."}
-        },
+        "properties": {"node_id": {"type": "integer", "description": "812 for [#812]."}},
         "required": ["node_id"],
     },
     "memory_search": {
         "properties": {
-            "query": {"type": "string", "description": "What to look for."},
-            "limit": {
-                "type": "integer",
-                "description": f"Results wanted (1-{MAX_SEARCH}, default {DEFAULT_SEARCH_LIMIT}).",
-            },
+            "query": {"type": "string"},
+            "limit": {"type": "integer", "description": f"1-{MAX_SEARCH}"},
         },
         "required": ["query"],
     },
     "memory_browse": {
         "properties": {
-            "level": {"type": "integer", "description": "0 for messages, 1+ for summaries."},
-            "start": {"type": "integer", "description": "First sequence number (default 0)."},
-            "end": {
-                "type": "integer",
-                "description": f"Last sequence number, inclusive (at most {MAX_BROWSE} nodes).",
-            },
+            "level": {"type": "integer"},
+            "start": {"type": "integer"},
+            "end": {"type": "integer", "description": f"inclusive, at most {MAX_BROWSE} nodes"},
         },
         "required": ["level"],
     },
     "memory_find": {
         "properties": {
-            "pattern": {"type": "string", "description": "A regular expression."},
-            "start_seq": {"type": "integer", "description": "First message to search."},
-            "end_seq": {"type": "integer", "description": "Last message to search, inclusive."},
+            "pattern": {"type": "string"},
+            "start_seq": {"type": "integer"},
+            "end_seq": {"type": "integer", "description": "inclusive"},
         },
         "required": ["pattern"],
     },
@@ -171,13 +154,14 @@ def definitions() -> list[dict[str, Any]]:
 
 @functools.lru_cache(maxsize=16)
 def _tool_tokens(encoding: str) -> int:
-    text = json.dumps(definitions(), ensure_ascii=False)
+    text = json.dumps(definitions(), ensure_ascii=False, separators=(",", ":"))
     return tokens.count_text(text, model="gpt-4o" if encoding == "o200k_base" else "gpt-4")
 
 
 def tool_tokens(model: str) -> int:
-    """Prompt tokens the tool definitions cost with `model` (their JSON, a slight overestimate
-    of how providers render them): what the prompt builder should reserve when they are offered."""
+    """Prompt tokens the tool definitions cost with `model` (their compact JSON, more than the
+    TypeScript-like form providers render them in): what the prompt builder should reserve
+    when they are offered."""
     return _tool_tokens(tokens.encoding_name_for_model(model))
 
 

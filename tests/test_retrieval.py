@@ -12,6 +12,7 @@ from __future__ import annotations
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from datetime import UTC, date, datetime
 
 import pytest
 from sqlalchemy import insert, select
@@ -332,8 +333,45 @@ def test_names_are_found_and_stripped() -> None:
     assert retrieval.without_names("Caroline", names) == "Caroline"  # nothing else to search
 
 
-def place(seq: int, *, conv: int = 1, level: int = 0, name: str | None = None) -> Place:
-    return Place(key=(conv, level, seq), span_end=seq, name=name)
+def test_periods_a_query_names() -> None:
+    assert retrieval.periods("What did we do in March 2023?") == [
+        (date(2023, 3, 1), date(2023, 4, 7))  # a month, and the week after
+    ]
+    assert retrieval.periods("on March 16, 2022 and 3 Oct 2023") == [
+        (date(2022, 3, 16), date(2022, 3, 23)),
+        (date(2023, 10, 3), date(2023, 10, 10)),
+    ]
+    assert retrieval.periods("the 2023-12 report") == [(date(2023, 12, 1), date(2024, 1, 7))]
+    assert retrieval.periods("May I ask about Feb 30, 2023 or PO-2314?") == []
+
+
+def place(
+    seq: int,
+    *,
+    conv: int = 1,
+    level: int = 0,
+    name: str | None = None,
+    created_at: datetime | None = None,
+) -> Place:
+    return Place(key=(conv, level, seq), span_end=seq, name=name, created_at=created_at)
+
+
+def test_the_named_speaker_and_period_raise_their_own_messages_not_their_neighbours() -> None:
+    march = datetime(2023, 3, 20, tzinfo=UTC)
+    leg = Candidates([place(10), place(30, name="Ann"), place(50, created_at=march)])
+    plain = retrieval.fuse([leg], which=Route.FLAT, newest={1: 100})
+    named = retrieval.fuse([leg], which=Route.FLAT, newest={1: 100}, speakers={"Ann"})
+    assert named[(1, 0, 30)] > named[(1, 0, 10)] and plain[(1, 0, 30)] < plain[(1, 0, 10)]
+    assert named[(1, 0, 31)] == plain[(1, 0, 31)]  # what it lends is not raised
+    dated = retrieval.fuse(
+        [leg], which=Route.FLAT, newest={1: 100}, within=retrieval.periods("in March 2023")
+    )
+    assert dated[(1, 0, 50)] > dated[(1, 0, 10)] and plain[(1, 0, 50)] < plain[(1, 0, 10)]
+    assert dated[(1, 0, 51)] == plain[(1, 0, 51)]
+    may = retrieval.fuse(
+        [leg], which=Route.FLAT, newest={1: 100}, within=retrieval.periods("in May 2023")
+    )
+    assert may == plain
 
 
 def test_fusion_rewards_agreement_contiguity_and_the_named_speaker() -> None:

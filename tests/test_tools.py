@@ -181,7 +181,7 @@ def test_definitions_are_openai_function_tools() -> None:
 
 def test_tool_tokens_counts_the_definitions() -> None:
     cost = tools.tool_tokens("gpt-4o")
-    assert 150 < cost < 1000
+    assert 150 < cost < 400  # short: they are reserved out of every prompt's budget
     assert tools.tool_tokens("gpt-4o-mini") == cost  # same encoding
     assert tools.tool_tokens("llama-3") > 0
 
