@@ -1,7 +1,7 @@
 """Background throughput: messages per second from import to a fully summarized tree.
 
     python -m bench.throughput --messages 10000 [--runs 1x1,2x4] [--max-length 256] [--profile]
-                               [--embedder local|instant]
+                               [--embedder local|instant|upstream]
 
 Starts its own embedded Postgres (pgvector) in a temporary folder, `durable=False` (fsync,
 synchronous_commit and full_page_writes off, as in the test suite; `--durable` for the real
@@ -9,16 +9,27 @@ thing), and for each run (`CONCURRENCYxCONVERSATIONS`) makes a fresh database, m
 imports `--messages` synthetic messages (`tests/synthetic.py`, split evenly over the
 conversations) with `gateway.importer.import_messages` -- which also queues the build jobs --
 and then runs the queued `hierarchy` jobs through a `memory.worker.Worker` with that concurrency
-until the queue is idle, extractive summaries, local embeddings. Import and processing are timed
-separately; the headline is `messages / (import + processing)`.
+until the queue is idle, extractive summaries. Import and processing are timed separately; the
+headline is `messages / (import + processing)`.
+
+Embeddings (`--embedder`): `local`, the default deployment (all-MiniLM-L6-v2 int8 ONNX on this
+machine's CPU); `upstream`, the deployment with `MEMSTRATA_EMBEDDING_PROVIDER=upstream`, built
+by `gateway.background.embedder` from `Settings` exactly as the gateway builds it, against the
+fake OpenAI server process (`tests/upstream_server.py`: deterministic vectors, over real HTTP on
+127.0.0.1) -- a real provider's latency and model time are off this machine and not in the
+figure, the fake server's CPU is reported apart; `instant`, free in-process vectors, to measure
+everything but the model.
 
 Phases are instrumented by wrapping, not by sampling: the embedder and the summarizer are
 wrapped (time spent in `embed` and in `summarize`, per level), and so are the builder's three
-steps (`_embed_pending`, `_segment`, `_roll_up`) and `segments.split`; what a step spends
-outside its embedder / summarizer / split calls is database work and Python glue. Times are
+steps (`_segment`, which embeds the new messages, `_roll_up`, `_embed_pending`) and
+`segments.split`; what a step spends outside its embedder / summarizer / split calls is
+database work and Python glue. Times are
 summed over concurrent jobs, so with concurrency > 1 they add up to more than the wall time.
 
-Results are printed and written to `bench/results/throughput.json`.
+Results are printed and written to `bench/results/throughput.json`: a local-model run is the
+file's main figure; a run with another embedder is filed under `other_embedders` beside it, and
+each kind of run keeps the others'.
 """
 
 from __future__ import annotations
@@ -49,7 +60,8 @@ import asyncpg
 import numpy as np
 from sqlalchemy import func, insert, select
 
-from gateway import importer
+from gateway import background, importer, upstream
+from gateway.settings import Settings
 from memory import hierarchy, segments, tokens
 from memory.db import connect, migrate
 from memory.embeddings import EMBEDDING_DIM, Embedder, LocalEmbedder
@@ -59,6 +71,7 @@ from memory.segments import SegmentPolicy
 from memory.summarize import ExtractiveSummarizer, Summary, SummaryInput
 from memory.worker import Worker
 from tests import synthetic
+from tests.upstream import UpstreamServer
 
 RESULTS = Path(__file__).resolve().parent / "results" / "throughput.json"
 TARGET = 500.0  # messages per second, import to fully summarized
@@ -88,8 +101,8 @@ class Timers:
         }
 
 
-# What `_embed_pending` is embedding: a build embeds its new messages first, then (in its last
-# step) the summaries that got no centroid of their children's vectors (rarely any).
+# What is being embedded: a build embeds its new messages in its segment step, then (in its
+# last step, `_embed_pending`) the summaries that got no centroid of their children's vectors.
 EMBEDDING: contextvars.ContextVar[str] = contextvars.ContextVar("embedding", default="messages")
 
 
@@ -175,12 +188,9 @@ def instrumented(timers: Timers) -> Iterator[None]:
     setattr(hierarchy, "split", timed_split)  # noqa: B010
     wrap_async("_embed_pending", "step embed_pending")
     embed_pending = hierarchy._embed_pending
-    calls: dict[int, int] = defaultdict(int)
 
     async def labelled(*args: Any, **kwargs: Any) -> int:
-        conversation = int(kwargs["conversation_id"])
-        calls[conversation] += 1
-        token = EMBEDDING.set("messages" if calls[conversation] % 2 else "summaries")
+        token = EMBEDDING.set("summaries")
         try:
             return await embed_pending(*args, **kwargs)
         finally:
@@ -247,6 +257,15 @@ def postgres_cpu_seconds(pgdata: Path) -> float:
     return total / ticks
 
 
+def process_cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of one process (0 if it is gone)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 async def one_run(
     server_url: str,
     run: Run,
@@ -256,7 +275,9 @@ async def one_run(
     embedder: Embedder,
     import_batch: int,
     profile: bool,
+    provider_pid: int | None = None,
 ) -> dict[str, Any]:
+    """One run; `provider_pid`: the fake embeddings provider, whose CPU is reported apart."""
     url = await fresh_database(server_url, f"bench_{run.label}")
     engine = connect(url, pool_size=max(4, run.concurrency * 2))
     timers = Timers()
@@ -298,6 +319,7 @@ async def one_run(
         profiler = cProfile.Profile() if profile else None
         load_before = os.getloadavg()
         cpu_before, pg_before = time.process_time(), postgres_cpu_seconds(pgdata)
+        provider_before = process_cpu_seconds(provider_pid) if provider_pid else 0.0
         started = time.perf_counter()
         with instrumented(timers):
             if profiler is not None:
@@ -308,6 +330,7 @@ async def one_run(
         process_seconds = time.perf_counter() - started
         python_cpu = time.process_time() - cpu_before
         postgres_cpu = postgres_cpu_seconds(pgdata) - pg_before
+        provider_cpu = process_cpu_seconds(provider_pid) - provider_before if provider_pid else None
         load_after = os.getloadavg()
 
         async with engine.connect() as conn:
@@ -352,6 +375,11 @@ async def one_run(
         "cpu_seconds_during_processing": {
             "python (event loop + embedding threads)": round(python_cpu, 1),
             "postgres (all backends)": round(postgres_cpu, 1),
+            **(
+                {"fake embeddings provider (not in the estimate)": round(provider_cpu, 1)}
+                if provider_cpu is not None
+                else {}
+            ),
         },
         # What the processing would take on this many otherwise idle cores, if CPU-bound:
         # a contention-independent estimate (the box is shared; wall times depend on load).
@@ -379,12 +407,14 @@ def phase_split(timers: Timers, wall: float) -> dict[str, float]:
         "embedding (model)": round(s["embed"], 3),
         "  of which messages": round(s["embed messages"], 3),
         "  of which summaries": round(s["embed summaries"], 3),
-        "embedding step, DB and glue": round(embed_step - s["embed"], 3),
         "segmentation (split)": round(s["split"], 3),
         "level-1 summaries (extractive)": round(s["summarize level 1"], 3),
-        "segment step, DB and glue": round(segment_step - s["split"] - s["summarize level 1"], 3),
+        "segment step, DB and glue": round(
+            segment_step - s["embed messages"] - s["split"] - s["summarize level 1"], 3
+        ),
         "roll-up summaries (extractive)": round(s["summarize level 2+"], 3),
         "roll-up step, DB and glue": round(rollup_step - s["summarize level 2+"], 3),
+        "last embedding step, DB and glue": round(embed_step - s["embed summaries"], 3),
         # Meaningful with concurrency 1 only (with more, step times overlap).
         "outside the steps (claims, job bookkeeping)": round(
             max(wall - embed_step - segment_step - rollup_step, 0.0), 3
@@ -414,11 +444,26 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     server = EmbeddedPostgres(folder / "data", durable=args.durable)
     conversation = synthetic.generate(args.messages, seed=args.seed, with_tools=True)
     texts = [tokens.message_text(m) for m in conversation.messages]
+    stack = contextlib.AsyncExitStack()
     embedder: Embedder
+    provider_pid: int | None = None
     if args.embedder == "local":
         local = LocalEmbedder(max_length=args.max_length)
         await local.warmup()
         embedder = local
+    elif args.embedder == "upstream":
+        fake = stack.enter_context(UpstreamServer())
+        provider_pid = fake.pid
+        settings = Settings(
+            embedding_provider="upstream", upstream_base_url=fake.url, upstream_api_key="bench"
+        )
+        client = await stack.enter_async_context(
+            upstream.make_client(
+                timeout=settings.upstream_timeout,
+                connect_timeout=settings.upstream_connect_timeout,
+            )
+        )
+        embedder = background.embedder(settings, client)
     else:
         embedder = InstantEmbedder()
     await embedder.embed(["warm up the session"] * 8)
@@ -441,6 +486,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
                 embedder=embedder,
                 import_batch=args.import_batch,
                 profile=args.profile,
+                provider_pid=provider_pid,
             )
             print(
                 json.dumps(
@@ -454,6 +500,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     finally:
         await asyncio.to_thread(server.stop)
         shutil.rmtree(folder, ignore_errors=True)
+        await stack.aclose()
     return {
         "benchmark": "throughput",
         "target_messages_per_second": TARGET,
@@ -463,11 +510,15 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             "messages": args.messages,
             "seed": args.seed,
             "summary_mode": "extractive",
-            "embedder": (
-                f"local {embedder.name}, max_length {args.max_length}"
-                if args.embedder == "local"
-                else embedder.name
-            ),
+            "embedder": {
+                "local": f"local {embedder.name}, max_length {args.max_length}",
+                "upstream": (
+                    f"upstream {embedder.name} (MEMSTRATA_EMBEDDING_PROVIDER=upstream) against "
+                    "the fake OpenAI server process over HTTP on 127.0.0.1: the provider's own "
+                    "latency and model time are not in this figure"
+                ),
+                "instant": embedder.name,
+            }[args.embedder],
             "summary_vectors": "unit centroid of the children's vectors (no model call)",
             "segment_policy": "default (shift 0.30, token cap 2048, max 64 messages)",
             "fanout": 8,
@@ -491,6 +542,18 @@ async def server_version_of(url: str) -> str:
         await connection.close()
 
 
+def save(report: dict[str, Any], path: Path, *, embedder: str) -> None:
+    """Write `report` to `path`: at the top for the local model, else under `other_embedders`."""
+    previous = json.loads(path.read_text()) if path.exists() else {}
+    others = previous.get("other_embedders", {})
+    if embedder == "local":
+        saved = {**report, "other_embedders": others}
+    else:
+        saved = {**previous, "other_embedders": {**others, embedder: report}}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(saved, indent=2) + "\n")
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--messages", type=int, default=10_000)
@@ -503,9 +566,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--max-length", type=int, default=256, help="embedder token truncation")
     parser.add_argument(
         "--embedder",
-        choices=("local", "instant"),
+        choices=("local", "upstream", "instant"),
         default="local",
-        help="local MiniLM, or instant: free vectors, to measure everything but the model",
+        help="local MiniLM; upstream: the provider's /embeddings (here the fake OpenAI server "
+        "over HTTP); instant: free vectors, to measure everything but the model",
     )
     parser.add_argument("--import-batch", type=int, default=1000)
     parser.add_argument("--durable", action="store_true", help="fsync on (default: off)")
@@ -513,8 +577,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--output", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
     report = asyncio.run(main_async(args))
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps(report, indent=2) + "\n")
+    save(report, args.output, embedder=args.embedder)
     for run in report["runs"]:
         print(
             f"{run['run']:>5}: import {run['import_messages_per_second']:>7.1f} msg/s, "

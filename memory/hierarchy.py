@@ -2,14 +2,18 @@
 
 `build()` brings one conversation up to date, in steps that each commit their own progress:
 
-1. embed every node that has text but no embedding yet, scoring each message's importance and
-   pinning milestones on the way; a message without text (an assistant's bare tool calls) has
-   nothing to embed and keeps no vector;
-2. cut the messages after the last closed segment into segments (`memory.segments`) and give
-   each closed segment a level-1 summary node; only the messages before the first one still
-   waiting for its embedding are cut, so where segments close never depends on timing;
-3. roll up: while some level k has `fanout` consecutive nodes without a parent, summarize them
-   into one level-k+1 node; there is no depth limit.
+1. embed the messages after the last closed segment, a chunk of `embed_batch` at a time,
+   scoring each one's importance and pinning milestones on the way, and cut them into segments
+   (`memory.segments`, fed chunk by chunk); each closed segment gets a level-1 summary node,
+   and its messages get their vector, importance and parent in one UPDATE each, so the HNSW
+   index takes one entry per message rather than one for the vector and another for the
+   parent. Messages of the still-open segment are written with their vector at the end (they
+   gain a parent in a later build). A message without text (an assistant's bare tool calls)
+   has nothing to embed and keeps no vector. Messages stored after the step read its work are
+   left to the next build, so where segments close never depends on timing;
+2. roll up: while some level k has `fanout` consecutive nodes without a parent, summarize them
+   into one level-k+1 node; there is no depth limit;
+3. embed any node that still has text but no vector (a summary none of whose children has one).
 
 A summary's vector is the unit centroid of its children's vectors (`embeddings.centroid`),
 computed when the summary is inserted: the embedding model never reads summary text, which
@@ -17,8 +21,9 @@ costs ~13x a message's embedding for a 256-token summary. The centroid places a 
 the messages it covers, which is what retrieval searches it for. A summary none of whose
 children has a vector (every child without text) is embedded from its own text, if it has any.
 
-Every step reads its work from the database (what lacks an embedding, what lacks a parent), so
-a build interrupted anywhere, by a crash or a lost lease, is finished by the next one, and a
+Every step reads its work from the database (what follows the last segment, what lacks a
+parent, what lacks an embedding), so a build interrupted anywhere, by a crash or a lost lease,
+is finished by the next one (vectors computed but not yet written are computed again), and a
 repeated build changes nothing. Summaries never replace anything: messages stay as they are
 and gain a parent. Builds of one conversation are serialized by the job queue (one job per
 conversation runs at a time); the unique `(conversation_id, level, seq)` key makes a racing
@@ -27,12 +32,12 @@ duplicate insert a no-op all the same.
 
 import asyncio
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import REAL, BigInteger, bindparam, cast, func, literal, select, update
+from sqlalchemy import REAL, BigInteger, Boolean, bindparam, cast, func, literal, select, update
 from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
@@ -119,8 +124,8 @@ async def build(
     """Bring the conversation's embeddings, segments and roll-ups up to date."""
     progress = Progress()
     scope = {"tenant_id": tenant_id, "conversation_id": conversation_id}
-    progress.embedded += await _embed_pending(engine, config=config, **scope)
-    progress.segments += await _segment(engine, config=config, final=final, **scope)
+    embedded, progress.segments = await _segment(engine, config=config, final=final, **scope)
+    progress.embedded += embedded
     progress.rollups += await _roll_up(engine, config=config, **scope)
     # Summaries that got no centroid (none of their children has a vector): rare, and cheap
     # to look for through the partial index of unembedded nodes.
@@ -128,7 +133,7 @@ async def build(
     return progress
 
 
-# -- 1. embeddings ------------------------------------------------------------------------
+# -- 1. messages: embeddings and segments -------------------------------------------------
 
 # Vectors travel as float4 arrays, which asyncpg encodes and decodes in C; pgvector's text
 # form costs ~0.3 ms of Python per vector each way, as much as the rest of a message's
@@ -139,59 +144,57 @@ _EMBEDDING = cast(nodes.c.embedding, _FLOATS).label("embedding")
 # Whitespace embeds as much as nothing does; such nodes keep no vector (and are not retried).
 _HAS_TEXT = nodes.c.text.regexp_match(r"\S")
 
+# One statement writes whatever a node gains: a vector with its importance and pin, a parent,
+# or both at once. A NULL parameter leaves its column as it is, and a node keeps a parent it
+# already has (a racing build adopted it).
+_WRITE_NODE = (
+    update(nodes)
+    .where(nodes.c.id == bindparam("node_id"))
+    .values(
+        embedding=func.coalesce(
+            cast(bindparam("vector", type_=_FLOATS), nodes.c.embedding.type), nodes.c.embedding
+        ),
+        importance=func.coalesce(bindparam("score", type_=REAL), nodes.c.importance),
+        pinned=func.coalesce(bindparam("pin", type_=Boolean), nodes.c.pinned),
+        parent_id=func.coalesce(nodes.c.parent_id, bindparam("parent", type_=BigInteger)),
+    )
+)
+
+
+@dataclass(frozen=True)
+class _Embedded:
+    """A node's new vector, importance and pin, not yet written."""
+
+    vector: Vector
+    score: float
+    pin: bool
+
+    def params(self, node_id: int, parent: int | None = None) -> dict[str, Any]:
+        return {
+            "node_id": node_id,
+            "vector": self.vector,
+            "score": self.score,
+            "pin": self.pin,
+            "parent": parent,
+        }
+
 
 def _has_text(text: str) -> bool:
     return not text.isspace() and bool(text)
 
 
-async def _embed_pending(
-    engine: AsyncEngine, *, tenant_id: int, conversation_id: int, config: TreeConfig
-) -> int:
-    done = 0
-    while True:
-        async with transaction(engine) as conn:
-            rows = (
-                await conn.execute(
-                    select(nodes.c.id, nodes.c.level, nodes.c.role, nodes.c.text)
-                    .where(
-                        nodes.c.tenant_id == tenant_id,
-                        nodes.c.conversation_id == conversation_id,
-                        nodes.c.embedding.is_(None),
-                        _HAS_TEXT,
-                    )
-                    .order_by(nodes.c.id)
-                    .limit(config.embed_batch)
-                )
-            ).all()
-        if not rows:
-            return done
-        vectors = await config.embedder.embed([row.text for row in rows])
-        updates = []
-        for row, vector in zip(rows, vectors, strict=True):
-            score = importance.score(row.role, row.text) if row.level == 0 else 0.0
-            updates.append(
-                {
-                    "node_id": row.id,
-                    "vector": vector,
-                    "score": score,
-                    "pin": row.level == 0 and importance.is_milestone(score),
-                }
-            )
-        async with transaction(engine) as conn:
-            await conn.execute(
-                update(nodes)
-                .where(nodes.c.id == bindparam("node_id"))
-                .values(
-                    embedding=cast(bindparam("vector", type_=_FLOATS), nodes.c.embedding.type),
-                    importance=bindparam("score"),
-                    pinned=bindparam("pin"),
-                ),
-                updates,
-            )
-        done += len(rows)
-
-
-# -- 2. segments ----------------------------------------------------------------------------
+async def _embed(config: TreeConfig, rows: Sequence[AnyRow]) -> dict[int, _Embedded]:
+    """Vectors, importance and pins for `rows` (nodes with text), by node id."""
+    if not rows:
+        return {}
+    vectors = await config.embedder.embed([row.text for row in rows])
+    embedded = {}
+    for row, vector in zip(rows, vectors, strict=True):
+        score = importance.score(row.role, row.text) if row.level == 0 else 0.0
+        embedded[row.id] = _Embedded(
+            vector, score, row.level == 0 and importance.is_milestone(score)
+        )
+    return embedded
 
 
 async def _segment(
@@ -201,7 +204,8 @@ async def _segment(
     conversation_id: int,
     config: TreeConfig,
     final: bool,
-) -> int:
+) -> tuple[int, int]:
+    """Embed and cut the messages after the last closed segment: (embedded, segments)."""
     async with transaction(engine) as conn:
         last = (
             await conn.execute(
@@ -214,6 +218,7 @@ async def _segment(
             await conn.execute(
                 select(
                     nodes.c.id,
+                    nodes.c.level,
                     nodes.c.seq,
                     nodes.c.role,
                     nodes.c.text,
@@ -232,45 +237,67 @@ async def _segment(
                 .order_by(nodes.c.seq)
             )
         ).all()
-    # A message stored after step 1 looked (or whose embedding failed) would count as one
-    # that never moves the centroid: stop before it, the next build cuts it.
-    pending = next((i for i, row in enumerate(rows) if _pending(row)), len(rows))
-    rows = rows[:pending]
-    closed, _open = split(_segment_messages(rows), config.policy, final=final)
     by_seq = {row.seq: row for row in rows}
     next_seq = 0 if last[0] is None else last[0] + 1
-    for start in range(0, len(closed), config.summary_batch):
-        batch = closed[start : start + config.summary_batch]
-        groups = [[_message_input(by_seq[m.seq]) for m in segment.messages] for segment in batch]
-        vectors = [_centroid([m.embedding for m in segment.messages]) for segment in batch]
-        summaries = await _summarize_all(config, groups, level=1)
+    # Vectors not yet written, by node id: written with the parent, or at the end.
+    fresh: dict[int, _Embedded] = {}
+    called: dict[str, str] = {}
+    remainder: list[SegmentMessage] = []
+    made = 0
+    for start in range(0, len(rows), config.embed_batch):
+        chunk = rows[start : start + config.embed_batch]
+        fresh.update(await _embed(config, [row for row in chunk if _pending(row)]))
+        closed, remainder = split(
+            [*remainder, *_segment_messages(chunk, fresh, called)],
+            config.policy,
+            final=final and start + config.embed_batch >= len(rows),
+        )
+        for first in range(0, len(closed), config.summary_batch):
+            batch = closed[first : first + config.summary_batch]
+            groups = [
+                [_message_input(by_seq[m.seq]) for m in segment.messages] for segment in batch
+            ]
+            summaries = await _summarize_all(config, groups, level=1)
+            async with transaction(engine) as conn:
+                await _insert_summaries(
+                    conn,
+                    tenant_id=tenant_id,
+                    conversation_id=conversation_id,
+                    level=1,
+                    new=[
+                        _NewSummary(
+                            seq=next_seq + made + offset,
+                            children=groups[offset],
+                            summary=summary,
+                            vector=_centroid([m.embedding for m in segment.messages]),
+                            meta={"reason": segment.reason},
+                        )
+                        for offset, (segment, summary) in enumerate(
+                            zip(batch, summaries, strict=True)
+                        )
+                    ],
+                    config=config,
+                    fresh=fresh,
+                )
+            for segment in batch:
+                for message in segment.messages:
+                    fresh.pop(by_seq[message.seq].id, None)
+            made += len(batch)
+    if fresh:
         async with transaction(engine) as conn:
-            await _insert_summaries(
-                conn,
-                tenant_id=tenant_id,
-                conversation_id=conversation_id,
-                level=1,
-                new=[
-                    _NewSummary(
-                        seq=next_seq + start + offset,
-                        children=groups[offset],
-                        summary=summary,
-                        vector=vectors[offset],
-                        meta={"reason": segment.reason},
-                    )
-                    for offset, (segment, summary) in enumerate(zip(batch, summaries, strict=True))
-                ],
-                config=config,
-            )
-    return len(closed)
+            await conn.execute(_WRITE_NODE, [item.params(node) for node, item in fresh.items()])
+    embedded = sum(1 for row in rows if _pending(row))
+    return embedded, made
 
 
 def _pending(row: AnyRow) -> bool:
     return row.embedding is None and _has_text(row.text)
 
 
-def _segment_messages(rows: Sequence[AnyRow]) -> list[SegmentMessage]:
-    called: dict[str, str] = {}
+def _segment_messages(
+    rows: Sequence[AnyRow], fresh: Mapping[int, _Embedded], called: dict[str, str]
+) -> list[SegmentMessage]:
+    """`rows` as segmentation sees them; `called` maps the tool calls seen so far to names."""
     messages = []
     for row in rows:
         names = tuple(
@@ -286,7 +313,7 @@ def _segment_messages(rows: Sequence[AnyRow]) -> list[SegmentMessage]:
                 role=row.role,
                 text=row.text,
                 token_count=row.token_count,
-                embedding=row.embedding,
+                embedding=fresh[row.id].vector if row.id in fresh else row.embedding,
                 tool_names=names,
             )
         )
@@ -306,7 +333,7 @@ def _message_input(row: AnyRow) -> SummaryInput:
     )
 
 
-# -- 3. roll-ups -------------------------------------------------------------------------------
+# -- 2. roll-ups -------------------------------------------------------------------------------
 
 
 async def _roll_up(
@@ -408,6 +435,36 @@ def _summary_input(row: AnyRow) -> SummaryInput:
     )
 
 
+# -- 3. what still lacks a vector ---------------------------------------------------------
+
+
+async def _embed_pending(
+    engine: AsyncEngine, *, tenant_id: int, conversation_id: int, config: TreeConfig
+) -> int:
+    done = 0
+    while True:
+        async with transaction(engine) as conn:
+            rows = (
+                await conn.execute(
+                    select(nodes.c.id, nodes.c.level, nodes.c.role, nodes.c.text)
+                    .where(
+                        nodes.c.tenant_id == tenant_id,
+                        nodes.c.conversation_id == conversation_id,
+                        nodes.c.embedding.is_(None),
+                        _HAS_TEXT,
+                    )
+                    .order_by(nodes.c.id)
+                    .limit(config.embed_batch)
+                )
+            ).all()
+        if not rows:
+            return done
+        embedded = await _embed(config, rows)
+        async with transaction(engine) as conn:
+            await conn.execute(_WRITE_NODE, [item.params(node) for node, item in embedded.items()])
+        done += len(rows)
+
+
 # -- shared ------------------------------------------------------------------------------------
 
 
@@ -447,11 +504,13 @@ async def _insert_summaries(
     level: int,
     new: Sequence[_NewSummary],
     config: TreeConfig,
+    fresh: Mapping[int, _Embedded] | None = None,
 ) -> None:
-    """Insert summary nodes and adopt their children, two statements for the whole batch.
+    """Insert summary nodes and adopt their children, each child's parent written together
+    with its vector when `fresh` holds one (one row version, one HNSW entry).
 
     A summary that already exists (a racing build made it: same conversation, level and seq)
-    is skipped, and so are children that already have a parent."""
+    is skipped, and a child that already has a parent keeps it."""
     if not new:
         return
     rows = []
@@ -510,18 +569,15 @@ async def _insert_summaries(
     ]
     if not adopted:
         return
-    pairs = (
-        func.unnest(
-            bindparam("child_ids", [child for child, _ in adopted], type_=ARRAY(BigInteger)),
-            bindparam("parent_ids", [parent for _, parent in adopted], type_=ARRAY(BigInteger)),
-        )
-        .table_valued("child_id", "parent_id")
-        .render_derived(name="adopted")
-    )
+    fresh = fresh or {}
     await conn.execute(
-        update(nodes)
-        .where(nodes.c.id == pairs.c.child_id, nodes.c.parent_id.is_(None))
-        .values(parent_id=pairs.c.parent_id)
+        _WRITE_NODE,
+        [
+            fresh[child].params(child, parent)
+            if child in fresh
+            else {"node_id": child, "vector": None, "score": None, "pin": None, "parent": parent}
+            for child, parent in adopted
+        ],
     )
 
 

@@ -27,6 +27,7 @@ import httpx
 import numpy as np
 import pytest
 from sqlalchemy import insert, select
+from sqlalchemy import text as sql
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from gateway import importer
@@ -530,6 +531,60 @@ async def test_final_build_closes_the_open_segment(
     assert all(root.level > 0 for root in walk.roots), "a message is left without a summary"
     last = max((s for s in walk.summaries if s.level == 1), key=lambda s: s.seq)
     assert (last.span_end, last.meta["reason"]) == (149, "final")
+
+
+async def test_a_message_is_written_once_with_its_vector_and_parent(
+    engine: AsyncEngine, config: hierarchy.TreeConfig, tenant_id: int
+) -> None:
+    """Every UPDATE of a row is a new row version with its own HNSW entry: a message whose
+    segment closes gets its vector and its parent in one, one in its open segment its vector
+    alone, and a message without text only its parent."""
+    messages = [
+        *synthetic.messages(120, seed=13, with_tools=True),
+        {"role": "user", "content": "Can you remind me what we decided about this earlier?"},
+    ]
+    conversation_id = await store_messages(
+        engine, tenant_id=tenant_id, external_id="written-once", messages=messages
+    )
+    statements = [
+        "CREATE TABLE test_node_writes (node_id bigint NOT NULL)",
+        "CREATE FUNCTION test_log_node_write() RETURNS trigger LANGUAGE plpgsql AS "
+        "$$ BEGIN INSERT INTO test_node_writes VALUES (NEW.id); RETURN NEW; END $$",
+        "CREATE TRIGGER test_node_writes AFTER UPDATE ON nodes FOR EACH ROW "
+        f"WHEN (NEW.conversation_id = {conversation_id}) EXECUTE FUNCTION test_log_node_write()",
+    ]
+    async with engine.begin() as conn:
+        for statement in statements:
+            await conn.execute(sql(statement))
+    try:
+        await hierarchy.build(
+            engine, tenant_id=tenant_id, conversation_id=conversation_id, config=config
+        )
+        async with engine.connect() as conn:
+            writes: dict[int, int] = dict(
+                (
+                    await conn.execute(
+                        sql("SELECT node_id, count(*) FROM test_node_writes GROUP BY node_id")
+                    )
+                ).all()
+            )
+            rows = (
+                await conn.execute(
+                    select(nodes.c.id, nodes.c.parent_id, nodes.c.embedding.is_not(None)).where(
+                        nodes.c.conversation_id == conversation_id, nodes.c.level == 0
+                    )
+                )
+            ).all()
+    finally:
+        async with engine.begin() as conn:
+            await conn.execute(sql("DROP TRIGGER test_node_writes ON nodes"))
+            await conn.execute(sql("DROP FUNCTION test_log_node_write()"))
+            await conn.execute(sql("DROP TABLE test_node_writes"))
+    adopted = [row.id for row in rows if row.parent_id is not None]
+    assert 0 < len(adopted) < len(rows), "expected closed segments and an open tail"
+    assert any(not has_vector for *_, has_vector in rows), "expected a message without text"
+    for node_id, parent_id, has_vector in rows:
+        assert writes.get(node_id, 0) == (1 if parent_id is not None or has_vector else 0)
 
 
 # --- admin endpoints over a built conversation ---------------------------------------------

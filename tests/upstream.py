@@ -14,6 +14,7 @@ cleared from the recorded requests, so ``requests()`` starts empty.
 * ``.requests(path=None)`` -- recorded ``/v1`` requests (optionally only those on ``path``).
 * ``.reset()`` -- clear recorded requests, the queue and the default.
 * ``.stop()`` -- terminate, wait up to 5 s, kill if needed; idempotent.
+* ``.pid`` -- the server process's id (benchmarks read its CPU time).
 
 It is a context manager (``with UpstreamServer() as upstream: ...`` stops it on exit). Control
 calls use a synchronous ``httpx.Client``; they are local and fast, so calling them from async
@@ -97,6 +98,12 @@ class UpstreamServer:
         except BaseException:
             self.stop()
             raise
+
+    @property
+    def pid(self) -> int:
+        if self._process is None:
+            raise RuntimeError("the upstream server is stopped")
+        return self._process.pid
 
     def _wait_ready(self, timeout: float) -> None:
         assert self._process is not None
