@@ -550,7 +550,9 @@ class Stack:
         try:
             pid = int((self.postgres.pgdata / "postmaster.pid").read_text().split()[0])
             root = psutil.Process(pid)
-            total = 0.0
+            # Backends that have exited: the postmaster reaped them, their time is its children's.
+            reaped = root.cpu_times()
+            total = reaped.children_user + reaped.children_system
             for process in [root, *root.children(recursive=True)]:
                 with contextlib.suppress(psutil.Error):
                     times = process.cpu_times()

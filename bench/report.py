@@ -41,58 +41,47 @@ TARGET_RETRIEVAL_P95 = 10.0
 # Written by hand from the profile of the run it names; `make bench` keeps it and redraws the
 # rest. Update it when the profile changes.
 CLOSING_NOTE = """\
-Written by hand from the full run of 2026-11-21 07:13-07:34 UTC (commit `12cfeb7` + local
-changes); the tables above are redrawn by every run, this note is not: update it when the
-profile changes. The machine was shared with colleagues' test suites and benchmarks (load
-average 5.5-9.5 on 2 cores, recorded per scenario above), so absolute times are inflated; CPU
-per request and the side-by-side comparisons are the robust figures. At 10,000 stored messages
-a request spent 121 ms in `gateway.chat.complete` (stage timers, c=1), 89 ms of it assembling
-the prompt; it ran 20 SQL statements (70 ms waiting) and cost 43-67 ms of gateway CPU and
-41 ms of Postgres CPU. The three biggest costs:
+Written by hand from the full run of 2026-11-21 10:26-10:38 UTC (commit `08bcef936d`, machine
+otherwise idle: load average 1.5-2.4) and the profile re-run at 10:43-10:46 (`--only profile`,
+after a fix to the Postgres CPU count); the tables above are redrawn by every run, this note is
+not: update it when the profile changes. At 10,000 stored messages a request spent 78.6 ms in
+`gateway.chat.complete` (stage timers, c=1), 62.4 ms of it building the prompt; it ran 17 SQL
+statements (46 ms waiting). In the full run, where the profile came after minutes of other
+traffic on the same tables, the same figures were 57.5, 41.8 and 28 ms, with the full-text
+leg at 19.3 ms and the vector leg at 1.0 ms: planner statistics and index state move them.
+The three biggest costs, and what was done about them:
 
-1. **The full-text leg of retrieval (35 ms wall, most of Postgres's 41 ms CPU per request).**
-   It ORs every word of the question, so at 10,000 messages it matches about 20 % of the
-   conversation's nodes (3,074 of 15,600 in `EXPLAIN ANALYZE`): Postgres reads the whole
-   conversation with a sequential scan instead of the GIN index (92 ms of 198 ms under load),
-   then scores every match against every term in two nested loops (8 terms x 3,074 rows,
-   twice). Its cost grows with the conversation. *Recommended*: make the query selective
-   before scoring -- drop the terms with a high document frequency (a per-tenant lexeme
-   statistics table, refreshed by the background build, gives df without scanning) or AND the
-   rare ones -- so the GIN index is used and scoring touches tens of rows; skip the leg when
-   the question has no rare term.
-2. **Assembling the prompt in Python, and the query embedding (~40 ms).** Per request the
-   builder scores ~390 hits (`retrieval._hit`, `fuse`), renders and sizes ~540 candidate
-   lines (`context._Block.cost_of_message`, `_day`, `_sitting` ~775 calls) and tokenizes some
-   with tiktoken; it loads hits in 2 more statements (11 ms) and embeds the question with the
-   local ONNX model on the request path (11 ms). *Recommended*: use the stored `token_count`
-   of nodes instead of rendering lines to size them, stop once the budget is full, cache the
-   frontier per conversation (it only changes when a build commits), return the hit rows from
-   the leg queries, and run the embedding concurrently with the full-text leg.
-3. **The store path and per-statement overhead (~20 ms at c=1; most CPU at saturation).**
-   `store._repeated_system` finds the stored system prompt by scanning the conversation's
-   messages backwards from the newest (8 ms at 10,000 messages and growing: it walks the
-   `(conversation_id, level, seq)` index past every message that is not a system prompt);
-   recording the reply takes another transaction (8 ms); every connection checkout first
-   pings the server (`pool_pre_ping`); at concurrency 32 asyncpg + SQLAlchemy are ~40 % of
-   the busy event-loop time, and the load test used 9.4 ms of gateway CPU per request, which
-   caps one `serve` process near 106 requests/s whatever the machine. *Recommended*: keep the
-   system prompt's hash on the conversation row; drop `pool_pre_ping` (keep `pool_recycle`);
-   merge the turn's bookkeeping statements (job enqueue, counters) into fewer round trips;
-   run several `serve` processes (uvicorn workers) for throughput.
+1. **The full-text leg of retrieval: 31.7 ms of SQL per request (19.3 ms in the full run).**
+   Every node holding any word of the question is read and scored, and at 10,000 messages
+   common words are held by thousands of nodes. Done: the nodes are now read once per term
+   through the GIN index and each term's idf is computed once (35 ms of wall time before, in a
+   loaded run), which kept the ranking identical. Not done: searching only the rarer terms on
+   large scopes (a patch that did so cut the leg to 1-40 ms at 100,000 messages, but lowered
+   LoCoMo recall at 4k on two conversations from 0.946 to 0.937 when forced on); a per-tenant
+   lexeme statistics table would let the leg skip common terms without reading them.
+2. **The query embedding: 8.2 ms per request** (local MiniLM int8 on 2 threads), started
+   before the recent turns are read so that it overlaps the SQL; it still takes CPU from
+   everything else at concurrency, where the gateway is CPU-bound (16-68 ms of CPU per
+   request at this size). `MEMSTRATA_EMBEDDING_PROVIDER=upstream` moves it off the machine.
+3. **Assembling in Python and the bookkeeping around it: ~15 ms.** Fusing and ranking ~1,000
+   places (2 ms), loading ~330 hit rows (2.9 ms), sizing and rendering lines (`_fill`, 2.8
+   ms; `datetime.strftime` for the
+   sitting headings is half of rendering), exact token counts
+   of the prompt (2.7 ms), storing the turn and recording the reply (ingest 2.1 ms, record
+   3.4 ms, two job enqueues 1.4 ms). Done: rows read by position, only the places above the
+   cut-off sorted, summary lines tokenized once, the pinned-message index (5.5 ms scan ->
+   0.03 ms), the stored system prompt's fingerprint kept on the conversation row (the
+   backwards scan that cost 8 ms at 10,000 messages is gone), no pool pre-ping, 11.4 -> 8.4
+   statements on the short-conversation path.
 
-Also found: the gateway's single `httpx.AsyncClient` to the upstream slows down with many
-requests in flight (the relay floor went from ~60 to ~300 requests/s at concurrency 64 with
-16 clients in turn); under load the gateway answered a few requests with 502 `ReadError`
-when it reused an upstream connection the upstream was closing (httpx's 5 s keep-alive equals
-uvicorn's; use a shorter `keepalive_expiry`); the in-process worker grew the gateway to 3.6 GB
-resident while building the 10,000-message tree; segmentation made 5,032 level-1 segments for
-10,000 messages (two messages a segment), so summaries are embedded almost as often as
-messages. Between the first full run (06:30) and this one, colleagues' changes already cut
-the vector leg from 76 ms to 4 ms (fewer candidates, a lower `hnsw.ef_search`: 52 ms against
-0.6 ms in `EXPLAIN ANALYZE`) and stopped reading whole rows with their embeddings. The harness
-itself does not change `gateway/` or `memory/`; it removed its own bottlenecks (one httpx
-client per load-generator worker, a multi-client relay floor, keep-alive shorter than the
-servers').
+Also found and fixed since the previous run: the single `httpx.AsyncClient` to the upstream
+slowed down with many requests in flight (requests now rotate over 8 clients) and a few
+requests got 502 `ReadError` on connections uvicorn was closing (idle connections are now
+closed after 4 s, below uvicorn's 5 s): the load test ran at 206 requests/s with 0 errors,
+4.8 ms of gateway CPU per request (was 58 requests/s and 9.4 ms). Summary vectors are the
+centroids of their children's instead of MiniLM runs over summary text, and each message is
+written once: the 10,000-message tree is built in 61 s (was 358 s) and the gateway's RSS after
+building it is 663 MiB (was 3.6 GB, the ONNX arena grown by 256-token summary batches).
 """
 
 
@@ -149,7 +138,7 @@ def _setup(results: Mapping[str, Mapping[str, Any]]) -> list[str]:
         f"{settings.get('database', 'embedded Postgres')}; "
         f"{settings.get('gateway', 'memstrata serve')}.",
         *_runs(results),
-        "- Reproduce with `make bench` (about 35 minutes here, most of it waiting for the "
+        "- Reproduce with `make bench` (about 12 minutes here, a third of it waiting for the "
         "summary trees; `make bench-quick` is a small version in under 3). Raw figures: "
         "`bench/results/*.json`; a busy machine slows everything down, so compare targets "
         "run side by side rather than runs made at different times.",
