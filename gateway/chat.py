@@ -68,6 +68,8 @@ async def complete(request: Request, state: State, *, tenant_id: int) -> Respons
         started=started,
     )
 
+    # Room kept for the memory tools' definitions, when the gateway offers them.
+    tools_room = toolloop.reserved_tokens(state.settings, body)
     try:
         async with transaction(state.engine) as conn:
             stored = await store.ingest(
@@ -79,7 +81,8 @@ async def complete(request: Request, state: State, *, tenant_id: int) -> Respons
                 model=chat.model,
             )
             # Refused inside the transaction, so that an oversized turn stores nothing.
-            _check_fits(state, body, _split(body["messages"], stored), budget=budget)
+            part = _split(body["messages"], stored)
+            _check_fits(state, body, part, budget=budget, tools_room=tools_room)
             await hierarchy.enqueue(
                 conn, tenant_id=tenant_id, conversation_id=stored.conversation.id
             )
@@ -98,8 +101,9 @@ async def complete(request: Request, state: State, *, tenant_id: int) -> Respons
             turn,
             body,
             appended=stored,
+            part=part,
             budget=budget,
-            reserved_tokens=toolloop.reserved_tokens(state.settings, body),
+            reserved_tokens=tools_room,
         )
     except StorageUnavailable as exc:
         return await unchanged(exc, external_id=turn.external_id)
@@ -136,7 +140,8 @@ async def assemble(
     turn: Turn,
     body: dict[str, Any],
     *,
-    appended: store.Appended | None = None,
+    appended: store.Appended,
+    part: "_TurnPart",
     budget: int | None = None,
     reserved_tokens: int = 0,
 ) -> dict[str, Any]:
@@ -145,19 +150,19 @@ async def assemble(
     A conversation that fits the budget goes as the client sent it (or, when the client sent
     only its new messages, as stored); otherwise the prompt is rebuilt from memory by
     `memory.context.build`. Sets the turn's token counts and `rebuilt`. `reserved_tokens` is
-    room kept for tool schemas the gateway adds (the memory tools)."""
+    room kept for tool schemas the gateway adds (the memory tools); `part` is how the body's
+    messages divide given what was `appended`."""
     messages: list[dict[str, Any]] = body["messages"]
-    turn_part = _split(messages, appended)
     prompt, tokens_sent, full, rebuilt = await _prompt(
         state,
         tenant_id=turn.tenant_id,
         conversation_id=turn.conversation_id,
         model=str(body.get("model", "")),
-        request_system=turn_part.system,
-        new_messages=turn_part.new_messages,
-        new_from=turn_part.first_seq,
-        whole=messages if turn_part.whole else None,
-        stored=(appended.token_count, appended.user_id) if appended is not None else None,
+        request_system=part.system,
+        new_messages=part.new_messages,
+        new_from=part.first_seq,
+        whole=messages if part.whole else None,
+        stored=(appended.token_count, appended.user_id),
         budget=budget,
         reserved_tokens=reserved_tokens + _tools_cost(body),
         max_output=_max_output(body),
@@ -182,9 +187,8 @@ class _TurnPart:
     whole: bool
 
 
-def _split(messages: list[dict[str, Any]], appended: store.Appended | None) -> _TurnPart:
-    new_count = len(appended.node_ids) if appended is not None else len(messages)
-    first_seq = appended.first_seq if appended is not None else 0
+def _split(messages: list[dict[str, Any]], appended: store.Appended) -> _TurnPart:
+    new_count, first_seq = len(appended.node_ids), appended.first_seq
     if new_count == 0:  # a resent history with nothing new: the last message is the question
         new_count, first_seq = 1, max(0, first_seq - 1)
     system = _leading_system(messages)
@@ -197,11 +201,13 @@ def _split(messages: list[dict[str, Any]], appended: store.Appended | None) -> _
     )
 
 
-def _check_fits(state: State, body: dict[str, Any], part: _TurnPart, *, budget: int | None) -> None:
+def _check_fits(
+    state: State, body: dict[str, Any], part: _TurnPart, *, budget: int | None, tools_room: int
+) -> None:
     """400 `context_length_exceeded` when the system prompt and the new messages alone exceed
     the budget: no memory could make such a turn fit."""
     model = str(body.get("model", ""))
-    reserved = toolloop.reserved_tokens(state.settings, body) + _tools_cost(body)
+    reserved = tools_room + _tools_cost(body)
     limit = _limit(
         state, model, budget=budget, reserved_tokens=reserved, max_output=_max_output(body)
     )
