@@ -193,6 +193,33 @@ async def fresh_database(stack: h.Stack, name: str) -> str:
     return stack.database_url.rsplit("/", 1)[0] + "/" + name
 
 
+async def _gateway_target(
+    client: h.Client, stack: h.Stack, config: LoadConfig, *, workers: int
+) -> dict[str, Any]:
+    """One `serve` process on a database of its own, with or without its in-process worker."""
+    suffix = "" if workers == 0 else "_workers"
+    url = await fresh_database(stack, f"bench_load{suffix}")
+    gateway = stack.gateway(
+        name=f"load{suffix.replace('_', '-')}", database_url=url, workers=workers
+    )
+    try:
+        result = await run_target(
+            client,
+            "gateway" if workers == 0 else "gateway (in-process worker)",
+            f"{gateway.root_url}/v1",
+            config,
+            duration=config.duration if workers == 0 else config.workers_variant_duration,
+            service=gateway,
+            stack=stack,
+        )
+    finally:
+        gateway.stop()
+    result["settings"] = (
+        "MEMSTRATA_WORKERS=0" if workers == 0 else "MEMSTRATA_WORKERS=1 (serve's default)"
+    )
+    return result
+
+
 async def run(client: h.Client, stack: h.Stack, config: LoadConfig) -> dict[str, Any]:
     """Reference runs (upstream, relay), then the gateway (workers off, then on)."""
     assert stack.upstream is not None and stack.relay is not None
@@ -212,39 +239,9 @@ async def run(client: h.Client, stack: h.Stack, config: LoadConfig) -> dict[str,
             service=stack.relay,
         )
     )
-    url = await fresh_database(stack, "bench_load")
-    gateway = stack.gateway(name="load", database_url=url, workers=0)
-    try:
-        result = await run_target(
-            client,
-            "gateway",
-            f"{gateway.root_url}/v1",
-            config,
-            duration=config.duration,
-            service=gateway,
-            stack=stack,
-        )
-        result["settings"] = "MEMSTRATA_WORKERS=0"
-        targets.append(result)
-    finally:
-        gateway.stop()
+    targets.append(await _gateway_target(client, stack, config, workers=0))
     if config.workers_variant_duration > 0:
-        url = await fresh_database(stack, "bench_load_workers")
-        gateway = stack.gateway(name="load-workers", database_url=url, workers=1)
-        try:
-            result = await run_target(
-                client,
-                "gateway (in-process worker)",
-                f"{gateway.root_url}/v1",
-                config,
-                duration=config.workers_variant_duration,
-                service=gateway,
-                stack=stack,
-            )
-            result["settings"] = "MEMSTRATA_WORKERS=1 (serve's default)"
-            targets.append(result)
-        finally:
-            gateway.stop()
+        targets.append(await _gateway_target(client, stack, config, workers=1))
     return {"config": asdict(config), "targets": targets}
 
 
