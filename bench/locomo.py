@@ -245,7 +245,8 @@ def embedding_ranked(sample: Sample, vector: Sequence[float]) -> list[Turn]:
 
 def present(messages: Sequence[dict[str, Any]], turns: Sequence[Turn]) -> list[bool]:
     prompt = "\n".join(tokens.message_text(m) for m in messages)
-    return [turn.text in prompt for turn in turns]
+    # Surrounding whitespace is not part of what a turn says; the memory message's lines drop it.
+    return [turn.text.strip() in prompt for turn in turns]
 
 
 async def replay(engine: AsyncEngine, tenant: int, sample: Sample, embedder: LocalEmbedder) -> None:

@@ -17,6 +17,7 @@ from gateway.settings import Settings
 from memory import hierarchy
 from memory.embeddings import Embedder, make_embedder
 from memory.segments import SegmentPolicy
+from memory.summarize import make_summarizer
 from memory.worker import JobObserver, Worker
 
 log = logging.getLogger(__name__)
@@ -39,8 +40,6 @@ def tree_config(
     settings: Settings, client: httpx.AsyncClient, embed: Embedder
 ) -> hierarchy.TreeConfig:
     """How summary trees are built under these settings."""
-    from memory.summarize import make_summarizer  # TEMP: until summarize lands
-
     return hierarchy.TreeConfig(
         embedder=embed,
         summarizer=make_summarizer(
@@ -57,6 +56,7 @@ def tree_config(
         ),
         fanout=settings.fanout,
         summary_tokens=settings.summary_tokens,
+        passages=settings.passages == "on",
     )
 
 

@@ -57,6 +57,8 @@ class Settings(BaseSettings):
     segment_token_cap: int = Field(default=2048, ge=64)
     segment_min_tokens: int = Field(default=256, ge=0)
     fanout: int = Field(default=8, ge=2, le=64)
+    # Each message's sentences embedded on their own too (`memory.passages`).
+    passages: OnOff = "on"
 
     # Prompt assembly
     context_budget: int = Field(default=8000, ge=256)

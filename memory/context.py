@@ -36,7 +36,7 @@ from typing import Any, Final
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from memory import retrieval, tokens
+from memory import fusion, retrieval, tokens
 from memory.errors import InvalidInput
 from memory.layout import MemoryBlock
 
@@ -297,18 +297,16 @@ async def build(
             vector_task.cancel()
     legs = [fulltext]
     if vector is not None:
-        legs.append(
-            await retrieval.vector_candidates(
-                conn,
-                tenant_id=tenant_id,
-                conversation_ids=scope_ids,
-                query_vector=vector,
-                limit=pool,
-                exclude_from=exclude,
-                messages=first_kept if len(scope_ids) == 1 else None,
-            )
+        legs += await retrieval.vector_legs(
+            conn,
+            tenant_id=tenant_id,
+            conversation_ids=scope_ids,
+            query_vector=vector,
+            limit=pool,
+            exclude_from=exclude,
+            messages=first_kept if len(scope_ids) == 1 else None,
         )
-    scores = retrieval.fuse(
+    scores = fusion.fuse(
         legs,
         which=which,
         newest={conversation_id: first_kept - 1},

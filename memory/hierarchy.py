@@ -3,7 +3,8 @@
 `build()` brings one conversation up to date, in steps that each commit their own progress:
 
 1. embed the messages after the last closed segment, a chunk of `embed_batch` at a time,
-   scoring each one's importance and pinning milestones on the way, and cut them into segments
+   scoring each one's importance and pinning milestones on the way (and embedding its passages,
+   `memory.passages`, written with its vector), and cut them into segments
    (`memory.segments`, fed chunk by chunk); each closed segment gets a level-1 summary node,
    and its messages get their vector, importance and parent in one UPDATE each, so the HNSW
    index takes one entry per message rather than one for the vector and another for the
@@ -42,11 +43,12 @@ from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
-from memory import importance, jobs, tokens
+from memory import importance, jobs, passages, tokens
 from memory.db import AnyRow, transaction
 from memory.embeddings import Embedder, Vector, centroid
 from memory.jobs import Job
 from memory.schema import nodes
+from memory.schema import passages as passages_table
 from memory.segments import SegmentMessage, SegmentPolicy, split
 from memory.summarize import Summarizer, Summary, SummaryInput
 
@@ -69,6 +71,8 @@ class TreeConfig:
     embed_batch: int = 256
     # Segments summarized at once: bounds LLM concurrency and the size of one transaction.
     summary_batch: int = 16
+    # Embed each message's sentences too (`memory.passages`): about twice the embedding work.
+    passages: bool = True
 
 
 @dataclass
@@ -161,13 +165,28 @@ _WRITE_NODE = (
 )
 
 
+# A message's passages are written with its vector (a rebuilt node's are already there).
+_WRITE_PASSAGE = (
+    pg_insert(passages_table)
+    .values(
+        node_id=bindparam("node_id"),
+        ordinal=bindparam("ordinal"),
+        tenant_id=bindparam("tenant_id"),
+        conversation_id=bindparam("conversation_id"),
+        embedding=cast(bindparam("vector", type_=_FLOATS), passages_table.c.embedding.type),
+    )
+    .on_conflict_do_nothing()
+)
+
+
 @dataclass(frozen=True)
 class _Embedded:
-    """A node's new vector, importance and pin, not yet written."""
+    """A node's new vector, importance, pin and passage vectors, not yet written."""
 
     vector: Vector
     score: float
     pin: bool
+    passages: Sequence[Vector] = ()
 
     def params(self, node_id: int, parent: int | None = None) -> dict[str, Any]:
         return {
@@ -184,17 +203,60 @@ def _has_text(text: str) -> bool:
 
 
 async def _embed(config: TreeConfig, rows: Sequence[AnyRow]) -> dict[int, _Embedded]:
-    """Vectors, importance and pins for `rows` (nodes with text), by node id."""
+    """Vectors, importance, pins and passage vectors for `rows` (nodes with text), by node id;
+    messages and their passages are embedded in one call."""
     if not rows:
         return {}
-    vectors = await config.embedder.embed([row.text for row in rows])
+    parts = [passages.split(row.text) if config.passages and row.level == 0 else [] for row in rows]
+    vectors = await config.embedder.embed(
+        [row.text for row in rows] + [part for group in parts for part in group]
+    )
+    rest = iter(vectors[len(rows) :])
     embedded = {}
-    for row, vector in zip(rows, vectors, strict=True):
+    for row, vector, group in zip(rows, vectors[: len(rows)], parts, strict=True):
         score = importance.score(row.role, row.text) if row.level == 0 else 0.0
         embedded[row.id] = _Embedded(
-            vector, score, row.level == 0 and importance.is_milestone(score)
+            vector,
+            score,
+            row.level == 0 and importance.is_milestone(score),
+            [next(rest) for _ in group],
         )
     return embedded
+
+
+async def _write(
+    conn: AsyncConnection,
+    writes: Sequence[tuple[int, _Embedded | None, int | None]],
+    *,
+    tenant_id: int,
+    conversation_id: int,
+) -> None:
+    """Write what nodes gain, as (node id, new vector or None, new parent or None)."""
+    if not writes:
+        return
+    await conn.execute(
+        _WRITE_NODE,
+        [
+            item.params(node, parent)
+            if item is not None
+            else {"node_id": node, "vector": None, "score": None, "pin": None, "parent": parent}
+            for node, item, parent in writes
+        ],
+    )
+    rows = [
+        {
+            "node_id": node,
+            "ordinal": ordinal,
+            "tenant_id": tenant_id,
+            "conversation_id": conversation_id,
+            "vector": vector,
+        }
+        for node, item, _ in writes
+        if item is not None
+        for ordinal, vector in enumerate(item.passages)
+    ]
+    if rows:
+        await conn.execute(_WRITE_PASSAGE, rows)
 
 
 async def _segment(
@@ -285,7 +347,12 @@ async def _segment(
             made += len(batch)
     if fresh:
         async with transaction(engine) as conn:
-            await conn.execute(_WRITE_NODE, [item.params(node) for node, item in fresh.items()])
+            await _write(
+                conn,
+                [(node, item, None) for node, item in fresh.items()],
+                tenant_id=tenant_id,
+                conversation_id=conversation_id,
+            )
     embedded = sum(1 for row in rows if _pending(row))
     return embedded, made
 
@@ -461,7 +528,12 @@ async def _embed_pending(
             return done
         embedded = await _embed(config, rows)
         async with transaction(engine) as conn:
-            await conn.execute(_WRITE_NODE, [item.params(node) for node, item in embedded.items()])
+            await _write(
+                conn,
+                [(node, item, None) for node, item in embedded.items()],
+                tenant_id=tenant_id,
+                conversation_id=conversation_id,
+            )
         done += len(rows)
 
 
@@ -570,14 +642,11 @@ async def _insert_summaries(
     if not adopted:
         return
     fresh = fresh or {}
-    await conn.execute(
-        _WRITE_NODE,
-        [
-            fresh[child].params(child, parent)
-            if child in fresh
-            else {"node_id": child, "vector": None, "score": None, "pin": None, "parent": parent}
-            for child, parent in adopted
-        ],
+    await _write(
+        conn,
+        [(child, fresh.get(child), parent) for child, parent in adopted],
+        tenant_id=tenant_id,
+        conversation_id=conversation_id,
     )
 
 

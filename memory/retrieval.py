@@ -4,48 +4,40 @@
 
 * tenant-scoped: only nodes of `tenant_id` in `conversation_ids` are ever read; a conversation
   id of another tenant simply finds nothing;
-* two legs fused by reciprocal rank (`RRF_K`): pgvector cosine distance (`query_vector`, when
-  given; exact for one conversation, the HNSW index scanned iteratively for several) and
-  Postgres full text: candidates are the nodes matching `websearch_to_tsquery` of the query's
-  words joined by `or` (quoted phrases stay phrases), ranked by a BM25-like score (inverse
-  document frequency of each query lexeme, and of each identifier the parser splits, within the
-  searched conversations, normalized by node length), so a rare identifier outweighs "go";
-* exact matches win: a node holding a rare identifier of the query, or a vector hit standing
-  far above the rest of its leg, gets a bonus worth `EXACT_BONUS` first ranks;
+* three legs, fused by `memory.fusion` (reciprocal rank, exact matches, contiguity, routing,
+  periods, speakers):
+  - Postgres full text: candidates are the nodes matching `websearch_to_tsquery` of the query's
+    words joined by `or` (quoted phrases stay phrases), ranked by a BM25-like score (inverse
+    document frequency of each query lexeme, and of each identifier the parser splits, within
+    the searched conversations, normalized by node length), so a rare identifier outweighs "go";
+  - pgvector cosine distance to `query_vector`, when given (exact for one conversation, the
+    HNSW index scanned iteratively for several);
+  - passages (`memory.passages`): messages by the better of their best sentence's vector and
+    their own, so one sentence of a long message is found by meaning;
 * messages that have no embedding yet are found by the full-text leg alone: nothing just written
   is invisible;
 * collapsed tree: summaries of every level are searched beside messages (`levels` restricts);
 * query routing (`route()`): sequential questions ("last time", "earlier", "before",
-  "recently") weight recency heavily, relational ones ("how", "why", "relate") raise summaries,
-  others are flat hybrid with a light recency tie-break;
-* temporal contiguity: each message lends a share of its score to the messages next to it
-  (`CONTIGUITY`), so an answer right after the best match is found even when it shares no word
-  with the question;
-* periods: a query naming a calendar period ("in March 2023", "on 2023-03-16") raises the
-  messages written within it (or in the week after), after contiguity too;
-* speakers: a query naming one participant (a message `name`) raises that participant's
-  messages, after contiguity (what a message lends its neighbours is not raised, so the other
-  participant's replies around it do not crowd out the named one's own words); callers strip
-  participants' names from the text they embed (`without_names`).
+  "recently") weight recency heavily, relational ones ("how", "why", "relate") raise summaries;
+* callers strip participants' names from the text they embed (`without_names`): inside a
+  conversation they say nothing about the topic.
 
 System and developer messages are never returned (they are the client's prompt, not memory).
 `search()` costs one SQL round trip per leg plus one to load the hits; the full-text leg does
 not need the vector, so callers may run it (`fulltext_candidates`) while the query is embedded.
-Weights were tuned on LoCoMo (see docs/benchmarks.md).
 """
 
 from __future__ import annotations
 
-import heapq
-import math
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
-from datetime import date, datetime
+from datetime import datetime
 from typing import Any, Final
 
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncConnection
 
+from memory.fusion import CONTIGUITY, Candidates, Key, Place, fuse, ranked
 from memory.query import (
     Route,
     identifiers,
@@ -62,23 +54,19 @@ __all__ = [
     "Route",
     "as_hit",
     "fulltext_candidates",
-    "fuse",
     "identifiers",
     "load",
     "load_nodes",
     "participants_named",
+    "passage_candidates",
     "periods",
-    "ranked",
     "route",
     "search",
     "vector_candidates",
+    "vector_legs",
     "websearch_query",
     "without_names",
 ]
-
-RRF_K: Final = 20
-"""Reciprocal-rank fusion constant: score = Σ weight / (RRF_K + rank). Lower than the usual 60:
-tuned on LoCoMo, where the first ranks of each leg deserve more weight."""
 
 CANDIDATES: Final = 100
 """Candidates each leg returns at least, before fusion."""
@@ -88,41 +76,6 @@ EXACT_SCAN_MAX: Final = 6000
 `vector_candidates`): a filtered scan of the HNSW index, shared by every tenant, once missed a
 5,000-message conversation's clearly best match (similarity 0.48, the next 0.34) in a database
 holding many near-duplicate vectors; the exact scan costs a few ms per thousand messages."""
-
-CONTIGUITY: Final = (0.8, 0.4)
-"""Share of a message's relevance lent to the messages 1, 2, ... places away: an exchange is
-about one thing, so a question's answer often sits next to the message that matches best."""
-
-EXACT_BONUS: Final = 2.0
-"""A node holding a rare identifier of the query (a word with digits that at most 3 searched
-nodes hold: a ticket, a booking reference) gains this many first ranks: rank fusion alone would
-let a near-miss by meaning tie with the exact match."""
-
-STANDOUT_Z: Final = 4.0
-"""How far (in standard deviations) a vector hit must stand above its leg to count as exact."""
-
-SPEAKER_BOOST: Final = 2.0
-"""Multiplier of the fused score of candidates written by the one participant a query names."""
-
-PERIOD_BOOST: Final = 2.0
-"""Multiplier of the fused score of candidates written within a calendar period the query
-names (`memory.query.periods`: "in March 2023" also reaches the week after, when messages
-still tell of it)."""
-
-
-@dataclass(frozen=True)
-class Weights:
-    """How one route weighs summaries and recency against relevance."""
-
-    summary: float  # multiplier of a summary's fused score
-    recency: float  # weight of the recency boost (0: none)
-
-
-ROUTE_WEIGHTS: Final[Mapping[Route, Weights]] = {
-    Route.FLAT: Weights(summary=0.6, recency=0.05),
-    Route.SEQUENTIAL: Weights(summary=0.8, recency=1.5),
-    Route.RELATIONAL: Weights(summary=1.5, recency=0.05),
-}
 
 
 @dataclass(frozen=True)
@@ -143,29 +96,6 @@ class Hit:
     token_count: int = 0
     tool_calls: Any = None
     tool_call_id: str | None = None
-
-
-Key = tuple[int, int, int]
-"""A node's place: (conversation id, level, seq), unique in its tenant."""
-
-
-@dataclass(frozen=True)
-class Place:
-    """What fusion needs to know of a candidate."""
-
-    key: Key
-    span_end: int
-    name: str | None
-    exact: bool = False  # holds a rare identifier-like word of the query (digits, ≥ 4 chars)
-    similarity: float | None = None  # cosine similarity to the query (vector leg)
-    created_at: datetime | None = None
-
-
-@dataclass(frozen=True)
-class Candidates:
-    """One leg's candidates, best first."""
-
-    ranked: list[Place]
 
 
 # -- the legs ------------------------------------------------------------------------------
@@ -253,6 +183,41 @@ SELECT n.conversation_id, n.level, n.seq, n.span_end, n.name, n.created_at, fals
 FROM nodes n
 WHERE {_SCOPE} AND n.embedding IS NOT NULL
 ORDER BY (n.embedding <=> CAST(:vector AS vector)) + 0
+LIMIT :limit
+"""
+)
+
+# The passage leg: messages by their best passage (`memory.passages`). Over a small scope every
+# passage's distance is computed (grouping keeps the planner off the HNSW index); over a large
+# one the index finds the nearest passages first.
+_PASSAGES_EXACT = text(
+    f"""
+SELECT n.conversation_id, n.level, n.seq, n.span_end, n.name, n.created_at, false AS exact,
+       max(1 - (p.embedding <=> CAST(:vector AS vector))) AS similarity
+FROM passages p
+JOIN nodes n ON n.id = p.node_id
+WHERE p.tenant_id = :tenant_id AND p.conversation_id = ANY(:conversation_ids) AND {_SCOPE}
+GROUP BY n.id
+ORDER BY similarity DESC
+LIMIT :limit
+"""
+)
+_PASSAGES = text(
+    f"""
+WITH near AS MATERIALIZED (
+    SELECT p.node_id, 1 - (p.embedding <=> CAST(:vector AS vector)) AS similarity
+    FROM passages p
+    WHERE p.tenant_id = :tenant_id AND p.conversation_id = ANY(:conversation_ids)
+    ORDER BY p.embedding <=> CAST(:vector AS vector)
+    LIMIT :limit * 3
+)
+SELECT n.conversation_id, n.level, n.seq, n.span_end, n.name, n.created_at, false AS exact,
+       max(near.similarity) AS similarity
+FROM near
+JOIN nodes n ON n.id = near.node_id
+WHERE {_SCOPE}
+GROUP BY n.id
+ORDER BY similarity DESC
 LIMIT :limit
 """
 )
@@ -350,10 +315,22 @@ async def vector_candidates(
         "vector": _vector_literal(query_vector),
         "limit": limit,
     }
-    if (messages is None and len(conversation_ids) == 1) or (
+    return await _nearest(conn, (_VECTOR_EXACT, _VECTOR), params, messages=messages)
+
+
+async def _nearest(
+    conn: AsyncConnection,
+    queries: tuple[Any, Any],
+    params: dict[str, Any],
+    *,
+    messages: int | None,
+) -> Candidates:
+    """Rows of the exact query (`queries[0]`) over a small scope, else of the HNSW one."""
+    exact, approximate = queries
+    if (messages is None and len(params["conversation_ids"]) == 1) or (
         messages is not None and messages <= EXACT_SCAN_MAX
     ):
-        return _candidates(await conn.execute(_VECTOR_EXACT, params))
+        return _candidates(await conn.execute(exact, params))
     # Without `enable_sort = off` the planner, misjudging how many rows the filter keeps,
     # prefers reading the whole conversation and sorting: the exact scan this path avoids.
     await conn.execute(
@@ -361,13 +338,89 @@ async def vector_candidates(
             "SELECT set_config('hnsw.iterative_scan', 'relaxed_order', true), "
             "set_config('hnsw.ef_search', :ef, true), set_config('enable_sort', 'off', true)"
         ),
-        {"ef": str(max(40, min(1000, 2 * limit)))},
+        {"ef": str(max(40, min(1000, 2 * params["limit"])))},
     )
-    found = _candidates(await conn.execute(_VECTOR, params))
+    found = _candidates(await conn.execute(approximate, params))
     await conn.execute(text("SELECT set_config('enable_sort', 'on', true)"))
     # A relaxed-order scan returns its rows only nearly sorted; fusion goes by rank.
     found.ranked.sort(key=lambda place: -(place.similarity or 0.0))
     return found
+
+
+async def passage_candidates(
+    conn: AsyncConnection,
+    *,
+    tenant_id: int,
+    conversation_ids: Sequence[int],
+    query_vector: Sequence[float],
+    whole: Candidates,
+    limit: int = CANDIDATES,
+    exclude_from: tuple[int, int] | None = None,
+    messages: int | None = None,
+) -> Candidates:
+    """The passage leg: messages ranked by the better of their best passage's similarity and
+    their whole vector's (`whole`, the vector leg's candidates), nearest first; empty when no
+    searched message has passages (it would only repeat the vector leg)."""
+    params = {
+        **_scope_params(
+            tenant_id=tenant_id,
+            conversation_ids=conversation_ids,
+            levels=None,
+            exclude_from=exclude_from,
+        ),
+        "vector": _vector_literal(query_vector),
+        "limit": limit,
+    }
+    found = await _nearest(conn, (_PASSAGES_EXACT, _PASSAGES), params, messages=messages)
+    if not found.ranked:
+        return found
+    best: dict[Key, Place] = {}
+    for place in (*whole.ranked, *found.ranked):
+        known = best.get(place.key)
+        if place.key[1] == 0 and (
+            known is None or (place.similarity or 0.0) > (known.similarity or 0.0)
+        ):
+            best[place.key] = place
+    ranked = sorted(best.values(), key=lambda place: -(place.similarity or 0.0))
+    return Candidates(ranked[:limit])
+
+
+async def vector_legs(
+    conn: AsyncConnection,
+    *,
+    tenant_id: int,
+    conversation_ids: Sequence[int],
+    query_vector: Sequence[float],
+    limit: int = CANDIDATES,
+    levels: Sequence[int] | None = None,
+    exclude_from: tuple[int, int] | None = None,
+    messages: int | None = None,
+) -> list[Candidates]:
+    """The legs that need the query's vector: the vector leg and, when messages are searched,
+    the passage leg."""
+    whole = await vector_candidates(
+        conn,
+        tenant_id=tenant_id,
+        conversation_ids=conversation_ids,
+        query_vector=query_vector,
+        limit=limit,
+        levels=levels,
+        exclude_from=exclude_from,
+        messages=messages,
+    )
+    if levels is not None and 0 not in levels:
+        return [whole]
+    parts = await passage_candidates(
+        conn,
+        tenant_id=tenant_id,
+        conversation_ids=conversation_ids,
+        query_vector=query_vector,
+        whole=whole,
+        limit=limit,
+        exclude_from=exclude_from,
+        messages=messages,
+    )
+    return [whole, parts]
 
 
 def _vector_literal(vector: Sequence[float]) -> str:
@@ -399,106 +452,6 @@ def _candidates(rows: Any) -> Candidates:
             ) in rows
         ]
     )
-
-
-# -- fusion --------------------------------------------------------------------------------
-
-
-def fuse(
-    legs: Sequence[Candidates],
-    *,
-    which: Route,
-    newest: Mapping[int, int],
-    primary: int | None = None,
-    speakers: Collection[str] = (),
-    exclude_from: tuple[int, int] | None = None,
-    kernel: Sequence[float] = CONTIGUITY,
-    within: Sequence[tuple[date, date]] = (),
-) -> dict[Key, float]:
-    """Fused score per node place (see the module docstring).
-
-    Reciprocal-rank fusion of the legs; each message lends `kernel[d-1]` of its score to the
-    messages `d` places away (which may not be candidates themselves); candidates written by
-    the one participant in `speakers`, and those written within one of the periods `within`
-    (first day, last day), are then raised; summaries are weighted by the route;
-    recency (`newest` maps a conversation to its newest message seq) raises newer nodes, more
-    so for sequential queries; other conversations than `primary` weigh a little less."""
-    weights = ROUTE_WEIGHTS[which]
-    base: dict[Key, float] = {}
-    span_end: dict[Key, int] = {}
-    names: dict[Key, str | None] = {}
-    written: dict[Key, date] = {}
-    exact: set[Key] = set()
-    for leg in legs:
-        for rank, place in enumerate(leg.ranked):
-            base[place.key] = base.get(place.key, 0.0) + 1.0 / (RRF_K + rank + 1)
-            span_end[place.key] = place.span_end
-            names[place.key] = place.name
-            if place.created_at is not None:
-                written[place.key] = place.created_at.date()
-            if place.exact:
-                exact.add(place.key)
-    exact |= _standouts(legs)
-    # Thousands of keys per prompt: the loops below keep their lookups local.
-    summary_weight = weights.summary
-    recency_weight = weights.recency
-    lends = list(enumerate(kernel, start=1))
-    # The exact-identifier bonus is the node's own: it is not lent to neighbours.
-    scores: dict[Key, float] = {key: EXACT_BONUS / (RRF_K + 1) for key in exact}
-    get = scores.get
-    for key, score in base.items():
-        conv, level, seq = key
-        if level > 0:
-            scores[key] = get(key, 0.0) + score * summary_weight
-            continue
-        scores[key] = get(key, 0.0) + score
-        for distance, share in lends:
-            for near in (seq - distance, seq + distance):
-                if near >= 0:
-                    lent: Key = (conv, 0, near)
-                    scores[lent] = get(lent, 0.0) + share * score
-    excluded_conv, excluded_from = exclude_from if exclude_from is not None else (None, 0)
-    result: dict[Key, float] = {}
-    for key, score in scores.items():
-        conv, level, seq = key
-        end = span_end.get(key, seq)
-        last = newest.get(conv)
-        if level == 0 and (
-            (last is not None and seq > last)  # a neighbour past the end
-            or (conv == excluded_conv and seq >= excluded_from)
-        ):
-            continue
-        last = end if last is None else last
-        recency = math.exp(-max(0, last - end) / max(50.0, 0.05 * (last + 1)))
-        score *= 1.0 + recency_weight * recency
-        if primary is not None and conv != primary:
-            score *= 0.9
-        if level == 0 and len(speakers) == 1 and names.get(key) in speakers:
-            score *= SPEAKER_BOOST
-        day = written.get(key)
-        if level == 0 and day is not None and any(a <= day <= b for a, b in within):
-            score *= PERIOD_BOOST
-        result[key] = score
-    return result
-
-
-def _standouts(legs: Sequence[Candidates]) -> set[Key]:
-    """Candidates whose similarity stands far above the rest of their leg's (more than
-    `STANDOUT_Z` standard deviations over the mean of its first 50): a match by meaning that
-    clear is as telling as an exact identifier, which rank fusion alone would not show."""
-    found: set[Key] = set()
-    for leg in legs:
-        sims = [p.similarity for p in leg.ranked[:50] if p.similarity is not None]
-        if len(sims) < 10:
-            continue
-        mean = sum(sims) / len(sims)
-        spread = math.sqrt(sum((x - mean) ** 2 for x in sims) / len(sims))
-        if spread <= 1e-6:
-            continue
-        for place in leg.ranked[:3]:
-            if place.similarity is not None and (place.similarity - mean) / spread > STANDOUT_Z:
-                found.add(place.key)
-    return found
 
 
 # -- the entry point -----------------------------------------------------------------------
@@ -543,17 +496,15 @@ async def search(
     legs.append(fulltext)
     newest = await _newest(conn, tenant_id=tenant_id, conversation_ids=conversation_ids)
     if query_vector is not None:
-        legs.append(
-            await vector_candidates(
-                conn,
-                tenant_id=tenant_id,
-                conversation_ids=conversation_ids,
-                query_vector=query_vector,
-                limit=pool,
-                levels=levels,
-                exclude_from=exclude_from,
-                messages=sum(last + 1 for last in newest.values()),
-            )
+        legs += await vector_legs(
+            conn,
+            tenant_id=tenant_id,
+            conversation_ids=conversation_ids,
+            query_vector=query_vector,
+            limit=pool,
+            levels=levels,
+            exclude_from=exclude_from,
+            messages=sum(last + 1 for last in newest.values()),
         )
     scores = fuse(
         legs,
@@ -587,16 +538,6 @@ async def load(
     )
     hits = [as_hit(row, scores[(row[1], row[2], row[3])]) for row in rows]
     return sorted(hits, key=lambda hit: (-hit.score, -hit.seq, hit.node_id))
-
-
-def ranked(scores: Mapping[Key, float], limit: int) -> list[Key]:
-    """The `limit` best-scored places, best first (ties: the newer first)."""
-    if limit <= 0 or not scores:
-        return []
-    # Only the places scoring at least the `limit`-th best score need the full sort.
-    floor = heapq.nlargest(limit, scores.values())[-1]
-    best = [key for key, score in scores.items() if score >= floor]
-    return sorted(best, key=lambda key: (-scores[key], -key[2], key))[:limit]
 
 
 async def load_nodes(conn: AsyncConnection, *, tenant_id: int, ids: Sequence[int]) -> list[Hit]:

@@ -26,16 +26,17 @@ from typing import Any
 import httpx
 import numpy as np
 import pytest
-from sqlalchemy import insert, select
+from sqlalchemy import func, insert, select
 from sqlalchemy import text as sql
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from gateway import importer
 from gateway.settings import Settings
-from memory import hierarchy, store
+from memory import hierarchy, passages, store
 from memory.embeddings import LocalEmbedder
 from memory.facts import FACT_KEYS
 from memory.schema import jobs, nodes, tenants
+from memory.schema import passages as passages_table
 from memory.segments import SegmentMessage, SegmentPolicy, split
 from memory.summarize import ExtractiveSummarizer, FallbackSummarizer, LLMSummarizer
 from memory.worker import Worker
@@ -398,6 +399,78 @@ async def test_every_message_is_reachable_from_the_top(engine: AsyncEngine, buil
         last = built.conversation.created_at[summary.span_end]
         assert datetime.fromisoformat(summary.meta["started_at"]) == first
         assert datetime.fromisoformat(summary.meta["ended_at"]) == last
+
+
+async def test_messages_of_several_sentences_get_their_passages(
+    engine: AsyncEngine, built: Built, embedder: MemoEmbedder
+) -> None:
+    """Each embedded message has one passage row per sentence `passages.split` finds (none for
+    a one-sentence message), each holding that sentence's own vector, in the message's scope."""
+    async with engine.connect() as conn:
+        messages = (
+            await conn.execute(
+                select(nodes.c.id, nodes.c.text).where(
+                    nodes.c.conversation_id == built.conversation_id,
+                    nodes.c.level == 0,
+                    nodes.c.embedding.is_not(None),
+                )
+            )
+        ).all()
+        rows = (
+            await conn.execute(
+                select(
+                    passages_table.c.node_id,
+                    passages_table.c.ordinal,
+                    passages_table.c.tenant_id,
+                    passages_table.c.conversation_id,
+                    passages_table.c.embedding,
+                )
+                .join(nodes, nodes.c.id == passages_table.c.node_id)
+                .where(nodes.c.conversation_id == built.conversation_id)
+                .order_by(passages_table.c.node_id, passages_table.c.ordinal)
+            )
+        ).all()
+    stored: dict[int, list[Any]] = {}
+    for row in rows:
+        assert (row.tenant_id, row.conversation_id) == (built.tenant_id, built.conversation_id)
+        stored.setdefault(row.node_id, []).append(row)
+    expected = {row.id: passages.split(row.text) for row in messages}
+    assert sum(1 for parts in expected.values() if parts) > 100, "expected long messages"
+    assert {node: len(parts) for node, parts in expected.items() if parts} == {
+        node: len(found) for node, found in stored.items()
+    }
+    node = next(node for node, parts in expected.items() if len(parts) >= 2)
+    vectors = await embedder.embed(expected[node])
+    for row, vector in zip(stored[node], vectors, strict=True):
+        assert [r.ordinal for r in stored[node]] == list(range(len(vectors)))
+        assert float(np.dot(np.asarray(row.embedding), np.asarray(vector))) > 0.999
+
+
+async def test_no_passages_when_they_are_off(
+    engine: AsyncEngine, config: hierarchy.TreeConfig, tenant_id: int
+) -> None:
+    messages = synthetic.messages(60, seed=17)
+    assert any(passages.split(str(m.get("content") or "")) for m in messages)
+    conversation_id = await store_messages(
+        engine, tenant_id=tenant_id, external_id="no-passages", messages=messages
+    )
+    await hierarchy.build(
+        engine,
+        tenant_id=tenant_id,
+        conversation_id=conversation_id,
+        config=dataclasses.replace(config, passages=False),
+        final=True,
+    )
+    async with engine.connect() as conn:
+        embedded = await conn.scalar(
+            select(func.count()).where(
+                nodes.c.conversation_id == conversation_id, nodes.c.embedding.is_not(None)
+            )
+        )
+        written = await conn.scalar(
+            select(func.count()).where(passages_table.c.conversation_id == conversation_id)
+        )
+    assert embedded and written == 0
 
 
 async def test_a_summary_is_placed_at_its_children_centroid(

@@ -19,9 +19,10 @@ from sqlalchemy import insert, select
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from gateway import importer
-from memory import hierarchy, retrieval, store
+from memory import fusion, hierarchy, retrieval, store
 from memory.embeddings import LocalEmbedder
-from memory.retrieval import Candidates, Place, Route
+from memory.fusion import Candidates, Place
+from memory.query import Route
 from memory.schema import nodes, tenants
 from memory.summarize import ExtractiveSummarizer
 from tests import synthetic
@@ -37,6 +38,14 @@ MEANING = (
     "that is what makes it taste like home."
 )
 MEANING_QUERY = "Which spice goes in grandma's white sauce for the baked pasta?"
+BURIED_AT = 2345
+BURIED = (
+    "Morning! The weather turned grey again and the bus was late, as usual. "
+    "I spent most of the afternoon sorting laundry and answering emails. "
+    "Oh, and my cousin finally adopted a three-legged greyhound from the shelter. "
+    "Anyway, dinner tonight is leftover soup, nothing fancy."
+)
+BURIED_QUERY = "Which dog did the cousin take home from the rescue?"
 IDENTIFIER = "ZQX-88412-B"
 IDENTIFIER_TEXT = f"The escrow reference is {IDENTIFIER}; keep it for the bank transfer."
 
@@ -78,6 +87,7 @@ async def corpus(engine: AsyncEngine) -> AsyncIterator[Corpus]:
     messages = list(conversation.messages)
     messages[MEANING_AT] = {"role": "user", "content": MEANING}
     messages[IDENTIFIER_AT] = {"role": "user", "content": IDENTIFIER_TEXT}
+    messages[BURIED_AT] = {"role": "user", "content": BURIED}
     await importer.import_messages(
         engine,
         tenant_id=tenant,
@@ -136,6 +146,29 @@ async def test_finds_a_planted_fact_by_meaning(engine: AsyncEngine, corpus: Corp
     # so the vector leg is what found it.
     text_only = await search(engine, corpus, MEANING_QUERY, vector=False, limit=5)
     assert corpus.meaning_node not in [hit.node_id for hit in text_only]
+
+
+async def test_a_sentence_buried_in_a_long_message_is_found_by_its_passage(
+    engine: AsyncEngine, corpus: Corpus
+) -> None:
+    """The message's own vector averages four unrelated sentences; the passage leg ranks it
+    by the one that answers."""
+    [vector] = await corpus.embedder.embed([BURIED_QUERY])
+    async with engine.connect() as conn:
+        whole, parts = await retrieval.vector_legs(
+            conn,
+            tenant_id=corpus.tenant_id,
+            conversation_ids=[corpus.conversation_id],
+            query_vector=vector,
+            limit=50,
+        )
+    key = (corpus.conversation_id, 0, BURIED_AT)
+    [found] = [place for place in parts.ranked if place.key == key]
+    assert parts.ranked[0] == found and found.similarity is not None
+    by_whole = {place.key: place.similarity for place in whole.ranked}
+    assert found.similarity > (by_whole.get(key) or 0.0) + 0.2
+    hits = await search(engine, corpus, BURIED_QUERY, limit=5)
+    assert BURIED_AT in [hit.seq for hit in hits if hit.level == 0]
 
 
 async def test_finds_a_planted_identifier_exactly(engine: AsyncEngine, corpus: Corpus) -> None:
@@ -359,16 +392,16 @@ def place(
 def test_the_named_speaker_and_period_raise_their_own_messages_not_their_neighbours() -> None:
     march = datetime(2023, 3, 20, tzinfo=UTC)
     leg = Candidates([place(10), place(30, name="Ann"), place(50, created_at=march)])
-    plain = retrieval.fuse([leg], which=Route.FLAT, newest={1: 100})
-    named = retrieval.fuse([leg], which=Route.FLAT, newest={1: 100}, speakers={"Ann"})
+    plain = fusion.fuse([leg], which=Route.FLAT, newest={1: 100})
+    named = fusion.fuse([leg], which=Route.FLAT, newest={1: 100}, speakers={"Ann"})
     assert named[(1, 0, 30)] > named[(1, 0, 10)] and plain[(1, 0, 30)] < plain[(1, 0, 10)]
     assert named[(1, 0, 31)] == plain[(1, 0, 31)]  # what it lends is not raised
-    dated = retrieval.fuse(
+    dated = fusion.fuse(
         [leg], which=Route.FLAT, newest={1: 100}, within=retrieval.periods("in March 2023")
     )
     assert dated[(1, 0, 50)] > dated[(1, 0, 10)] and plain[(1, 0, 50)] < plain[(1, 0, 10)]
     assert dated[(1, 0, 51)] == plain[(1, 0, 51)]
-    may = retrieval.fuse(
+    may = fusion.fuse(
         [leg], which=Route.FLAT, newest={1: 100}, within=retrieval.periods("in May 2023")
     )
     assert may == plain
@@ -377,20 +410,20 @@ def test_the_named_speaker_and_period_raise_their_own_messages_not_their_neighbo
 def test_fusion_rewards_agreement_contiguity_and_the_named_speaker() -> None:
     a = Candidates([place(10), place(20), place(30, name="Ann")])
     b = Candidates([place(20), place(40)])
-    scores = retrieval.fuse([a, b], which=Route.FLAT, newest={1: 100}, kernel=(0.5,))
+    scores = fusion.fuse([a, b], which=Route.FLAT, newest={1: 100}, kernel=(0.5,))
     assert max(scores, key=scores.__getitem__) == (1, 0, 20)  # found by both legs
     # Neighbours of hits get a share of their score though neither leg found them.
     assert scores[(1, 0, 21)] > 0 and scores[(1, 0, 19)] > 0
     assert (1, 0, 22) not in scores
-    named = retrieval.fuse([a, b], which=Route.FLAT, newest={1: 100}, speakers={"Ann"})
-    plain = retrieval.fuse([a, b], which=Route.FLAT, newest={1: 100})
+    named = fusion.fuse([a, b], which=Route.FLAT, newest={1: 100}, speakers={"Ann"})
+    plain = fusion.fuse([a, b], which=Route.FLAT, newest={1: 100})
     assert named[(1, 0, 30)] > plain[(1, 0, 30)]
-    excluded = retrieval.fuse([a, b], which=Route.FLAT, newest={1: 100}, exclude_from=(1, 25))
+    excluded = fusion.fuse([a, b], which=Route.FLAT, newest={1: 100}, exclude_from=(1, 25))
     assert all(key[2] < 25 for key in excluded)
     # An exact identifier match outranks rank fusion, and its bonus is not lent to neighbours.
     exact = Candidates([place(20), Place(key=(1, 0, 60), span_end=60, name=None, exact=True)])
-    boosted = retrieval.fuse([exact], which=Route.FLAT, newest={1: 100}, kernel=(0.8,))
+    boosted = fusion.fuse([exact], which=Route.FLAT, newest={1: 100}, kernel=(0.8,))
     assert max(boosted, key=boosted.__getitem__) == (1, 0, 60)
     assert boosted[(1, 0, 61)] < boosted[(1, 0, 21)]
     # Nothing past the newest message is invented.
-    assert all(key[2] <= 41 for key in retrieval.fuse([b], which=Route.FLAT, newest={1: 40}))
+    assert all(key[2] <= 41 for key in fusion.fuse([b], which=Route.FLAT, newest={1: 40}))
