@@ -172,7 +172,6 @@ _WRITE_PASSAGE = (
         node_id=bindparam("node_id"),
         ordinal=bindparam("ordinal"),
         tenant_id=bindparam("tenant_id"),
-        conversation_id=bindparam("conversation_id"),
         embedding=cast(bindparam("vector", type_=_FLOATS), passages_table.c.embedding.type),
     )
     .on_conflict_do_nothing()
@@ -229,7 +228,6 @@ async def _write(
     writes: Sequence[tuple[int, _Embedded | None, int | None]],
     *,
     tenant_id: int,
-    conversation_id: int,
 ) -> None:
     """Write what nodes gain, as (node id, new vector or None, new parent or None)."""
     if not writes:
@@ -248,7 +246,6 @@ async def _write(
             "node_id": node,
             "ordinal": ordinal,
             "tenant_id": tenant_id,
-            "conversation_id": conversation_id,
             "vector": vector,
         }
         for node, item, _ in writes
@@ -351,7 +348,6 @@ async def _segment(
                 conn,
                 [(node, item, None) for node, item in fresh.items()],
                 tenant_id=tenant_id,
-                conversation_id=conversation_id,
             )
     embedded = sum(1 for row in rows if _pending(row))
     return embedded, made
@@ -532,7 +528,6 @@ async def _embed_pending(
                 conn,
                 [(node, item, None) for node, item in embedded.items()],
                 tenant_id=tenant_id,
-                conversation_id=conversation_id,
             )
         done += len(rows)
 
@@ -646,7 +641,6 @@ async def _insert_summaries(
         conn,
         [(child, fresh.get(child), parent) for child, parent in adopted],
         tenant_id=tenant_id,
-        conversation_id=conversation_id,
     )
 
 

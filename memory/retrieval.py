@@ -12,8 +12,9 @@
     the searched conversations, normalized by node length), so a rare identifier outweighs "go";
   - pgvector cosine distance to `query_vector`, when given (exact for one conversation, the
     HNSW index scanned iteratively for several);
-  - passages (`memory.passages`): messages by the better of their best sentence's vector and
-    their own, so one sentence of a long message is found by meaning;
+  - passages (`memory.passages`): the vector leg's messages ranked again by the better of
+    their own similarity and their best sentence's, so that a message whose one relevant
+    sentence is diluted by small talk rises to where that sentence alone would rank;
 * messages that have no embedding yet are found by the full-text leg alone: nothing just written
   is invisible;
 * collapsed tree: summaries of every level are searched beside messages (`levels` restricts);
@@ -187,38 +188,16 @@ LIMIT :limit
 """
 )
 
-# The passage leg: messages by their best passage (`memory.passages`). Over a small scope every
-# passage's distance is computed (grouping keeps the planner off the HNSW index); over a large
-# one the index finds the nearest passages first.
-_PASSAGES_EXACT = text(
-    f"""
+# The passage leg: the best passage (`memory.passages`) of each of the given messages.
+_PASSAGES = text(
+    """
 SELECT n.conversation_id, n.level, n.seq, n.span_end, n.name, n.created_at, false AS exact,
        max(1 - (p.embedding <=> CAST(:vector AS vector))) AS similarity
-FROM passages p
-JOIN nodes n ON n.id = p.node_id
-WHERE p.tenant_id = :tenant_id AND p.conversation_id = ANY(:conversation_ids) AND {_SCOPE}
+FROM unnest(CAST(:conversations AS bigint[]), CAST(:seqs AS integer[])) AS w(conv, seq)
+JOIN nodes n ON n.conversation_id = w.conv AND n.level = 0 AND n.seq = w.seq
+JOIN passages p ON p.node_id = n.id
+WHERE n.tenant_id = :tenant_id AND p.tenant_id = :tenant_id
 GROUP BY n.id
-ORDER BY similarity DESC
-LIMIT :limit
-"""
-)
-_PASSAGES = text(
-    f"""
-WITH near AS MATERIALIZED (
-    SELECT p.node_id, 1 - (p.embedding <=> CAST(:vector AS vector)) AS similarity
-    FROM passages p
-    WHERE p.tenant_id = :tenant_id AND p.conversation_id = ANY(:conversation_ids)
-    ORDER BY p.embedding <=> CAST(:vector AS vector)
-    LIMIT :limit * 3
-)
-SELECT n.conversation_id, n.level, n.seq, n.span_end, n.name, n.created_at, false AS exact,
-       max(near.similarity) AS similarity
-FROM near
-JOIN nodes n ON n.id = near.node_id
-WHERE {_SCOPE}
-GROUP BY n.id
-ORDER BY similarity DESC
-LIMIT :limit
 """
 )
 
@@ -315,22 +294,10 @@ async def vector_candidates(
         "vector": _vector_literal(query_vector),
         "limit": limit,
     }
-    return await _nearest(conn, (_VECTOR_EXACT, _VECTOR), params, messages=messages)
-
-
-async def _nearest(
-    conn: AsyncConnection,
-    queries: tuple[Any, Any],
-    params: dict[str, Any],
-    *,
-    messages: int | None,
-) -> Candidates:
-    """Rows of the exact query (`queries[0]`) over a small scope, else of the HNSW one."""
-    exact, approximate = queries
-    if (messages is None and len(params["conversation_ids"]) == 1) or (
+    if (messages is None and len(conversation_ids) == 1) or (
         messages is not None and messages <= EXACT_SCAN_MAX
     ):
-        return _candidates(await conn.execute(exact, params))
+        return _candidates(await conn.execute(_VECTOR_EXACT, params))
     # Without `enable_sort = off` the planner, misjudging how many rows the filter keeps,
     # prefers reading the whole conversation and sorting: the exact scan this path avoids.
     await conn.execute(
@@ -338,9 +305,9 @@ async def _nearest(
             "SELECT set_config('hnsw.iterative_scan', 'relaxed_order', true), "
             "set_config('hnsw.ef_search', :ef, true), set_config('enable_sort', 'off', true)"
         ),
-        {"ef": str(max(40, min(1000, 2 * params["limit"])))},
+        {"ef": str(max(40, min(1000, 2 * limit)))},
     )
-    found = _candidates(await conn.execute(approximate, params))
+    found = _candidates(await conn.execute(_VECTOR, params))
     await conn.execute(text("SELECT set_config('enable_sort', 'on', true)"))
     # A relaxed-order scan returns its rows only nearly sorted; fusion goes by rank.
     found.ranked.sort(key=lambda place: -(place.similarity or 0.0))
@@ -348,41 +315,40 @@ async def _nearest(
 
 
 async def passage_candidates(
-    conn: AsyncConnection,
-    *,
-    tenant_id: int,
-    conversation_ids: Sequence[int],
-    query_vector: Sequence[float],
-    whole: Candidates,
-    limit: int = CANDIDATES,
-    exclude_from: tuple[int, int] | None = None,
-    messages: int | None = None,
+    conn: AsyncConnection, *, tenant_id: int, query_vector: Sequence[float], whole: Candidates
 ) -> Candidates:
-    """The passage leg: messages ranked by the better of their best passage's similarity and
-    their whole vector's (`whole`, the vector leg's candidates), nearest first; empty when no
-    searched message has passages (it would only repeat the vector leg)."""
-    params = {
-        **_scope_params(
-            tenant_id=tenant_id,
-            conversation_ids=conversation_ids,
-            levels=None,
-            exclude_from=exclude_from,
-        ),
-        "vector": _vector_literal(query_vector),
-        "limit": limit,
-    }
-    found = await _nearest(conn, (_PASSAGES_EXACT, _PASSAGES), params, messages=messages)
+    """The passage leg: the vector leg's messages (`whole`) ranked again by the better of their
+    own similarity and their best passage's, nearest first; empty when none has passages (it
+    would only repeat the vector leg).
+
+    Only the vector leg's candidates are scored (hundreds of messages, a few passages each: a
+    millisecond), so passages need no index of their own: each HNSW insert would cost the
+    background build more than the rest of the message's writes."""
+    messages = [place for place in whole.ranked if place.key[1] == 0]
+    if not messages:
+        return Candidates([])
+    found = _candidates(
+        await conn.execute(
+            _PASSAGES,
+            {
+                "tenant_id": tenant_id,
+                "vector": _vector_literal(query_vector),
+                "conversations": [place.key[0] for place in messages],
+                "seqs": [place.key[2] for place in messages],
+            },
+        )
+    )
     if not found.ranked:
         return found
-    best: dict[Key, Place] = {}
-    for place in (*whole.ranked, *found.ranked):
-        known = best.get(place.key)
-        if place.key[1] == 0 and (
-            known is None or (place.similarity or 0.0) > (known.similarity or 0.0)
-        ):
-            best[place.key] = place
-    ranked = sorted(best.values(), key=lambda place: -(place.similarity or 0.0))
-    return Candidates(ranked[:limit])
+    best = {place.key: place for place in found.ranked}
+    ranked = [
+        place
+        if place.key not in best or (place.similarity or 0.0) >= (best[place.key].similarity or 0.0)
+        else best[place.key]
+        for place in messages
+    ]
+    ranked.sort(key=lambda place: -(place.similarity or 0.0))
+    return Candidates(ranked)
 
 
 async def vector_legs(
@@ -411,14 +377,7 @@ async def vector_legs(
     if levels is not None and 0 not in levels:
         return [whole]
     parts = await passage_candidates(
-        conn,
-        tenant_id=tenant_id,
-        conversation_ids=conversation_ids,
-        query_vector=query_vector,
-        whole=whole,
-        limit=limit,
-        exclude_from=exclude_from,
-        messages=messages,
+        conn, tenant_id=tenant_id, query_vector=query_vector, whole=whole
     )
     return [whole, parts]
 

@@ -159,19 +159,13 @@ passages = Table(
     "passages",
     metadata,
     # A message's sentences, embedded on their own (`memory.passages`): one sentence of a long
-    # message is found by meaning where the whole message's vector, an average, is not.
+    # message is found by meaning where the whole message's vector, an average, is not. Read by
+    # node id only (retrieval scores the passages of messages it already holds), so no vector
+    # index: its inserts would cost the background build more than the rest of its writes.
     Column("node_id", BigInteger, ForeignKey("nodes.id", ondelete="CASCADE"), primary_key=True),
     Column("ordinal", SmallInteger, primary_key=True),
     Column("tenant_id", BigInteger, ForeignKey("tenants.id", ondelete="CASCADE"), nullable=False),
-    Column("conversation_id", BigInteger, nullable=False),
     Column("embedding", Vector(EMBEDDING_DIM), nullable=False),
-    Index("ix_passages_conversation", "conversation_id"),
-    Index(
-        "ix_passages_embedding",
-        "embedding",
-        postgresql_using="hnsw",
-        postgresql_ops={"embedding": "vector_cosine_ops"},
-    ),
 )
 
 jobs = Table(

@@ -152,7 +152,7 @@ async def test_a_sentence_buried_in_a_long_message_is_found_by_its_passage(
     engine: AsyncEngine, corpus: Corpus
 ) -> None:
     """The message's own vector averages four unrelated sentences; the passage leg ranks it
-    by the one that answers."""
+    by the one that answers, above every other candidate of the vector leg."""
     [vector] = await corpus.embedder.embed([BURIED_QUERY])
     async with engine.connect() as conn:
         whole, parts = await retrieval.vector_legs(
@@ -160,7 +160,7 @@ async def test_a_sentence_buried_in_a_long_message_is_found_by_its_passage(
             tenant_id=corpus.tenant_id,
             conversation_ids=[corpus.conversation_id],
             query_vector=vector,
-            limit=50,
+            limit=400,
         )
     key = (corpus.conversation_id, 0, BURIED_AT)
     [found] = [place for place in parts.ranked if place.key == key]

@@ -1,7 +1,8 @@
 """Passages: a message's sentences, embedded on their own.
 
-The passage leg of retrieval (`memory.passages`) ranks a message by its best-matching sentence.
-Messages embedded before this revision have no passages and are ranked by their whole vector.
+The passage leg of retrieval (`memory.passages`) ranks a message by its best-matching sentence;
+passages are read by node id only, so they have no vector index. Messages embedded before this
+revision have no passages and are ranked by their whole vector.
 
 Revision ID: 0006
 Revises: 0005
@@ -38,16 +39,7 @@ def upgrade() -> None:
             sa.ForeignKey("tenants.id", ondelete="CASCADE"),
             nullable=False,
         ),
-        sa.Column("conversation_id", sa.BigInteger(), nullable=False),
         sa.Column("embedding", Vector(_DIM), nullable=False),
-    )
-    op.create_index("ix_passages_conversation", "passages", ["conversation_id"])
-    op.create_index(
-        "ix_passages_embedding",
-        "passages",
-        ["embedding"],
-        postgresql_using="hnsw",
-        postgresql_ops={"embedding": "vector_cosine_ops"},
     )
 
 
