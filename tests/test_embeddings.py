@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import math
+import struct
 from pathlib import Path
 from typing import Any
 
@@ -194,6 +196,23 @@ async def test_upstream_orders_by_index_and_batches() -> None:
     assert str(request.url) == "http://upstream.test/v1/embeddings"
     assert request.headers["authorization"] == "Bearer sk-test"
     assert json.loads(request.content)["model"] == "m"
+    assert json.loads(request.content)["encoding_format"] == "base64"
+
+
+async def test_upstream_reads_base64_vectors() -> None:
+    """What OpenAI sends for `encoding_format: base64`: little-endian float32."""
+    expected = [[float(i), -0.5, *[0.25] * (EMBEDDING_DIM - 2)] for i in range(3)]
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        data = [
+            {"index": i, "embedding": base64.b64encode(struct.pack(f"<{len(v)}f", *v)).decode()}
+            for i, v in enumerate(expected)
+        ]
+        return httpx.Response(200, json={"data": data})
+
+    client, embedder = _upstream(handler)
+    async with client:
+        assert await embedder.embed(["a", "b", "c"]) == expected
 
 
 async def test_upstream_empty_input_sends_nothing() -> None:
@@ -248,9 +267,10 @@ async def test_upstream_transport_error_is_a_provider_error() -> None:
         httpx.Response(200, json={"data": []}),
         httpx.Response(200, json={"data": [{"index": 5, "embedding": _fake_vector(0)}]}),
         httpx.Response(200, json={"data": [{"index": 0, "embedding": ["x"] * EMBEDDING_DIM}]}),
+        httpx.Response(200, json={"data": [{"index": 0, "embedding": "not base64!"}]}),
         httpx.Response(200, json=[1, 2, 3]),
     ],
-    ids=["not-json", "too-few", "bad-index", "non-numeric", "not-an-object"],
+    ids=["not-json", "too-few", "bad-index", "non-numeric", "bad-base64", "not-an-object"],
 )
 async def test_upstream_malformed_reply_is_a_provider_error(response: httpx.Response) -> None:
     client, embedder = _upstream(lambda request: response)
