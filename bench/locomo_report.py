@@ -33,10 +33,10 @@ estimated cost, then corrects with the exact count both ways: it drops the weake
 and fills again what the (high) estimates left unused.
 
 **What moved the score** (while tuning, on these conversations at 4k, mostly in an offline \
-replay of the ranking from cached candidates): a third leg of passages, each message ranked by \
-the better of its own vector and its best sentence's, the sentences embedded on their own \
-(`memory.passages`; +0.4 at 4k, +0.6 at 2k: an answer said in one sentence among small talk \
-no longer hides in the message's average vector); temporal \
+replay of the ranking from cached candidates): a third leg of passages, the vector leg's \
+candidates ranked again by the better of their own similarity and their best sentence's, each \
+sentence of a message embedded on its own (`memory.passages`; +0.6 at 4k: an answer said in \
+one sentence among small talk no longer hides in the message's average vector); temporal \
 contiguity, each message lending 0.8 and 0.4 of its relevance to the messages one and two places \
 away (+5 points: an answer usually sits next to the turn that matches the question best); \
 removing the participants' names from the text that is embedded and searched (+4); raising the \
@@ -53,14 +53,18 @@ best candidates only: -0.8 to 0), weighting one leg more (either way, -0.5), fus
 leg by similarity instead of rank (-1 to 0), favouring short messages (score / cost^a: -0.4 to \
 +0.1), spreading the picks over sessions (-0.3), no retrieved summaries at all (±0.1), 5 % more \
 room for messages (+0.1: the misses rank far below the cut, not just under it); with the \
-passage leg: the best sentence's similarity added into the vector leg instead of a leg of its \
-own (+0.1), a message's vector taken as the mean of its sentences' (-0.3), one more leg of each \
+passage leg: scanning every passage of the conversation instead of those of the vector leg's \
+candidates (-0.2, and a vector index on passages whose inserts halved the background \
+throughput), also re-ranking the full-text leg's candidates by their passages (-0.1), the best \
+sentence's similarity added into the vector leg instead of a leg of its own (+0.1), a \
+message's vector taken as the mean of its sentences' (-0.3), one more leg of each \
 message embedded with the one before it (+0.1, for another embedding per message), leg weights \
 1.5/1/1 and 1/0.5/1 (-0.3), k = 15 or 30 (-0.2, +0.1), asymmetric contiguity (-0.1 to -0.2), \
 another full-text length normalization (0), questions stripped to statements ("what books has \
-she read" → "books she read", +0.2) and less contiguity for list questions (+0.1; together +0.3, \
-left out: heuristics that small are within what any change of ranking moves), a recent-turns \
-share of 5 % (+0.2, left at 10 %: the recent turns are what a chat needs most).
+she read" → "books she read") and less contiguity for list questions (+0.3 together with the \
+scanning passage leg, -0.1 with the final one: heuristics within what any change of ranking \
+moves, left out), a recent-turns share of 5 % (+0.2, left at 10 %: the recent turns are what a \
+chat needs most).
 
 **Scoring.** A turn counts when its text without surrounding whitespace is in the prompt: 145 \
 of the 5,882 turns end with a space, which the memory message's lines drop (counted with the \
@@ -68,9 +72,10 @@ space, those turns never counted for memstrata: -0.7 at 4k; the baselines' lines
 
 **Limits.** The remaining misses are mostly multi-hop questions (evidence scattered over many \
 sessions, e.g. "what activities does X do") and open-domain ones whose evidence shares little \
-with the question. At 4k about 79 messages fit; of the 250 evidence turns missed, 83 rank within \
-the first 120 of the fused ranking, 73 within 120-200 and 94 further down: filling the first 90 \
-would reach 0.953, the first 100 0.956. A cross-encoder or an LLM re-ranker would be the next \
+with the question. At 4k about 79 messages fit; of the 243 evidence turns missed, 71 rank \
+within the first 120 of the fused ranking, 68 within 120-200 and 104 further down or not at \
+all: the first 90 would reach 0.951, the first 100 0.955. A cross-encoder or an LLM re-ranker \
+would be the next \
 step; neither is available offline here (PyPI's re-ranking packages download their models at \
 run time). \
 The summaries are extractive (no LLM here): they keep the sentences \

@@ -71,7 +71,7 @@ class TreeConfig:
     embed_batch: int = 256
     # Segments summarized at once: bounds LLM concurrency and the size of one transaction.
     summary_batch: int = 16
-    # Embed each message's sentences too (`memory.passages`): about twice the embedding work.
+    # Embed each message's sentences too (`memory.passages`): ~1.5x the embedding work.
     passages: bool = True
 
 

@@ -11,7 +11,7 @@ passages.
 A message gets passages only when it has at least two sentences of `MIN_WORDS` words or more:
 a one-sentence message's passage would be its whole text again. Past `MAX_PASSAGES` sentences,
 neighbouring sentences are grouped so that a long pasted document costs at most that many
-vectors. The cost is about twice the embedding work per message, in the background;
+vectors. The cost is ~1.5x the embedding work per message, in the background;
 `MEMSTRATA_PASSAGES=off` skips it (docs/benchmarks.md has what it buys on LoCoMo).
 """
 
