@@ -18,7 +18,8 @@ tree is then built with the extractive summarizer and the local MiniLM embedder
 
 For each question of categories 1-4 and each budget, the prompt is built exactly as the gateway
 would (`gateway.chat.dry_run`: the question as the new user message, model gpt-4o) and scored
-by the share of its evidence turns whose whole text is present verbatim in the prompt. Evidence
+by the share of its evidence turns whose whole text (surrounding whitespace aside) is present
+verbatim in the prompt. Evidence
 ids are normalized (`D:11:26` → `D11:26`, `D8:6; D9:17` → two ids); ids that name no turn are
 dropped and counted. Scores are reported with the dataset's evidence and with the audit file's
 `correct_evidence` in place of the cited one. memstrata is measured twice: with the memory
