@@ -17,18 +17,17 @@ tree is then built with the extractive summarizer and the local MiniLM embedder
 (`memory.hierarchy.build`, `final=True`).
 
 For each question of categories 1-4 and each budget, the prompt is built exactly as the gateway
-would (`gateway.chat.dry_run`: the question as the new user message, model gpt-4o) and scored
-by the share of its evidence turns whose whole text (surrounding whitespace aside) is present
-verbatim in the prompt. Evidence
-ids are normalized (`D:11:26` → `D11:26`, `D8:6; D9:17` → two ids); ids that name no turn are
-dropped and counted. Scores are reported with the dataset's evidence and with the audit file's
-`correct_evidence` in place of the cited one. memstrata is measured twice: with the memory
-tools off (`MEMSTRATA_MEMORY_TOOLS=never`: the prompt is all messages, like the baselines') and
-with them offered (the default `auto`: their definitions are reserved out of the budget, so the
-messages get less). Three baselines get the same budgets and the same
-token counting: the newest turns only (verbatim chat messages), flat embedding top-k (MiniLM
-cosine over all turns) and flat full-text top-k (Postgres `ts_rank_cd` over the question's words
-joined by `or`), the last two as one memory message of `[date speaker] text` lines.
+would (`gateway.chat.dry_run`: the question as the new user message, model gpt-4o) and scored by
+the share of its evidence turns whose whole text (surrounding whitespace aside) is present verbatim
+in the prompt. Evidence ids are normalized (`D:11:26` → `D11:26`, `D8:6; D9:17` → two ids); ids
+that name no turn are dropped and counted. Scores are reported with the dataset's evidence and with
+the audit file's `correct_evidence` in place of the cited one. memstrata is measured twice: with
+the memory tools off (`MEMSTRATA_MEMORY_TOOLS=never`: the prompt is all messages, like the
+baselines') and with them offered (the default `auto`: their definitions are reserved out of the
+budget, so the messages get less). Three baselines get the same budgets and the same token
+counting: the newest turns only (verbatim chat messages), flat embedding top-k (MiniLM cosine over
+all turns) and flat full-text top-k (Postgres `ts_rank_cd` over the question's words joined by
+`or`), the last two as one memory message of `[date speaker] text` lines.
 
 The data is CC BY-NC: it is read from its path and never copied into the repository. Results
 are printed and written to `bench/results/locomo.json`, and the `## Memory quality (LoCoMo)`
