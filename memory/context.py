@@ -93,8 +93,6 @@ class Shares:
     summary_cap: int = 120
     # Messages at least kept verbatim at the end when they fit in half the budget.
     recent_min_messages: int = 2
-    # Neighbours (±radius) of retrieved messages are candidates too.
-    radius: int = 1
 
 
 @dataclass(frozen=True)

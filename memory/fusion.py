@@ -4,8 +4,9 @@
 passages) into one score per node place:
 
 * reciprocal-rank fusion of the legs (`RRF_K`);
-* exact matches win: a node holding a rare identifier of the query, or a vector hit standing
-  far above the rest of its leg, gets a bonus worth `EXACT_BONUS` first ranks;
+* exact matches win: a node holding a rare identifier of the query gets a bonus worth
+  `EXACT_BONUS` first ranks in every leg, a vector hit standing far above the rest of its leg
+  one worth `EXACT_BONUS` first ranks;
 * temporal contiguity: each message lends a share of its score to the messages next to it
   (`CONTIGUITY`), so an answer right after the best match is found even when it shares no word
   with the question;
@@ -52,8 +53,11 @@ about one thing, so a question's answer often sits next to the message that matc
 
 EXACT_BONUS: Final = 2.0
 """A node holding a rare identifier of the query (a word with digits that at most 3 searched
-nodes hold: a ticket, a booking reference) gains this many first ranks: rank fusion alone would
-let a near-miss by meaning tie with the exact match."""
+nodes hold: a ticket, a booking reference) gains this many first ranks in every leg; a vector
+standout (`STANDOUT_Z`) gains this many first ranks in all. Rank fusion alone would let a
+near-miss by meaning, first in both vector legs and lent more by its neighbours, outrank the
+exact match; with one bonus of 2 first ranks for both kinds, a standout at similarity 0.40 (its
+leg's next at 0.37) outranked the one message holding the code asked for."""
 
 STANDOUT_Z: Final = 4.0
 """How far (in standard deviations) a vector hit must stand above its leg to count as exact."""
@@ -139,13 +143,13 @@ def fuse(
                 written[place.key] = place.created_at.date()
             if place.exact:
                 exact.add(place.key)
-    exact |= _standouts(legs)
     # Thousands of keys per prompt: the loops below keep their lookups local.
     summary_weight = weights.summary
     recency_weight = weights.recency
     lends = list(enumerate(kernel, start=1))
-    # The exact-identifier bonus is the node's own: it is not lent to neighbours.
-    scores: dict[Key, float] = {key: EXACT_BONUS / (RRF_K + 1) for key in exact}
+    # The exact-match bonuses are the node's own: they are not lent to neighbours.
+    scores: dict[Key, float] = dict.fromkeys(_standouts(legs), EXACT_BONUS / (RRF_K + 1))
+    scores.update(dict.fromkeys(exact, EXACT_BONUS * len(legs) / (RRF_K + 1)))
     get = scores.get
     for key, score in base.items():
         conv, level, seq = key

@@ -427,3 +427,24 @@ def test_fusion_rewards_agreement_contiguity_and_the_named_speaker() -> None:
     assert boosted[(1, 0, 61)] < boosted[(1, 0, 21)]
     # Nothing past the newest message is invented.
     assert all(key[2] <= 41 for key in fusion.fuse([b], which=Route.FLAT, newest={1: 40}))
+
+
+def test_an_identifier_match_outranks_a_standout_first_in_both_vector_legs() -> None:
+    # The full-text leg finds only the message holding the code; the vector and passage legs
+    # rank a near-miss first, standing out of a tight field, with its neighbours close behind.
+    fulltext = Candidates([Place(key=(1, 0, 90), span_end=90, name=None, exact=True)])
+    sims = [0.40, 0.37, 0.37, *(0.36 for _ in range(47))]
+    seqs = [40, 41, 39, *range(100, 147)]
+    vector, passage = (
+        Candidates(
+            [
+                Place(key=(1, 0, seq), span_end=seq, name=None, similarity=sim)
+                for seq, sim in zip(seqs, sims, strict=True)
+            ]
+        )
+        for _ in range(2)
+    )
+    scores = fusion.fuse([fulltext, vector, passage], which=Route.FLAT, newest={1: 200})
+    assert fusion.ranked(scores, 2)[0] == (1, 0, 90)
+    # The standout keeps a bonus of its own over its neighbours.
+    assert scores[(1, 0, 40)] > scores[(1, 0, 41)] + fusion.EXACT_BONUS / (fusion.RRF_K + 2)
