@@ -4,7 +4,7 @@
 
 1. embed the messages after the last closed segment, a chunk of `embed_batch` at a time,
    scoring each one's importance and pinning milestones on the way (and embedding its passages,
-   `memory.passages`, written with its vector), and cut them into segments
+   `memory.passages`, written with its vector: `memory.indexing`), and cut them into segments
    (`memory.segments`, fed chunk by chunk); each closed segment gets a level-1 summary node,
    and its messages get their vector, importance and parent in one UPDATE each, so the HNSW
    index takes one entry per message rather than one for the vector and another for the
@@ -38,17 +38,16 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import REAL, BigInteger, Boolean, bindparam, cast, func, literal, select, update
-from sqlalchemy.dialects.postgresql import ARRAY
+from sqlalchemy import cast, func, literal, select
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
-from memory import importance, jobs, passages, tokens
+from memory import indexing, jobs, tokens
 from memory.db import AnyRow, transaction
 from memory.embeddings import Embedder, Vector, centroid
+from memory.indexing import FLOATS, Embedded
 from memory.jobs import Job
 from memory.schema import nodes
-from memory.schema import passages as passages_table
 from memory.segments import SegmentMessage, SegmentPolicy, split
 from memory.summarize import Summarizer, Summary, SummaryInput
 
@@ -139,121 +138,9 @@ async def build(
 
 # -- 1. messages: embeddings and segments -------------------------------------------------
 
-# Vectors travel as float4 arrays, which asyncpg encodes and decodes in C; pgvector's text
-# form costs ~0.3 ms of Python per vector each way, as much as the rest of a message's
-# processing outside the model.
-_FLOATS = ARRAY(REAL)
-_EMBEDDING = cast(nodes.c.embedding, _FLOATS).label("embedding")
-
 # Whitespace embeds as much as nothing does; such nodes keep no vector (and are not retried).
 _HAS_TEXT = nodes.c.text.regexp_match(r"\S")
-
-# One statement writes whatever a node gains: a vector with its importance and pin, a parent,
-# or both at once. A NULL parameter leaves its column as it is, and a node keeps a parent it
-# already has (a racing build adopted it).
-_WRITE_NODE = (
-    update(nodes)
-    .where(nodes.c.id == bindparam("node_id"))
-    .values(
-        embedding=func.coalesce(
-            cast(bindparam("vector", type_=_FLOATS), nodes.c.embedding.type), nodes.c.embedding
-        ),
-        importance=func.coalesce(bindparam("score", type_=REAL), nodes.c.importance),
-        pinned=func.coalesce(bindparam("pin", type_=Boolean), nodes.c.pinned),
-        parent_id=func.coalesce(nodes.c.parent_id, bindparam("parent", type_=BigInteger)),
-    )
-)
-
-
-# A message's passages are written with its vector (a rebuilt node's are already there).
-_WRITE_PASSAGE = (
-    pg_insert(passages_table)
-    .values(
-        node_id=bindparam("node_id"),
-        ordinal=bindparam("ordinal"),
-        tenant_id=bindparam("tenant_id"),
-        embedding=cast(bindparam("vector", type_=_FLOATS), passages_table.c.embedding.type),
-    )
-    .on_conflict_do_nothing()
-)
-
-
-@dataclass(frozen=True)
-class _Embedded:
-    """A node's new vector, importance, pin and passage vectors, not yet written."""
-
-    vector: Vector
-    score: float
-    pin: bool
-    passages: Sequence[Vector] = ()
-
-    def params(self, node_id: int, parent: int | None = None) -> dict[str, Any]:
-        return {
-            "node_id": node_id,
-            "vector": self.vector,
-            "score": self.score,
-            "pin": self.pin,
-            "parent": parent,
-        }
-
-
-def _has_text(text: str) -> bool:
-    return not text.isspace() and bool(text)
-
-
-async def _embed(config: TreeConfig, rows: Sequence[AnyRow]) -> dict[int, _Embedded]:
-    """Vectors, importance, pins and passage vectors for `rows` (nodes with text), by node id;
-    messages and their passages are embedded in one call."""
-    if not rows:
-        return {}
-    parts = [passages.split(row.text) if config.passages and row.level == 0 else [] for row in rows]
-    vectors = await config.embedder.embed(
-        [row.text for row in rows] + [part for group in parts for part in group]
-    )
-    rest = iter(vectors[len(rows) :])
-    embedded = {}
-    for row, vector, group in zip(rows, vectors[: len(rows)], parts, strict=True):
-        score = importance.score(row.role, row.text) if row.level == 0 else 0.0
-        embedded[row.id] = _Embedded(
-            vector,
-            score,
-            row.level == 0 and importance.is_milestone(score),
-            [next(rest) for _ in group],
-        )
-    return embedded
-
-
-async def _write(
-    conn: AsyncConnection,
-    writes: Sequence[tuple[int, _Embedded | None, int | None]],
-    *,
-    tenant_id: int,
-) -> None:
-    """Write what nodes gain, as (node id, new vector or None, new parent or None)."""
-    if not writes:
-        return
-    await conn.execute(
-        _WRITE_NODE,
-        [
-            item.params(node, parent)
-            if item is not None
-            else {"node_id": node, "vector": None, "score": None, "pin": None, "parent": parent}
-            for node, item, parent in writes
-        ],
-    )
-    rows = [
-        {
-            "node_id": node,
-            "ordinal": ordinal,
-            "tenant_id": tenant_id,
-            "vector": vector,
-        }
-        for node, item, _ in writes
-        if item is not None
-        for ordinal, vector in enumerate(item.passages)
-    ]
-    if rows:
-        await conn.execute(_WRITE_PASSAGE, rows)
+_EMBEDDING = cast(nodes.c.embedding, FLOATS).label("embedding")
 
 
 async def _segment(
@@ -299,13 +186,19 @@ async def _segment(
     by_seq = {row.seq: row for row in rows}
     next_seq = 0 if last[0] is None else last[0] + 1
     # Vectors not yet written, by node id: written with the parent, or at the end.
-    fresh: dict[int, _Embedded] = {}
+    fresh: dict[int, Embedded] = {}
     called: dict[str, str] = {}
     remainder: list[SegmentMessage] = []
     made = 0
     for start in range(0, len(rows), config.embed_batch):
         chunk = rows[start : start + config.embed_batch]
-        fresh.update(await _embed(config, [row for row in chunk if _pending(row)]))
+        fresh.update(
+            await indexing.embed(
+                config.embedder,
+                passages=config.passages,
+                rows=[row for row in chunk if _pending(row)],
+            )
+        )
         closed, remainder = split(
             [*remainder, *_segment_messages(chunk, fresh, called)],
             config.policy,
@@ -344,7 +237,7 @@ async def _segment(
             made += len(batch)
     if fresh:
         async with transaction(engine) as conn:
-            await _write(
+            await indexing.write(
                 conn,
                 [(node, item, None) for node, item in fresh.items()],
                 tenant_id=tenant_id,
@@ -354,11 +247,11 @@ async def _segment(
 
 
 def _pending(row: AnyRow) -> bool:
-    return row.embedding is None and _has_text(row.text)
+    return row.embedding is None and indexing.has_text(row.text)
 
 
 def _segment_messages(
-    rows: Sequence[AnyRow], fresh: Mapping[int, _Embedded], called: dict[str, str]
+    rows: Sequence[AnyRow], fresh: Mapping[int, Embedded], called: dict[str, str]
 ) -> list[SegmentMessage]:
     """`rows` as segmentation sees them; `called` maps the tool calls seen so far to names."""
     messages = []
@@ -522,9 +415,9 @@ async def _embed_pending(
             ).all()
         if not rows:
             return done
-        embedded = await _embed(config, rows)
+        embedded = await indexing.embed(config.embedder, passages=config.passages, rows=rows)
         async with transaction(engine) as conn:
-            await _write(
+            await indexing.write(
                 conn,
                 [(node, item, None) for node, item in embedded.items()],
                 tenant_id=tenant_id,
@@ -571,7 +464,7 @@ async def _insert_summaries(
     level: int,
     new: Sequence[_NewSummary],
     config: TreeConfig,
-    fresh: Mapping[int, _Embedded] | None = None,
+    fresh: Mapping[int, Embedded] | None = None,
 ) -> None:
     """Insert summary nodes and adopt their children, each child's parent written together
     with its vector when `fresh` holds one (one row version, one HNSW entry).
@@ -601,7 +494,7 @@ async def _insert_summaries(
                 "embedding": (
                     None
                     if item.vector is None
-                    else cast(literal(item.vector, _FLOATS), nodes.c.embedding.type)
+                    else cast(literal(item.vector, FLOATS), nodes.c.embedding.type)
                 ),
                 "meta": {
                     **item.meta,
@@ -637,7 +530,7 @@ async def _insert_summaries(
     if not adopted:
         return
     fresh = fresh or {}
-    await _write(
+    await indexing.write(
         conn,
         [(child, fresh.get(child), parent) for child, parent in adopted],
         tenant_id=tenant_id,
