@@ -138,8 +138,6 @@ async def build(
 
 # -- 1. messages: embeddings and segments -------------------------------------------------
 
-# Whitespace embeds as much as nothing does; such nodes keep no vector (and are not retried).
-_HAS_TEXT = nodes.c.text.regexp_match(r"\S")
 _EMBEDDING = cast(nodes.c.embedding, FLOATS).label("embedding")
 
 
@@ -407,7 +405,7 @@ async def _embed_pending(
                         nodes.c.tenant_id == tenant_id,
                         nodes.c.conversation_id == conversation_id,
                         nodes.c.embedding.is_(None),
-                        _HAS_TEXT,
+                        indexing.HAS_TEXT,
                     )
                     .order_by(nodes.c.id)
                     .limit(config.embed_batch)

@@ -24,7 +24,7 @@ from memory.embeddings import Embedder, Vector
 from memory.schema import nodes
 from memory.schema import passages as passages_table
 
-__all__ = ["FLOATS", "Embedded", "embed", "has_text", "write"]
+__all__ = ["FLOATS", "HAS_TEXT", "Embedded", "embed", "has_text", "write"]
 
 FLOATS: Final = ARRAY(REAL)
 """Vectors travel as float4 arrays, which asyncpg encodes and decodes in C; pgvector's text form
@@ -79,8 +79,13 @@ class Embedded:
         }
 
 
+# Whitespace embeds as much as nothing does; such nodes keep no vector (and are not retried).
+HAS_TEXT: Final = nodes.c.text.regexp_match(r"\S")
+"""Whether a node has anything to embed, in SQL (`has_text` in Python)."""
+
+
 def has_text(text: str) -> bool:
-    """Whether a node has anything to embed (whitespace embeds as much as nothing does)."""
+    """Whether a node has anything to embed (`HAS_TEXT` in SQL)."""
     return not text.isspace() and bool(text)
 
 
