@@ -1,5 +1,6 @@
-"""Prompt-build latency in-process: `memory.context.build` and `memory.retrieval.search` timed
-on a database that already holds a large conversation (no gateway, no HTTP).
+"""Prompt-build latency in-process: `memory.recall.prompt.build` and
+`memory.recall.retrieval.search` timed on a database that already holds a large conversation (no
+gateway, no HTTP).
 
     python -m bench.build setup --data-dir /tmp/b --messages 10000 [--tenant 100000]
     python -m bench.build run --data-dir /tmp/b [--budget 8000] [--rounds 3] [--stages]
@@ -41,10 +42,11 @@ from sqlalchemy import text
 
 from bench import harness as h
 from bench.scale import _questions
-from memory import context, retrieval, tokens
+from memory import tokens
 from memory.db import connect
 from memory.embeddings import LocalEmbedder
 from memory.postgres import EmbeddedPostgres
+from memory.recall import prompt, retrieval
 
 SYSTEM = [{"role": "system", "content": h.SYSTEM_PROMPT}]
 
@@ -255,7 +257,7 @@ async def run(arguments: argparse.Namespace) -> dict[str, Any]:
         for name in ("fulltext_candidates", "vector_candidates", "load", "load_nodes", "fuse"):
             stages.wrap(retrieval, name)
         stages.wrap(tokens, "count_messages")
-        stages.wrap(context, "_recent")
+        stages.wrap(prompt, "_recent")
 
         async def embed_timed(query: str) -> list[float]:
             started = time.perf_counter()
@@ -295,7 +297,7 @@ async def run(arguments: argparse.Namespace) -> dict[str, Any]:
             for question in questions:
                 async with engine.connect() as conn:
                     started = time.perf_counter()
-                    built = await context.build(
+                    built = await prompt.build(
                         conn,
                         tenant_id=int(row.tenant_id),
                         conversation_id=int(row.id),

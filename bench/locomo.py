@@ -14,7 +14,7 @@ to roles by order of appearance in the sample's metadata: `speaker_a` is `user`,
 text nor the embedding carries it). A turn that shares a photo gets its caption appended to the
 text as `[shares a photo: CAPTION]`, as a chat app would show it to a text model. The summary
 tree is then built with the extractive summarizer and the local MiniLM embedder
-(`memory.hierarchy.build`, `final=True`).
+(`memory.build.tree.build`, `final=True`).
 
 For each question of categories 1-4 and each budget, the prompt is built exactly as the gateway
 would (`gateway.chat.dry_run`: the question as the new user message, model gpt-4o) and scored by
@@ -66,12 +66,14 @@ from bench.locomo_report import CATEGORIES, METHODS, ROOT, render, update_docs
 from gateway import chat, importer
 from gateway.deps import State
 from gateway.settings import Settings
-from memory import hierarchy, retrieval, tokens, tools
+from memory import tokens
+from memory.build import tree
+from memory.build.summarize import ExtractiveSummarizer
 from memory.db import connect, migrate
 from memory.embeddings import LocalEmbedder
 from memory.postgres import EmbeddedPostgres
+from memory.recall import retrieval, tools
 from memory.schema import nodes, tenants
-from memory.summarize import ExtractiveSummarizer
 
 RESULTS = ROOT / "bench" / "results" / "locomo.json"
 DATA = ROOT.parent / "shared" / "data" / "locomo10.json"
@@ -267,8 +269,8 @@ async def replay(engine: AsyncEngine, tenant: int, sample: Sample, embedder: Loc
                 {"t": tenant, "e": sample.external_id},
             )
         )
-    config = hierarchy.TreeConfig(embedder=embedder, summarizer=ExtractiveSummarizer())
-    await hierarchy.build(
+    config = tree.TreeConfig(embedder=embedder, summarizer=ExtractiveSummarizer())
+    await tree.build(
         engine, tenant_id=tenant, conversation_id=sample.conversation_id, config=config, final=True
     )
     async with engine.connect() as conn:

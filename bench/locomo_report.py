@@ -35,7 +35,7 @@ and fills again what the (high) estimates left unused.
 **What moved the score** (while tuning, on these conversations at 4k, mostly in an offline \
 replay of the ranking from cached candidates): a third leg of passages, the vector leg's \
 candidates ranked again by the better of their own similarity and their best sentence's, each \
-sentence of a message embedded on its own (`memory.passages`; +0.6 at 4k: an answer said in \
+sentence of a message embedded on its own (`memory.build.passages`; +0.6 at 4k: an answer said in \
 one sentence among small talk no longer hides in the message's average vector); temporal \
 contiguity, each message lending 0.8 and 0.4 of its relevance to the messages one and two places \
 away (+5 points: an answer usually sits next to the turn that matches the question best); \

@@ -530,7 +530,7 @@ def _scale(data: Mapping[str, Any], images: Path, rel: str) -> list[str]:
             )
         emb = retrieval["query_embedding_ms"]
         lines += [
-            f"Retrieval (`memory.retrieval.search`, limit 10, hybrid) over "
+            f"Retrieval (`memory.recall.retrieval.search`, limit 10, hybrid) over "
             f"{retrieval['tenant_messages']:,} stored messages "
             f"({retrieval['tenant_nodes_embedded']:,} nodes embedded); the query's embedding "
             f"(local model) costs {_ms(emb['p50'])} / {_ms(emb['p95'])} ms p50 / p95 on top:",

@@ -10,7 +10,7 @@ default, `MEMSTRATA_WORKERS=1`), extractive summaries and the local embedder:
 * **a tenant** (`tenant`): more conversations of 10,000 messages are imported until the tenant
   holds the target number of messages, then the queue is given `budget` seconds to drain; if it
   has not, the result says how far it got and the rate it was going at;
-* **retrieval** (`retrieval`): `memory.retrieval.search` timed in this process over the one
+* **retrieval** (`retrieval`): `memory.recall.retrieval.search` timed in this process over the one
   conversation and over every conversation of the tenant, for questions about facts planted in
   the synthetic conversations (the query embedding is timed apart);
 * **size**: the database's size per stored message, and the `nodes` table's heap and indexes;
@@ -204,14 +204,14 @@ def _questions(count: int) -> list[str]:
 
 
 async def retrieval(stack: h.Stack, config: ScaleConfig, *, conversation_id: str) -> dict[str, Any]:
-    """Time `memory.retrieval.search` over one conversation and over the whole tenant."""
+    """Time `memory.recall.retrieval.search` over one conversation and over the whole tenant."""
     try:
-        from memory import retrieval as retrieval_module
+        from memory.recall import retrieval as retrieval_module
     except ImportError:
-        return {"status": "pending: memory.retrieval is not there yet"}
+        return {"status": "pending: memory.recall.retrieval is not there yet"}
     search = getattr(retrieval_module, "search", None)
     if search is None:
-        return {"status": "pending: memory.retrieval.search is not there yet"}
+        return {"status": "pending: memory.recall.retrieval.search is not there yet"}
     from memory.db import connect
     from memory.embeddings import LocalEmbedder
 

@@ -8,7 +8,7 @@ synchronous_commit and full_page_writes off, as in the test suite; `--durable` f
 thing), and for each run (`CONCURRENCYxCONVERSATIONS`) makes a fresh database, migrates it,
 imports `--messages` synthetic messages (`tests/synthetic.py`, split evenly over the
 conversations) with `gateway.importer.import_messages` -- which also queues the build jobs --
-and then runs the queued `hierarchy` jobs through a `memory.worker.Worker` with that concurrency
+and then runs the queued tree jobs through a `memory.build.worker.Worker` with that concurrency
 until the queue is idle, extractive summaries. Import and processing are timed separately; the
 headline is `messages / (import + processing)`.
 
@@ -62,14 +62,15 @@ from sqlalchemy import func, insert, select
 
 from gateway import background, importer, upstream
 from gateway.settings import Settings
-from memory import hierarchy, segments, tokens
+from memory import tokens
+from memory.build import segments, tree
+from memory.build.segments import SegmentPolicy
+from memory.build.summarize import ExtractiveSummarizer, Summary, SummaryInput
+from memory.build.worker import Worker
 from memory.db import connect, migrate
 from memory.embeddings import EMBEDDING_DIM, Embedder, LocalEmbedder
 from memory.postgres import EmbeddedPostgres
 from memory.schema import jobs, nodes, tenants
-from memory.segments import SegmentPolicy
-from memory.summarize import ExtractiveSummarizer, Summary, SummaryInput
-from memory.worker import Worker
 from tests import synthetic
 from tests.upstream import UpstreamServer
 
@@ -158,11 +159,11 @@ class TimedSummarizer:
 
 @contextlib.contextmanager
 def instrumented(timers: Timers) -> Iterator[None]:
-    """Time the builder's steps and `split` by wrapping them in `memory.hierarchy`."""
+    """Time the builder's steps and `split` by wrapping them in `memory.build.tree`."""
     originals: dict[str, Any] = {}
 
     def wrap_async(name: str, label: str) -> None:
-        original: Callable[..., Awaitable[int]] = getattr(hierarchy, name)
+        original: Callable[..., Awaitable[int]] = getattr(tree, name)
         originals[name] = original
 
         async def timed(*args: Any, **kwargs: Any) -> int:
@@ -172,7 +173,7 @@ def instrumented(timers: Timers) -> Iterator[None]:
             finally:
                 timers.add(label, time.perf_counter() - started)
 
-        setattr(hierarchy, name, timed)
+        setattr(tree, name, timed)
 
     split = segments.split
     originals["split"] = split
@@ -184,10 +185,10 @@ def instrumented(timers: Timers) -> Iterator[None]:
         finally:
             timers.add("split", time.perf_counter() - started)
 
-    # `hierarchy` calls the `split` it imported: replace that name.
-    setattr(hierarchy, "split", timed_split)  # noqa: B010
+    # `tree` calls the `split` it imported: replace that name.
+    setattr(tree, "split", timed_split)  # noqa: B010
     wrap_async("_embed_pending", "step embed_pending")
-    embed_pending = hierarchy._embed_pending
+    embed_pending = tree._embed_pending
 
     async def labelled(*args: Any, **kwargs: Any) -> int:
         token = EMBEDDING.set("summaries")
@@ -196,14 +197,14 @@ def instrumented(timers: Timers) -> Iterator[None]:
         finally:
             EMBEDDING.reset(token)
 
-    hierarchy._embed_pending = labelled
+    tree._embed_pending = labelled
     wrap_async("_segment", "step segment")
     wrap_async("_roll_up", "step roll_up")
     try:
         yield
     finally:
         for name, original in originals.items():
-            setattr(hierarchy, name, original)
+            setattr(tree, name, original)
 
 
 @dataclass(frozen=True)
@@ -305,14 +306,14 @@ async def one_run(
             )
         import_seconds = time.perf_counter() - started
 
-        config = hierarchy.TreeConfig(
+        config = tree.TreeConfig(
             embedder=TimedEmbedder(embedder, timers),
             summarizer=TimedSummarizer(ExtractiveSummarizer("gpt-4o"), timers),
             policy=SegmentPolicy(),
         )
         worker = Worker(
             engine,
-            {hierarchy.JOB_KIND: hierarchy.handler(engine, config)},
+            {tree.JOB_KIND: tree.handler(engine, config)},
             concurrency=run.concurrency,
             listen=False,
         )

@@ -22,9 +22,10 @@ from gateway.metrics import Metrics, MetricsMiddleware
 from gateway.routes import admin, health, openai
 from gateway.settings import Settings
 from gateway.upstream import Upstream, make_clients
-from memory import store, tokens
+from memory import tokens
 from memory.db import connect, migrate, transaction
 from memory.postgres import EmbeddedPostgres
+from memory.write import store
 
 log = logging.getLogger(__name__)
 

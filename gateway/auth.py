@@ -4,7 +4,7 @@ Clients (`/v1`, `/mcp`)
     `MEMSTRATA_AUTH=off`: every request belongs to the default tenant, and the client's own
     `Authorization` is what the upstream sees. `MEMSTRATA_AUTH=on`: the client presents a
     gateway key, `Authorization: Bearer msk-…`; its tenant is looked up by the key's hash on
-    every request (`memory.tenants`), so a revoked key is refused from the next request on. A
+    every request (`memory.write.tenants`), so a revoked key is refused from the next request on. A
     missing, unknown or revoked key gets 401 `invalid_api_key`, the key never echoed.
     While the database is down a key cannot be checked: the request fails with 503, except with
     `MEMSTRATA_FAIL_OPEN=on`, where a key this process verified within
@@ -35,9 +35,9 @@ from typing import TYPE_CHECKING
 from starlette.requests import HTTPConnection
 
 from gateway.errors import GatewayError
-from memory import tenants
 from memory.db import transaction
 from memory.errors import StorageUnavailable
+from memory.write import tenants
 
 if TYPE_CHECKING:
     from gateway.deps import State

@@ -14,11 +14,11 @@ import httpx
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from gateway.settings import Settings
-from memory import hierarchy
+from memory.build import tree
+from memory.build.segments import SegmentPolicy
+from memory.build.summarize import make_summarizer
+from memory.build.worker import JobObserver, Worker
 from memory.embeddings import Embedder, make_embedder
-from memory.segments import SegmentPolicy
-from memory.summarize import make_summarizer
-from memory.worker import JobObserver, Worker
 
 log = logging.getLogger(__name__)
 
@@ -36,11 +36,9 @@ def embedder(settings: Settings, client: httpx.AsyncClient) -> Embedder:
     )
 
 
-def tree_config(
-    settings: Settings, client: httpx.AsyncClient, embed: Embedder
-) -> hierarchy.TreeConfig:
+def tree_config(settings: Settings, client: httpx.AsyncClient, embed: Embedder) -> tree.TreeConfig:
     """How summary trees are built under these settings."""
-    return hierarchy.TreeConfig(
+    return tree.TreeConfig(
         embedder=embed,
         summarizer=make_summarizer(
             settings.summary_mode,
@@ -63,7 +61,7 @@ def tree_config(
 def worker(
     engine: AsyncEngine,
     settings: Settings,
-    config: hierarchy.TreeConfig,
+    config: tree.TreeConfig,
     *,
     concurrency: int,
     observe: JobObserver | None = None,
@@ -71,7 +69,7 @@ def worker(
     """A job worker with every handler memstrata has; `observe` is told each job's outcome."""
     return Worker(
         engine,
-        {hierarchy.JOB_KIND: hierarchy.handler(engine, config)},
+        {tree.JOB_KIND: tree.handler(engine, config)},
         lease_seconds=settings.job_lease_seconds,
         concurrency=concurrency,
         observe=observe,

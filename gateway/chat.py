@@ -28,10 +28,13 @@ from gateway.deps import State, read_json
 from gateway.errors import GatewayError
 from gateway.schemas import ChatCompletionRequest
 from gateway.turn import CONVERSATION_HEADER, Turn
-from memory import context, hierarchy, identity, store, tokens
+from memory import tokens
+from memory.build import tree
 from memory.db import transaction
 from memory.errors import ProviderError, StorageUnavailable
+from memory.recall import prompt
 from memory.schema import conversations, nodes
+from memory.write import identity, store
 
 log = logging.getLogger(__name__)
 
@@ -83,9 +86,7 @@ async def complete(request: Request, state: State, *, tenant_id: int) -> Respons
             # Refused inside the transaction, so that an oversized turn stores nothing.
             part = _split(body["messages"], stored)
             _check_fits(state, body, part, budget=budget, tools_room=tools_room)
-            await hierarchy.enqueue(
-                conn, tenant_id=tenant_id, conversation_id=stored.conversation.id
-            )
+            await tree.enqueue(conn, tenant_id=tenant_id, conversation_id=stored.conversation.id)
     except StorageUnavailable as exc:
         return await unchanged(exc, external_id=external_id)
     turn = Turn(
@@ -149,7 +150,7 @@ async def assemble(
 
     A conversation that fits the budget goes as the client sent it (or, when the client sent
     only its new messages, as stored); otherwise the prompt is rebuilt from memory by
-    `memory.context.build`. Sets the turn's token counts and `rebuilt`. `reserved_tokens` is
+    `memory.recall.prompt.build`. Sets the turn's token counts and `rebuilt`. `reserved_tokens` is
     room kept for tool schemas the gateway adds (the memory tools); `part` is how the body's
     messages divide given what was `appended`."""
     messages: list[dict[str, Any]] = body["messages"]
@@ -231,7 +232,7 @@ def _limit(
     less its output reserve, less the room kept for tool definitions."""
     settings = state.settings
     return (
-        context.budget_for(
+        prompt.budget_for(
             model,
             requested=budget if budget is not None else settings.context_budget,
             default_window=settings.context_window,
@@ -330,7 +331,7 @@ async def _prompt(
             related = await _related(conn, tenant_id, conversation_id, user)
         system = request_system or await _stored_system(conn, tenant_id, conversation_id)
         try:
-            built = await context.build(
+            built = await prompt.build(
                 conn,
                 tenant_id=tenant_id,
                 conversation_id=conversation_id,
@@ -345,9 +346,9 @@ async def _prompt(
                 conversation_ids=related,
                 stored_messages=new_from,
                 stored_tokens=stored_tokens,
-                tools_guide=context.TOOLS_GUIDE if tools_guide else None,
+                tools_guide=prompt.TOOLS_GUIDE if tools_guide else None,
             )
-        except context.ContextOverflow as exc:
+        except prompt.ContextOverflow as exc:
             raise GatewayError(
                 400, str(exc), param="messages", code="context_length_exceeded"
             ) from exc

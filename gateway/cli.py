@@ -20,11 +20,11 @@ from tqdm import tqdm
 from gateway import background, importer, logs
 from gateway.settings import Settings
 from gateway.upstream import make_client
-from memory import identity
+from memory.build.worker import Worker
 from memory.db import connect, migrate
 from memory.errors import MemstrataError
 from memory.postgres import EmbeddedPostgres
-from memory.worker import Worker
+from memory.write import identity
 
 
 def _settings(**overrides: object) -> Settings:

@@ -17,9 +17,10 @@ from pydantic import ValidationError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from gateway.schemas import ImportMessage
-from memory import hierarchy, store
+from memory.build import tree
 from memory.db import transaction
 from memory.errors import InvalidInput
+from memory.write import store
 
 
 def read_messages(path: Path) -> tuple[list[dict[str, Any]], list[datetime | None]]:
@@ -80,6 +81,6 @@ async def import_messages(
                 created_at=created_at[offset : offset + batch],
                 model=model,
             )
-            await hierarchy.enqueue(conn, tenant_id=tenant, conversation_id=ref.id)
+            await tree.enqueue(conn, tenant_id=tenant, conversation_id=ref.id)
         progress(min(batch, len(messages) - offset))
     return len(messages) - start

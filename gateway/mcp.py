@@ -1,8 +1,8 @@
 """The memory tools over MCP (SPEC §7): streamable HTTP at `/mcp`, with the official `mcp` SDK.
 
 Five tools: `memory_expand`, `memory_search`, `memory_browse` and `memory_find` (the ones the
-tool loop offers models, `memory.tools`, same meaning and results) and `memory_stats`. Each takes
-the conversation to read as its `conversation` argument (the external id, as in
+tool loop offers models, `memory.recall.tools`, same meaning and results) and `memory_stats`. Each
+takes the conversation to read as its `conversation` argument (the external id, as in
 `X-Memstrata-Conversation`) and reads only that conversation. A conversation or node of another
 tenant behaves exactly as a missing one; a bad argument, an unknown conversation or node and a
 pattern that runs too long come back as tool errors (`isError`), never as protocol failures.
@@ -35,9 +35,10 @@ from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from gateway.deps import State, TenantDep, get_state
-from memory import conversations, identity, store, tools
 from memory.db import transaction
 from memory.errors import InvalidInput, MemstrataError
+from memory.recall import tools
+from memory.write import conversations, identity, store
 
 PATH: Final = "/mcp"
 _TENANT: Final = "memstrata.tenant_id"

@@ -44,7 +44,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway.auth import check_metrics
 from gateway.logs import route_template
-from memory import jobs
+from memory.build import jobs
 from memory.db import transaction
 from memory.errors import StorageUnavailable
 from memory.schema import nodes

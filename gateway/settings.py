@@ -57,7 +57,7 @@ class Settings(BaseSettings):
     segment_token_cap: int = Field(default=2048, ge=64)
     segment_min_tokens: int = Field(default=256, ge=0)
     fanout: int = Field(default=8, ge=2, le=64)
-    # Each message's sentences embedded on their own too (`memory.passages`).
+    # Each message's sentences embedded on their own too (`memory.build.passages`).
     passages: OnOff = "on"
 
     # Prompt assembly

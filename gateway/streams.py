@@ -12,8 +12,8 @@ each event (often the raw bytes unchanged, sometimes a rewritten chunk, sometime
 * one stream: every chunk carries the first round's completion `id`; the assistant `role` is
   announced once; `[DONE]` is sent once, at the very end (`MergedStream.done()`);
 * content is relayed as it comes, in every round;
-* calls to memory tools (`memory.tools.TOOL_NAMES`) never reach the client: their fragments are
-  kept by the round to be run; calls to the client's own tools pass through, renumbered
+* calls to memory tools (`memory.recall.tools.TOOL_NAMES`) never reach the client: their fragments
+  are kept by the round to be run; calls to the client's own tools pass through, renumbered
   `0, 1, …` in the order they appear, ids and arguments untouched;
 * a round that asked only for memory tools (and is not the last allowed) has its
   `finish_reason` and its usage chunk held back: the loop runs the tools and the next round
@@ -31,7 +31,7 @@ from typing import Any
 
 from gateway.errors import error_body
 from gateway.replies import StreamedReply
-from memory.tools import TOOL_NAMES
+from memory.recall.tools import TOOL_NAMES
 
 _EVENT_END = re.compile(rb"\r\n\r\n|\n\n|\r\r")
 _LINE = re.compile(rb"\r\n|\n|\r")

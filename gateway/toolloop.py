@@ -3,8 +3,8 @@
 When the tools are offered (`offer()`: `MEMSTRATA_MEMORY_TOOLS=always`, or `auto` and the prompt
 was rebuilt from memory), their definitions are added after the client's own `tools`. A reply
 that calls memory tools only is not shown to the client: the gateway runs the calls
-(`memory.tools.run_tool`, in the turn's tenant and recall scope), appends the assistant message
-and one `tool` message per call to the prompt, and asks the upstream again, at most
+(`memory.recall.tools.run_tool`, in the turn's tenant and recall scope), appends the assistant
+message and one `tool` message per call to the prompt, and asks the upstream again, at most
 `MEMSTRATA_MAX_TOOL_ROUNDS` times; the request after the last round goes without the memory
 tools, so that the model must answer. The client sees only the final answer.
 
@@ -44,9 +44,9 @@ from gateway.settings import Settings
 from gateway.streams import EventReader, MergedStream, add_usage, is_memory_call, sse_error
 from gateway.turn import Turn
 from gateway.upstream import relayed_headers
-from memory import tools
 from memory.db import transaction
 from memory.errors import StorageUnavailable
+from memory.recall import tools
 
 log = logging.getLogger(__name__)
 

@@ -12,9 +12,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gateway.deps import State
-from memory import hierarchy, store
+from memory.build import tree
 from memory.db import transaction
 from memory.errors import MemstrataError
+from memory.write import store
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +69,7 @@ class Turn:
                     status="complete" if complete else "incomplete",
                     request_tokens=(self.context_tokens or 0, self.full_tokens or 0),
                 )
-                await hierarchy.enqueue(
+                await tree.enqueue(
                     conn, tenant_id=self.tenant_id, conversation_id=self.conversation_id
                 )
             state.metrics.observe_tokens(sent=self.context_tokens or 0, full=self.full_tokens or 0)

@@ -158,7 +158,7 @@ nodes = Table(
 passages = Table(
     "passages",
     metadata,
-    # A message's sentences, embedded on their own (`memory.passages`): one sentence of a long
+    # A message's sentences, embedded on their own (`memory.build.passages`): one sentence of a long
     # message is found by meaning where the whole message's vector, an average, is not. Read by
     # node id only (retrieval scores the passages of messages it already holds), so no vector
     # index: one took 45% of the background build's database time.

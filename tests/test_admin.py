@@ -3,7 +3,7 @@
 The app runs in-process (`tests.inprocess`) on the session's Postgres with the real fake
 upstream; each test makes tenants of its own (`POST /admin/tenants`) and addresses them with
 `?tenant=`, so tests never see each other's rows. Summary trees are built by calling
-`hierarchy.build` with the extractive summarizer, as a worker would.
+`tree.build` with the extractive summarizer, as a worker would.
 """
 
 import json
@@ -19,11 +19,11 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from gateway.settings import Settings
-from memory import hierarchy
-from memory import jobs as job_queue
+from memory.build import jobs as job_queue
+from memory.build import tree
+from memory.build.segments import SegmentPolicy
+from memory.build.summarize import ExtractiveSummarizer, Summary, SummaryInput
 from memory.schema import api_keys, conversations, jobs, nodes
-from memory.segments import SegmentPolicy
-from memory.summarize import ExtractiveSummarizer, Summary, SummaryInput
 from tests.inprocess import App, running_app
 from tests.upstream import UpstreamServer
 
@@ -116,12 +116,12 @@ async def conversation_row(engine: AsyncEngine, tenant: int, conversation: str) 
 
 
 async def build(app: App, tenant: int, conversation_id: int) -> None:
-    config = hierarchy.TreeConfig(
+    config = tree.TreeConfig(
         embedder=app.state.embedder,
         summarizer=ExtractiveSummarizer("gpt-4o"),
         policy=SegmentPolicy(shift_threshold=2.0, max_messages=2),
     )
-    await hierarchy.build(
+    await tree.build(
         app.state.engine,
         tenant_id=tenant,
         conversation_id=conversation_id,
@@ -388,15 +388,13 @@ async def test_a_build_running_while_its_conversation_is_deleted_writes_nothing(
             assert deleted.status_code in (200, 404)
             return await extractive.summarize(items, level=level, target_tokens=target_tokens)
 
-    config = hierarchy.TreeConfig(
+    config = tree.TreeConfig(
         embedder=app.state.embedder,
         summarizer=DeletingSummarizer(),
         policy=SegmentPolicy(shift_threshold=2.0, max_messages=2),
     )
     with pytest.raises(IntegrityError):
-        await hierarchy.build(
-            engine, tenant_id=tid, conversation_id=racing, config=config, final=True
-        )
+        await tree.build(engine, tenant_id=tid, conversation_id=racing, config=config, final=True)
     async with engine.connect() as conn:
         for table in (nodes, jobs, conversations):
             column = table.c.id if table is conversations else table.c.conversation_id

@@ -1,4 +1,4 @@
-"""Prompt assembly (`memory.context`, `gateway.chat.assemble` / `dry_run`) against a real
+"""Prompt assembly (`memory.recall.prompt`, `gateway.chat.assemble` / `dry_run`) against a real
 Postgres: the budget is never exceeded (a property test over random conversations with tool
 calls), the layout holds (system prompt, one memory message with tags, recent turns whose tool
 calls and results are never split, new messages last), a conversation that fits goes unchanged,
@@ -25,10 +25,13 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from gateway import chat
 from gateway.deps import State
 from gateway.settings import Settings
-from memory import context, hierarchy, store, tokens
+from memory import tokens
+from memory.build import tree
+from memory.build.summarize import ExtractiveSummarizer
 from memory.embeddings import LocalEmbedder
+from memory.recall import prompt
 from memory.schema import tenants
-from memory.summarize import ExtractiveSummarizer
+from memory.write import store
 from tests import synthetic
 from tests.gateway import GatewayProcess
 from tests.upstream import UpstreamServer
@@ -85,7 +88,7 @@ async def build(
     budget: int,
     reserved: int = 0,
     embedder: LocalEmbedder | None = None,
-) -> context.Context:
+) -> prompt.Context:
     query = " ".join(tokens.message_text(m) for m in new)
     embed = None
     if embedder is not None:
@@ -96,7 +99,7 @@ async def build(
 
         embed = embed_one
     async with engine.begin() as conn:
-        return await context.build(
+        return await prompt.build(
             conn,
             tenant_id=tenant_id,
             conversation_id=conversation_id,
@@ -127,7 +130,7 @@ def check_tool_pairs(messages: Sequence[Message]) -> None:
 
 
 def check_layout(
-    built: context.Context,
+    built: prompt.Context,
     *,
     system: Sequence[Message],
     stored: Sequence[Message],
@@ -222,7 +225,7 @@ async def test_the_prompt_never_exceeds_the_budget(
     conversation_id, _ = await store_conversation(engine, property_tenant, history + new)
     needed = tokens.count_messages([*system, *new], model=MODEL)
     if needed > budget - reserved:
-        with pytest.raises(context.ContextOverflow):
+        with pytest.raises(prompt.ContextOverflow):
             await build(
                 engine,
                 property_tenant,
@@ -255,24 +258,24 @@ FACT = "The storage unit door code is 5821-KESTREL, remember that."
 
 
 @pytest.fixture(scope="module")
-async def tree(engine: AsyncEngine) -> tuple[int, int, list[Message], list[int]]:
+async def built_tree(engine: AsyncEngine) -> tuple[int, int, list[Message], list[int]]:
     """A 600-message conversation with tool calls and a planted fact, its tree built."""
     tenant_id = await new_tenant(engine)
     messages = synthetic.messages(600, seed=5)
     messages[150] = {"role": "user", "content": FACT}
     # Keep the newest turns a tool exchange, so the recent turns must start cleanly.
     conversation_id, node_ids = await store_conversation(engine, tenant_id, messages)
-    config = hierarchy.TreeConfig(embedder=LocalEmbedder(), summarizer=ExtractiveSummarizer())
-    await hierarchy.build(
+    config = tree.TreeConfig(embedder=LocalEmbedder(), summarizer=ExtractiveSummarizer())
+    await tree.build(
         engine, tenant_id=tenant_id, conversation_id=conversation_id, config=config, final=True
     )
     return tenant_id, conversation_id, messages, node_ids
 
 
 async def test_layout_with_summaries_retrieval_and_recent_turns(
-    engine: AsyncEngine, tree: tuple[int, int, list[Message], list[int]]
+    engine: AsyncEngine, built_tree: tuple[int, int, list[Message], list[int]]
 ) -> None:
-    tenant_id, conversation_id, messages, node_ids = tree
+    tenant_id, conversation_id, messages, node_ids = built_tree
     system = [{"role": "system", "content": "Be precise."}]
     new = [{"role": "user", "content": "What was the storage unit door code again?"}]
     built = await build(
@@ -307,10 +310,10 @@ async def test_layout_with_summaries_retrieval_and_recent_turns(
 
 
 async def test_tool_results_keep_their_call(
-    engine: AsyncEngine, tree: tuple[int, int, list[Message], list[int]]
+    engine: AsyncEngine, built_tree: tuple[int, int, list[Message], list[int]]
 ) -> None:
     """New messages that are tool results bring the assistant message that called them."""
-    tenant_id, _conversation_id, messages, _ = tree
+    tenant_id, _conversation_id, messages, _ = built_tree
     call = {
         "role": "assistant",
         "content": None,
@@ -330,11 +333,11 @@ async def test_tool_results_keep_their_call(
 
 
 async def test_system_prompt_and_new_messages_over_the_budget(
-    engine: AsyncEngine, tree: tuple[int, int, list[Message], list[int]]
+    engine: AsyncEngine, built_tree: tuple[int, int, list[Message], list[int]]
 ) -> None:
-    tenant_id, conversation_id, messages, _ = tree
+    tenant_id, conversation_id, messages, _ = built_tree
     new = [{"role": "user", "content": "word " * 500}]
-    with pytest.raises(context.ContextOverflow, match="budget"):
+    with pytest.raises(prompt.ContextOverflow, match="budget"):
         await build(
             engine,
             tenant_id,
@@ -351,14 +354,14 @@ async def test_system_prompt_and_new_messages_over_the_budget(
 
 def test_budget_is_capped_by_the_models_window() -> None:
     defaults = {"default_window": 32768, "default_reserve": 4096}
-    assert context.budget_for("gpt-4o", requested=8000, **defaults) == 8000
-    assert context.budget_for("gpt-4", requested=8000, **defaults) == 8192 - 2048
-    assert context.budget_for("gpt-4-0613", requested=100_000, **defaults) == 8192 - 2048
-    assert context.budget_for("gpt-4o-mini", requested=500_000, **defaults) == 128_000 - 16_384
-    assert context.budget_for("openai/gpt-4.1", requested=10**7, **defaults) == 1_047_576 - 32_768
-    assert context.budget_for("llama-3-8b", requested=50_000, **defaults) == 32768 - 4096
-    assert context.budget_for("gpt-4", requested=8000, max_output=192, **defaults) == 8000
-    assert context.budget_for("gpt-4", requested=8000, max_output=7000, **defaults) == 1192
+    assert prompt.budget_for("gpt-4o", requested=8000, **defaults) == 8000
+    assert prompt.budget_for("gpt-4", requested=8000, **defaults) == 8192 - 2048
+    assert prompt.budget_for("gpt-4-0613", requested=100_000, **defaults) == 8192 - 2048
+    assert prompt.budget_for("gpt-4o-mini", requested=500_000, **defaults) == 128_000 - 16_384
+    assert prompt.budget_for("openai/gpt-4.1", requested=10**7, **defaults) == 1_047_576 - 32_768
+    assert prompt.budget_for("llama-3-8b", requested=50_000, **defaults) == 32768 - 4096
+    assert prompt.budget_for("gpt-4", requested=8000, max_output=192, **defaults) == 8000
+    assert prompt.budget_for("gpt-4", requested=8000, max_output=7000, **defaults) == 1192
 
 
 def state_for(engine: AsyncEngine, **overrides: Any) -> State:
@@ -390,9 +393,9 @@ async def test_dry_run_of_a_conversation_that_fits_is_the_history(engine: AsyncE
 
 
 async def test_dry_run_rebuilds_when_the_history_does_not_fit(
-    engine: AsyncEngine, tree: tuple[int, int, list[Message], list[int]]
+    engine: AsyncEngine, built_tree: tuple[int, int, list[Message], list[int]]
 ) -> None:
-    tenant_id, conversation_id, _messages, node_ids = tree
+    tenant_id, conversation_id, _messages, node_ids = built_tree
     async with engine.connect() as conn:
         external_id = await conn.scalar(
             text("SELECT external_id FROM conversations WHERE id = :i"),

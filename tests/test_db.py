@@ -13,9 +13,9 @@ from sqlalchemy import select, text
 from sqlalchemy.engine import Connection
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from memory import identity
 from memory.db import ALEMBIC_INI, connect, migrate, transaction
 from memory.schema import conversations
+from memory.write import identity
 
 
 async def test_a_dead_pooled_connection_is_replaced_without_an_error(

@@ -1,4 +1,4 @@
-"""The summary tree (`memory.hierarchy`) against a real Postgres, real local embeddings and the
+"""The summary tree (`memory.build.tree`) against a real Postgres, real local embeddings and the
 extractive summarizer; `llm` and `auto` modes against the fake upstream server.
 
 The big test imports a 2,000-message synthetic conversation (`tests/synthetic.py`) with the
@@ -32,14 +32,15 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from gateway import importer
 from gateway.settings import Settings
-from memory import hierarchy, passages, store
+from memory.build import passages, tree
+from memory.build.facts import FACT_KEYS
+from memory.build.segments import SegmentMessage, SegmentPolicy, split
+from memory.build.summarize import ExtractiveSummarizer, FallbackSummarizer, LLMSummarizer
+from memory.build.worker import Worker
 from memory.embeddings import LocalEmbedder
-from memory.facts import FACT_KEYS
 from memory.schema import jobs, nodes, tenants
 from memory.schema import passages as passages_table
-from memory.segments import SegmentMessage, SegmentPolicy, split
-from memory.summarize import ExtractiveSummarizer, FallbackSummarizer, LLMSummarizer
-from memory.worker import Worker
+from memory.write import store
 from tests import synthetic
 from tests.inprocess import running_app
 from tests.upstream import UpstreamServer
@@ -83,8 +84,8 @@ async def embedder() -> MemoEmbedder:
 
 
 @pytest.fixture(scope="module")
-def config(embedder: MemoEmbedder) -> hierarchy.TreeConfig:
-    return hierarchy.TreeConfig(
+def config(embedder: MemoEmbedder) -> tree.TreeConfig:
+    return tree.TreeConfig(
         embedder=embedder, summarizer=ExtractiveSummarizer("gpt-4o"), policy=POLICY, fanout=FANOUT
     )
 
@@ -120,13 +121,13 @@ async def store_messages(
     return stored.conversation.id
 
 
-def worker(engine: AsyncEngine, config: hierarchy.TreeConfig) -> Worker:
+def worker(engine: AsyncEngine, config: tree.TreeConfig) -> Worker:
     # Jobs are global: this worker may also run other tests' leftover builds, which is
     # harmless; assertions look at this test's tenant only.
     return Worker(
         engine,
-        {hierarchy.JOB_KIND: hierarchy.handler(engine, config)},
-        kinds=[hierarchy.JOB_KIND],
+        {tree.JOB_KIND: tree.handler(engine, config)},
+        kinds=[tree.JOB_KIND],
         listen=False,
     )
 
@@ -330,7 +331,7 @@ class Built:
 
 
 @pytest.fixture(scope="module")
-async def built(engine: AsyncEngine, config: hierarchy.TreeConfig) -> Built:
+async def built(engine: AsyncEngine, config: tree.TreeConfig) -> Built:
     """2,000 messages imported in batches of 500 (which queues the build), then built by a
     Worker until the queue is idle."""
     tenant = await new_tenant(engine)
@@ -361,7 +362,7 @@ async def test_import_queued_one_build_that_ran_once(engine: AsyncEngine, built:
             )
         ).all()
     # Four batches each enqueue a build; while one is queued the others are deduplicated.
-    assert [tuple(r) for r in rows] == [(hierarchy.JOB_KIND, "done", 1, built.conversation_id)]
+    assert [tuple(r) for r in rows] == [(tree.JOB_KIND, "done", 1, built.conversation_id)]
     assert built.jobs_ran >= 1
 
 
@@ -446,14 +447,14 @@ async def test_messages_of_several_sentences_get_their_passages(
 
 
 async def test_no_passages_when_they_are_off(
-    engine: AsyncEngine, config: hierarchy.TreeConfig, tenant_id: int
+    engine: AsyncEngine, config: tree.TreeConfig, tenant_id: int
 ) -> None:
     messages = synthetic.messages(60, seed=17)
     assert any(passages.split(str(m.get("content") or "")) for m in messages)
     conversation_id = await store_messages(
         engine, tenant_id=tenant_id, external_id="no-passages", messages=messages
     )
-    await hierarchy.build(
+    await tree.build(
         engine,
         tenant_id=tenant_id,
         conversation_id=conversation_id,
@@ -529,21 +530,21 @@ async def test_summaries_keep_the_ids_and_numbers_of_their_messages(
 
 
 async def test_building_again_changes_nothing(
-    engine: AsyncEngine, built: Built, config: hierarchy.TreeConfig
+    engine: AsyncEngine, built: Built, config: tree.TreeConfig
 ) -> None:
     before = await snapshot(engine, built.conversation_id)
-    progress = await hierarchy.build(
+    progress = await tree.build(
         engine,
         tenant_id=built.tenant_id,
         conversation_id=built.conversation_id,
         config=config,
     )
-    assert progress == hierarchy.Progress(embedded=0, segments=0, rollups=0)
+    assert progress == tree.Progress(embedded=0, segments=0, rollups=0)
     assert await snapshot(engine, built.conversation_id) == before
 
 
 async def test_incremental_build_gives_the_same_tree(
-    engine: AsyncEngine, built: Built, config: hierarchy.TreeConfig
+    engine: AsyncEngine, built: Built, config: tree.TreeConfig
 ) -> None:
     """The same 2,000 messages arriving in 10 batches, with a build after each."""
     conversation = built.conversation
@@ -558,9 +559,7 @@ async def test_incremental_build_gives_the_same_tree(
             messages=conversation.messages[start : start + batch],
             created_at=conversation.created_at[start : start + batch],
         )
-        await hierarchy.build(
-            engine, tenant_id=tenant, conversation_id=conversation_id, config=config
-        )
+        await tree.build(engine, tenant_id=tenant, conversation_id=conversation_id, config=config)
     once = await level_counts(engine, built.tenant_id, built.conversation_id)
     assert await level_counts(engine, tenant, conversation_id) == once
 
@@ -580,7 +579,7 @@ async def test_incremental_build_gives_the_same_tree(
 
 
 async def test_final_build_closes_the_open_segment(
-    engine: AsyncEngine, config: hierarchy.TreeConfig, tenant_id: int
+    engine: AsyncEngine, config: tree.TreeConfig, tenant_id: int
 ) -> None:
     # A question never closes the segment it ends, so the last segment is open.
     messages = [
@@ -590,13 +589,11 @@ async def test_final_build_closes_the_open_segment(
     conversation_id = await store_messages(
         engine, tenant_id=tenant_id, external_id="final", messages=messages
     )
-    await hierarchy.build(
-        engine, tenant_id=tenant_id, conversation_id=conversation_id, config=config
-    )
+    await tree.build(engine, tenant_id=tenant_id, conversation_id=conversation_id, config=config)
     segments = await expected_segments(engine, conversation_id=conversation_id)
     open_tail = 150 - (segments[-1][1] + 1)
     assert open_tail > 0
-    progress = await hierarchy.build(
+    progress = await tree.build(
         engine, tenant_id=tenant_id, conversation_id=conversation_id, config=config, final=True
     )
     assert progress.segments == 1
@@ -608,7 +605,7 @@ async def test_final_build_closes_the_open_segment(
 
 
 async def test_a_message_is_written_once_with_its_vector_and_parent(
-    engine: AsyncEngine, config: hierarchy.TreeConfig, tenant_id: int
+    engine: AsyncEngine, config: tree.TreeConfig, tenant_id: int
 ) -> None:
     """Every UPDATE of a row is a new row version with its own HNSW entry: a message whose
     segment closes gets its vector and its parent in one, one in its open segment its vector
@@ -631,7 +628,7 @@ async def test_a_message_is_written_once_with_its_vector_and_parent(
         for statement in statements:
             await conn.execute(sql(statement))
     try:
-        await hierarchy.build(
+        await tree.build(
             engine, tenant_id=tenant_id, conversation_id=conversation_id, config=config
         )
         async with engine.connect() as conn:
@@ -671,7 +668,7 @@ def fresh_upstream(upstream: UpstreamServer) -> UpstreamServer:
 
 
 async def test_admin_import_hierarchy_and_node(
-    engine: AsyncEngine, database_url: str, config: hierarchy.TreeConfig
+    engine: AsyncEngine, database_url: str, config: tree.TreeConfig
 ) -> None:
     name = f"test-{uuid.uuid4().hex}"
     tenant_id = await new_tenant(engine, name)
@@ -698,9 +695,7 @@ async def test_admin_import_hierarchy_and_node(
         }
         # The import queued the build; a worker runs it.
         listed = (await client.get("/admin/jobs", params=scope)).json()
-        assert [(j["kind"], j["status"]) for j in listed["jobs"]] == [
-            (hierarchy.JOB_KIND, "queued")
-        ]
+        assert [(j["kind"], j["status"]) for j in listed["jobs"]] == [(tree.JOB_KIND, "queued")]
         await worker(engine, config).run_until_idle()
         listed = (await client.get("/admin/jobs", params=scope)).json()
         assert [(j["status"], j["attempts"]) for j in listed["jobs"]] == [("done", 1)]
@@ -708,13 +703,13 @@ async def test_admin_import_hierarchy_and_node(
 
         response = await client.get(f"/admin/conversations/{external}/hierarchy", params=scope)
         assert response.status_code == 200, response.text
-        tree = response.json()
-        assert tree["conversation"] == external
+        hierarchy = response.json()
+        assert hierarchy["conversation"] == external
         conversation_id = await conversation_id_of(engine, tenant_id, external)
         segments = await expected_segments(engine, conversation_id=conversation_id)
         levels = expected_levels(120, len(segments))
-        assert tree["levels"] == {str(level): count for level, count in levels.items()}
-        summaries = tree["nodes"]
+        assert hierarchy["levels"] == {str(level): count for level, count in levels.items()}
+        summaries = hierarchy["nodes"]
         assert len(summaries) == sum(count for level, count in levels.items() if level > 0)
         by_id = {node["id"]: node for node in summaries}
         covered: list[int] = []
@@ -808,7 +803,7 @@ def triage_messages() -> list[dict[str, Any]]:
 
 
 async def build_triage(
-    engine: AsyncEngine, tenant_id: int, config: hierarchy.TreeConfig
+    engine: AsyncEngine, tenant_id: int, config: tree.TreeConfig
 ) -> tuple[int, Walk]:
     start = datetime(2025, 3, 10, 9, 0, tzinfo=UTC)
     conversation_id = await store_messages(
@@ -819,7 +814,7 @@ async def build_triage(
         created_at=[start + timedelta(minutes=3 * i) for i in range(len(TRIAGE))],
     )
     # `final`: the last pair closes too, as a forced compaction does.
-    await hierarchy.build(
+    await tree.build(
         engine, tenant_id=tenant_id, conversation_id=conversation_id, config=config, final=True
     )
     walk = await walk_tree(
@@ -833,7 +828,7 @@ async def build_triage(
 async def test_extractive_summary_keeps_ids_and_numbers(
     engine: AsyncEngine, embedder: MemoEmbedder, tenant_id: int
 ) -> None:
-    config = hierarchy.TreeConfig(
+    config = tree.TreeConfig(
         embedder=embedder, summarizer=ExtractiveSummarizer("gpt-4o"), policy=PAIRS
     )
     _, walk = await build_triage(engine, tenant_id, config)
@@ -862,7 +857,7 @@ async def test_llm_mode_prompt_and_parsing(
         summarizer = LLMSummarizer(
             client, base_url=fresh_upstream.url, api_key="sk-summary", model=SUMMARY_MODEL
         )
-        config = hierarchy.TreeConfig(embedder=embedder, summarizer=summarizer, policy=PAIRS)
+        config = tree.TreeConfig(embedder=embedder, summarizer=summarizer, policy=PAIRS)
         conversation_id, walk = await build_triage(engine, tenant_id, config)
 
     requests = fresh_upstream.requests("/v1/chat/completions")
@@ -925,7 +920,7 @@ async def test_auto_mode_falls_back_to_extractive_on_upstream_500(
     async with httpx.AsyncClient() as client:
         llm = LLMSummarizer(client, base_url=fresh_upstream.url, api_key=None, model="m")
         summarizer = FallbackSummarizer(llm, ExtractiveSummarizer("gpt-4o"))
-        config = hierarchy.TreeConfig(embedder=embedder, summarizer=summarizer, policy=PAIRS)
+        config = tree.TreeConfig(embedder=embedder, summarizer=summarizer, policy=PAIRS)
         _, walk = await build_triage(engine, tenant_id, config)
     assert len(fresh_upstream.requests("/v1/chat/completions")) >= 1, "the LLM was not tried"
     assert all(s.method == "extractive" and s.model is None for s in walk.summaries)

@@ -1,4 +1,4 @@
-"""The durable job queue (`memory.jobs`) against a real Postgres.
+"""The durable job queue (`memory.build.jobs`) against a real Postgres.
 
 Jobs are global to the database (workers serve every tenant), so each test uses a job kind of
 its own and claims only that kind: leftovers of other tests are never seen.
@@ -17,11 +17,11 @@ import pytest
 from sqlalchemy import delete, insert, make_url, select, text, update
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from memory import jobs
+from memory.build import jobs
+from memory.build.worker import Worker, _listen_dsn
 from memory.errors import InvalidInput, NotFound
 from memory.schema import conversations, tenants
 from memory.schema import jobs as jobs_table
-from memory.worker import Worker, _listen_dsn
 
 
 @pytest.fixture
@@ -614,7 +614,7 @@ async def test_dead_letter_after_max_attempts_is_visible_and_retryable(
         raise ValueError("cannot summarize 'my secret diary entry'")
 
     worker = Worker(engine, {kind: broken}, kinds=[kind], backoff_base=0.01)
-    with caplog.at_level(logging.INFO, logger="memory.jobs"):
+    with caplog.at_level(logging.INFO, logger="memory.build.jobs"):
         ran = await worker.run_until_idle()
         await asyncio.sleep(0.03)  # the backoff of the first failure
         ran += await worker.run_until_idle()

@@ -3,7 +3,7 @@
 
 Conversations are filled through the chat API (the fake upstream answers), so the MCP tools
 read what a real client stored. Tenants: one gateway runs with `MEMSTRATA_AUTH=on`, and two
-tenants' keys (created in the database with `memory.tenants`) must each see their own
+tenants' keys (created in the database with `memory.write.tenants`) must each see their own
 conversations only, while a missing or wrong key is refused before any MCP processing.
 """
 
@@ -22,7 +22,7 @@ from mcp import Client
 from mcp.client.streamable_http import streamable_http_client
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from memory import tenants
+from memory.write import tenants
 from tests.gateway import GatewayProcess
 from tests.upstream import UpstreamServer
 

@@ -21,12 +21,12 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from gateway.logs import JsonFormatter, request_id
 from gateway.settings import Settings
-from memory import hierarchy, jobs
-from memory.jobs import Job
+from memory.build import jobs, tree
+from memory.build.jobs import Job
+from memory.build.segments import SegmentPolicy
+from memory.build.summarize import ExtractiveSummarizer
+from memory.build.worker import Worker
 from memory.schema import conversations
-from memory.segments import SegmentPolicy
-from memory.summarize import ExtractiveSummarizer
-from memory.worker import Worker
 from tests.gateway import GatewayProcess
 from tests.inprocess import App, running_app
 from tests.upstream import UpstreamServer
@@ -179,12 +179,12 @@ async def test_summaries_by_level_and_method(
             select(conversations.c.id).where(conversations.c.external_id == conversation)
         )
     assert conversation_id is not None
-    config = hierarchy.TreeConfig(
+    config = tree.TreeConfig(
         embedder=app.state.embedder,
         summarizer=ExtractiveSummarizer("gpt-4o"),
         policy=SegmentPolicy(shift_threshold=2.0, max_messages=2),
     )
-    await hierarchy.build(
+    await tree.build(
         engine,
         tenant_id=app.state.default_tenant_id,
         conversation_id=int(conversation_id),

@@ -1,6 +1,6 @@
-"""How a message is cut into passages (`memory.passages.split`)."""
+"""How a message is cut into passages (`memory.build.passages.split`)."""
 
-from memory import passages
+from memory.build import passages
 
 
 def test_sentences_of_three_words_or_more_are_passages() -> None:

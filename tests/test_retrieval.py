@@ -1,4 +1,4 @@
-"""Retrieval (`memory.retrieval`) against a real Postgres with real local embeddings.
+"""Retrieval (`memory.recall.retrieval`) against a real Postgres with real local embeddings.
 
 The main fixture imports a 5,000-message synthetic conversation (`tests/synthetic.py`) with the
 importer, plants two messages of our own in it (one to be found by meaning with no word in
@@ -19,12 +19,14 @@ from sqlalchemy import insert, select
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from gateway import importer
-from memory import fusion, hierarchy, retrieval, store
+from memory.build import tree
+from memory.build.summarize import ExtractiveSummarizer
 from memory.embeddings import LocalEmbedder
-from memory.fusion import Candidates, Place
-from memory.query import Route
+from memory.recall import fusion, retrieval
+from memory.recall.fusion import Candidates, Place
+from memory.recall.query import Route
 from memory.schema import nodes, tenants
-from memory.summarize import ExtractiveSummarizer
+from memory.write import store
 from tests import synthetic
 
 # Embedding 5,000 texts on a busy 2-core machine can take minutes.
@@ -100,10 +102,8 @@ async def corpus(engine: AsyncEngine) -> AsyncIterator[Corpus]:
     async with engine.connect() as conn:
         ref = await store.find_conversation(conn, tenant_id=tenant, external_id="retrieval-5000")
     embedder = LocalEmbedder()
-    config = hierarchy.TreeConfig(embedder=embedder, summarizer=ExtractiveSummarizer())
-    await hierarchy.build(
-        engine, tenant_id=tenant, conversation_id=ref.id, config=config, final=True
-    )
+    config = tree.TreeConfig(embedder=embedder, summarizer=ExtractiveSummarizer())
+    await tree.build(engine, tenant_id=tenant, conversation_id=ref.id, config=config, final=True)
     yield Corpus(
         tenant_id=tenant,
         conversation_id=ref.id,

@@ -1,4 +1,4 @@
-"""Where level-1 segments close (``memory.segments``).
+"""Where level-1 segments close (``memory.build.segments``).
 
 Embeddings are built by hand (unit vectors at chosen angles) so every cosine distance is known:
 a shift closes on a clearly different direction and not on a similar one, at exactly the
@@ -18,7 +18,7 @@ import numpy as np
 import numpy.typing as npt
 import pytest
 
-from memory.segments import (
+from memory.build.segments import (
     Segment,
     SegmentMessage,
     SegmentPolicy,

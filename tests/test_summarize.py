@@ -1,4 +1,5 @@
-"""Summaries that keep identifiers, numbers, names, dates and decisions (``memory.summarize``).
+"""Summaries that keep identifiers, numbers, names, dates and decisions
+(``memory.build.summarize``).
 
 Extractive mode is checked on hand-written conversations: the sentence holding an id and a
 number beats filler, facts come from all the text (not only the kept sentences), the narrative
@@ -21,9 +22,8 @@ from typing import Any
 import httpx
 import pytest
 
-from memory.errors import ProviderError
-from memory.facts import FACT_KEYS, extract_facts
-from memory.summarize import (
+from memory.build.facts import FACT_KEYS, extract_facts
+from memory.build.summarize import (
     ExtractiveSummarizer,
     FallbackSummarizer,
     LLMSummarizer,
@@ -31,6 +31,7 @@ from memory.summarize import (
     SummaryInput,
     make_summarizer,
 )
+from memory.errors import ProviderError
 from memory.tokens import count_text
 from tests.upstream import UpstreamServer, free_port
 
@@ -510,7 +511,7 @@ async def test_auto_falls_back_to_extractive_on_a_failing_upstream(
     auto = make_summarizer(
         "auto", client=client, base_url=upstream.url, api_key=None, model="summary-model"
     )
-    with caplog.at_level(logging.WARNING, logger="memory.summarize"):
+    with caplog.at_level(logging.WARNING, logger="memory.build.summarize"):
         summary = await auto.summarize(CONVERSATION, level=1, target_tokens=60)
     assert summary.method == "extractive"
     assert summary.model is None
@@ -529,7 +530,7 @@ async def test_auto_reports_a_failure_once_for_concurrent_summaries(
     upstream.set_default({"status": 502, "delay": 0.2})
     try:
         auto = FallbackSummarizer(llm(upstream, client), ExtractiveSummarizer(), cooldown=60)
-        with caplog.at_level(logging.WARNING, logger="memory.summarize"):
+        with caplog.at_level(logging.WARNING, logger="memory.build.summarize"):
             summaries = await asyncio.gather(
                 *(auto.summarize(CONVERSATION, level=1, target_tokens=40) for _ in range(4))
             )

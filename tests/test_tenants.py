@@ -29,11 +29,11 @@ from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from gateway.settings import Settings
-from memory import hierarchy
+from memory.build import tree
+from memory.build.segments import SegmentPolicy
+from memory.build.summarize import ExtractiveSummarizer
 from memory.embeddings import make_embedder
 from memory.schema import conversations, tenants
-from memory.segments import SegmentPolicy
-from memory.summarize import ExtractiveSummarizer
 from tests.gateway import GatewayProcess
 from tests.inprocess import running_app
 from tests.upstream import UpstreamServer
@@ -113,7 +113,7 @@ def chat(
 
 async def build_trees(engine: AsyncEngine, names: list[str]) -> None:
     """Summary trees for every conversation of these tenants, as a worker would build them."""
-    config = hierarchy.TreeConfig(
+    config = tree.TreeConfig(
         embedder=make_embedder(provider="local"),
         summarizer=ExtractiveSummarizer("gpt-4o"),
         policy=SegmentPolicy(shift_threshold=2.0, max_messages=2),
@@ -127,7 +127,7 @@ async def build_trees(engine: AsyncEngine, names: list[str]) -> None:
             )
         ).all()
     for row in rows:
-        await hierarchy.build(
+        await tree.build(
             engine, tenant_id=row.tenant_id, conversation_id=row.id, config=config, final=True
         )
 

@@ -23,8 +23,8 @@ from sqlalchemy import insert
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from gateway.streams import EventReader, MergedStream, add_usage
-from memory import store
 from memory.schema import tenants
+from memory.write import store
 from tests.gateway import GatewayProcess
 from tests.upstream import UpstreamServer
 

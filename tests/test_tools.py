@@ -1,4 +1,4 @@
-"""The memory tools (`memory.tools`) against a real Postgres: what each returns, how they are
+"""The memory tools (`memory.recall.tools`) against a real Postgres: what each returns, how they are
 scoped, and how they fail.
 
 Every test builds its own tenant (the `tenant_id` fixture) with one conversation of messages
@@ -20,8 +20,9 @@ import pytest
 from sqlalchemy import insert, update
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from memory import reading, store, tools
+from memory.recall import browsing, tools
 from memory.schema import nodes, tenants
+from memory.write import store
 from tests.upstream_server import embedding_vector
 
 MODEL = "gpt-4o-mini"
@@ -213,7 +214,7 @@ async def test_expand_a_message_shows_its_neighbours(engine: AsyncEngine, stored
     result = await run(engine, stored.scope, "memory_expand", {"node_id": f"[#{target}]"})
     assert ids(result)[0] == target  # the header
     assert ids(result)[1:] == stored.message_ids[1:6]
-    [marked] = [line for line in result.splitlines() if line.startswith(reading.MARK)]
+    [marked] = [line for line in result.splitlines() if line.startswith(browsing.MARK)]
     assert f"[#{target}]" in marked and "budget 180 CHF" in marked
 
 

@@ -30,9 +30,9 @@ from sqlalchemy import func, select
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from gateway import importer
-from memory import store
+from memory.build.segments import SegmentPolicy
 from memory.schema import jobs, nodes
-from memory.segments import SegmentPolicy
+from memory.write import store
 from tests import synthetic
 from tests.test_hierarchy import (
     check_complete,

@@ -35,9 +35,10 @@ from gateway.routes.admin.models import (
 )
 from gateway.routes.admin.scope import ConversationPath, ScopeDep, id_path
 from gateway.schemas import ImportRequest
-from memory import conversations, hierarchy, store
+from memory.build import tree
 from memory.db import transaction
 from memory.schema import conversations as conversations_table
+from memory.write import conversations, store
 
 router = APIRouter()
 
@@ -196,7 +197,7 @@ async def import_messages(
             model=body.model,
             created_at=[_aware(m.created_at) for m in body.messages],
         )
-        await hierarchy.enqueue(conn, tenant_id=tenant_id, conversation_id=stored.conversation.id)
+        await tree.enqueue(conn, tenant_id=tenant_id, conversation_id=stored.conversation.id)
     return ImportResult(
         conversation=conversation,
         imported=len(stored.node_ids),
@@ -270,7 +271,7 @@ async def compact(
     """Queue a build that also closes the open segment, so everything stored gets summarized."""
     async with transaction(engine) as conn:
         ref = await store.find_conversation(conn, tenant_id=tenant_id, external_id=conversation)
-        await hierarchy.enqueue(conn, tenant_id=tenant_id, conversation_id=ref.id, final=True)
+        await tree.enqueue(conn, tenant_id=tenant_id, conversation_id=ref.id, final=True)
     return CompactQueued(conversation=conversation)
 
 

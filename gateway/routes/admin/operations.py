@@ -18,9 +18,10 @@ from gateway.routes.admin.models import (
     SearchResults,
 )
 from gateway.routes.admin.scope import ScopeDep, id_path
-from memory import jobs, retrieval
+from memory.build import jobs
 from memory.db import transaction
 from memory.errors import ProviderError
+from memory.recall import retrieval
 from memory.schema import conversations
 
 log = logging.getLogger(__name__)

@@ -7,8 +7,8 @@ from fastapi import Depends, Path, Query
 
 from gateway.deps import EngineDep, StateDep
 from gateway.routes.admin.models import CONVERSATION_PATTERN, MAX_ID, TENANT_PATTERN
-from memory import tenants
 from memory.db import transaction
+from memory.write import tenants
 
 TenantQuery = Annotated[
     str | None,

@@ -21,8 +21,8 @@ from gateway.routes.admin.models import (
     TenantPublic,
 )
 from gateway.routes.admin.scope import TenantPath, id_path
-from memory import tenants
 from memory.db import transaction
+from memory.write import tenants
 
 router = APIRouter()
 

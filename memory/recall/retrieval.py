@@ -4,7 +4,7 @@
 
 * tenant-scoped: only nodes of `tenant_id` in `conversation_ids` are ever read; a conversation
   id of another tenant simply finds nothing;
-* three legs, fused by `memory.fusion` (reciprocal rank, exact matches, contiguity, routing,
+* three legs, fused by `memory.recall.fusion` (reciprocal rank, exact matches, contiguity, routing,
   periods, speakers):
   - Postgres full text: candidates are the nodes matching `websearch_to_tsquery` of the query's
     words joined by `or` (quoted phrases stay phrases), ranked by a BM25-like score (inverse
@@ -12,7 +12,7 @@
     the searched conversations, normalized by node length), so a rare identifier outweighs "go";
   - pgvector cosine distance to `query_vector`, when given (exact for one conversation, the
     HNSW index scanned iteratively for several);
-  - passages (`memory.passages`): the vector leg's messages ranked again by the better of
+  - passages (`memory.build.passages`): the vector leg's messages ranked again by the better of
     their own similarity and their best sentence's, so that a message whose one relevant
     sentence is diluted by small talk rises to where that sentence alone would rank;
 * messages that have no embedding yet are found by the full-text leg alone: nothing just written
@@ -38,8 +38,8 @@ from typing import Any, Final
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from memory.fusion import CONTIGUITY, Candidates, Key, Place, fuse, ranked
-from memory.query import (
+from memory.recall.fusion import CONTIGUITY, Candidates, Key, Place, fuse, ranked
+from memory.recall.query import (
     Route,
     identifiers,
     participants_named,
@@ -188,7 +188,7 @@ LIMIT :limit
 """
 )
 
-# The passage leg: the best passage (`memory.passages`) of each of the given messages.
+# The passage leg: the best passage (`memory.build.passages`) of each of the given messages.
 _PASSAGES = text(
     """
 SELECT n.conversation_id, n.level, n.seq, n.span_end, n.name, n.created_at, false AS exact,

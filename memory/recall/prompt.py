@@ -7,9 +7,9 @@
    tools; summaries of the history before the recent turns, coarse for the oldest history and
    finer nearer the present (a frontier of the summary tree, each truncated to a few sentences
    and tagged `[#node_id]` with its span and period); pinned milestones; and the messages
-   retrieved for the new message (`memory.retrieval`), verbatim, each tagged `[#node_id]` and
+   retrieved for the new message (`memory.recall.retrieval`), verbatim, each tagged `[#node_id]` and
    its speaker, in chronological order under a heading per sitting that gives its date and
-   the time it began (`memory.layout`);
+   the time it began (`memory.recall.memory_block`);
 3. the most recent stored turns verbatim, never starting inside a tool call's results;
 4. the new messages (and, when they are tool results, the assistant message that called them).
 
@@ -36,9 +36,10 @@ from typing import Any, Final
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from memory import fusion, retrieval, tokens
+from memory import tokens
 from memory.errors import InvalidInput
-from memory.layout import MemoryBlock
+from memory.recall import fusion, retrieval
+from memory.recall.memory_block import MemoryBlock
 
 __all__ = [
     "MODEL_LIMITS",

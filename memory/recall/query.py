@@ -1,5 +1,5 @@
 """Reading a query before searching: its route, its full-text form, its identifiers, the
-participants and the calendar periods it names (see `memory.retrieval`)."""
+participants and the calendar periods it names (see `memory.recall.retrieval`)."""
 
 from __future__ import annotations
 

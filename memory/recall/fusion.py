@@ -1,6 +1,6 @@
 """Rank fusion: the legs' candidates become one score per node (SPEC §6).
 
-`fuse()` turns the candidates of retrieval's legs (`memory.retrieval`: full text, vector,
+`fuse()` turns the candidates of retrieval's legs (`memory.recall.retrieval`: full text, vector,
 passages) into one score per node place:
 
 * reciprocal-rank fusion of the legs (`RRF_K`);
@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from datetime import date, datetime
 from typing import Final
 
-from memory.query import Route
+from memory.recall.query import Route
 
 __all__ = [
     "CONTIGUITY",
@@ -67,7 +67,7 @@ SPEAKER_BOOST: Final = 2.0
 
 PERIOD_BOOST: Final = 2.0
 """Multiplier of the fused score of candidates written within a calendar period the query
-names (`memory.query.periods`: "in March 2023" also reaches the week after, when messages
+names (`memory.recall.query.periods`: "in March 2023" also reaches the week after, when messages
 still tell of it)."""
 
 

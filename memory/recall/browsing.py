@@ -1,4 +1,4 @@
-"""Reading memory node by node: the bodies of the memory tools (`memory.tools`).
+"""Reading memory node by node: the bodies of the memory tools (`memory.recall.tools`).
 
 * `expand(node_id)`: a summary → the nodes it summarizes (finer summaries, or the original
   messages verbatim; by parent link, or by the span it covers while the tree is rebuilt); a
@@ -10,7 +10,7 @@
   in a worker thread (the GIL released) under one time budget, `Limits.regex_timeout`, so a
   catastrophic pattern yields `PatternRejected` quickly, never a hung worker; at most
   `MAX_MATCHES` results, with a note of where to continue.
-* `search(query, limit)`: hybrid retrieval (`memory.retrieval.search`), at most `MAX_SEARCH`.
+* `search(query, limit)`: hybrid retrieval (`memory.recall.retrieval.search`), at most `MAX_SEARCH`.
 
 Every function reads within a `Scope`: one tenant, one conversation, and for `expand` and
 `search` the other conversations it may recall. A node of another tenant or outside the scope
@@ -32,10 +32,10 @@ import regex
 from sqlalchemy import ColumnElement, func, select
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from memory import retrieval
 from memory.db import AnyRow
 from memory.embeddings import Embedder
 from memory.errors import InvalidInput, NotFound, PatternRejected
+from memory.recall import retrieval
 from memory.schema import conversations, nodes
 
 MAX_PATTERN_CHARS: Final = 500

@@ -1,4 +1,4 @@
-"""Workers: processes that run the queue's jobs (`memory.jobs`) with registered handlers.
+"""Workers: processes that run the queue's jobs (`memory.build.jobs`) with registered handlers.
 
 A `Worker` runs `concurrency` loops that claim a job, run its handler while a background task
 extends the lease every lease/3 seconds, and complete or fail it. A handler's exception fails
@@ -21,8 +21,7 @@ import asyncpg
 from sqlalchemy.engine import URL
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from memory.errors import InvalidInput, StorageUnavailable
-from memory.jobs import (
+from memory.build.jobs import (
     BACKOFF_BASE,
     BACKOFF_CAP,
     CHANNEL,
@@ -34,6 +33,7 @@ from memory.jobs import (
     extend_lease,
     fail,
 )
+from memory.errors import InvalidInput, StorageUnavailable
 
 log = logging.getLogger(__name__)
 

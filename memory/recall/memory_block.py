@@ -1,6 +1,6 @@
 """The memory message's text: summaries, milestones and retrieved messages, and their costs.
 
-`MemoryBlock` collects the parts `memory.context.build` chooses, estimates what each costs in
+`MemoryBlock` collects the parts `memory.recall.prompt.build` chooses, estimates what each costs in
 tokens before it is added (so that the builder can fill its budget greedily), and renders:
 
     Summaries, oldest first:
@@ -29,7 +29,7 @@ from datetime import datetime, timedelta
 from typing import Any, Final
 
 from memory import tokens
-from memory.retrieval import Hit
+from memory.recall.retrieval import Hit
 
 __all__ = ["SITTING_GAP", "MemoryBlock"]
 

@@ -22,10 +22,11 @@ from sqlalchemy.dialects.postgresql import ARRAY, aggregate_order_by
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from memory import identity, tokens
+from memory import tokens
 from memory.db import AnyRow
 from memory.errors import NotFound
 from memory.schema import DEFAULT_TENANT, conversations, nodes, tenants
+from memory.write import identity
 
 MESSAGE_FIELDS = ("role", "name", "content", "tool_calls", "tool_call_id")
 """Fields of an OpenAI message stored in columns; the rest are kept in `meta`."""

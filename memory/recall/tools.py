@@ -3,7 +3,7 @@
 Four tools (SPEC §7), offered to the model in OpenAI's function-tool format (`definitions()`,
 whose prompt cost `tool_tokens(model)` tells) and served over MCP with the same meaning:
 `memory_expand(node_id)`, `memory_search(query, limit)`, `memory_browse(level, start, end)`
-and `memory_find(pattern, start_seq, end_seq)`; their bodies are in `memory.reading`.
+and `memory_find(pattern, start_seq, end_seq)`; their bodies are in `memory.recall.browsing`.
 
 `call` runs one call as a model makes it (arguments as a JSON text or object, leniently read:
 `"812"`, `"#812"` and `"[#812]"` all name node 812) in a `Scope` (`scope_for` builds a request's:
@@ -26,7 +26,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 from memory import tokens
 from memory.embeddings import Embedder
 from memory.errors import InvalidInput, MemstrataError
-from memory.reading import (
+from memory.recall.browsing import (
     DEFAULT_LIMITS,
     DEFAULT_SEARCH_LIMIT,
     MAX_BROWSE,

@@ -17,10 +17,10 @@ from typing import Any
 from sqlalchemy import ColumnElement, delete, func, select
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
-from memory import store
 from memory.db import AnyRow, transaction
 from memory.errors import InvalidInput, NotFound
 from memory.schema import conversations, jobs, nodes
+from memory.write import store
 
 
 @dataclass(frozen=True)

@@ -10,8 +10,8 @@ Contract of every :class:`Summarizer`:
 * ``await summarize(items, level=k, target_tokens=n)`` -- ``items`` are the children in order
   (at least one), ``level`` the level of the summary being made (≥ 1), ``target_tokens`` the
   narrative's budget (≥ 1). It returns a :class:`Summary`: a narrative, key facts under exactly
-  the keys of :data:`~memory.facts.FACT_KEYS` (each a deduplicated list of strings, capped), the
-  method that made it (``"llm"`` or ``"extractive"``) and the model (``None`` for extractive).
+  the keys of :data:`~memory.build.facts.FACT_KEYS` (each a deduplicated list of strings, capped),
+  the method that made it (``"llm"`` or ``"extractive"``) and the model (``None`` for extractive).
 * Backend failures (HTTP errors, non-2xx answers, timeouts, malformed replies) raise
   :class:`~memory.errors.ProviderError`; bad arguments raise ``ValueError``.
 * Nothing is logged that contains conversation text.
@@ -20,7 +20,7 @@ Three implementations:
 
 * :class:`ExtractiveSummarizer` -- no LLM. Keeps the sentences that carry the most
   identifiers, numbers, dates, names and decision words, in their original order, within
-  ``target_tokens``; facts come from regular expressions (:mod:`memory.facts`) over *all* the
+  ``target_tokens``; facts come from regular expressions (:mod:`memory.build.facts`) over *all* the
   input text (not only the kept sentences) and, at level ≥ 2, from the children's facts too.
   Pure CPU, about 0.1 ms per message: it runs on the event loop, where a thread hop would cost
   more than it saves.
@@ -46,8 +46,8 @@ from typing import Any, Literal, Protocol
 
 import httpx
 
+from memory.build.facts import FACT_KEYS, FactSet, Sentence, analyze, extract_facts, string_list
 from memory.errors import ProviderError
-from memory.facts import FACT_KEYS, FactSet, Sentence, analyze, extract_facts, string_list
 from memory.tokens import count_text, encoding_name_for_model, get_encoding
 
 __all__ = [

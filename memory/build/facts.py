@@ -1,8 +1,8 @@
 """Key facts and scored sentences read out of conversation text (SPEC §5).
 
 Pure CPU, no I/O, deterministic, and nothing is logged: the summarizers of
-:mod:`memory.summarize` take their facts and their candidate sentences from here. The input is a
-sequence of :class:`FactSource` in conversation order: each a role, a text and, for a summary,
+:mod:`memory.build.summarize` take their facts and their candidate sentences from here. The input is
+a sequence of :class:`FactSource` in conversation order: each a role, a text and, for a summary,
 the facts it already holds.
 
 Contract:
@@ -47,7 +47,7 @@ __all__ = [
 ]
 
 FACT_KEYS: Final = ("identifiers", "numbers", "names", "dates", "decisions", "open_questions")
-"""The keys of every facts mapping (as in :attr:`memory.summarize.Summary.facts`), always all
+"""The keys of every facts mapping (as in :attr:`memory.build.summarize.Summary.facts`), always all
 present, in this order."""
 
 #: Most strings kept per fact key. Facts travel into prompts and into every ancestor's input, so

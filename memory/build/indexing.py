@@ -1,11 +1,11 @@
 """What a node gains when it is embedded for retrieval, and how that is written.
 
 `embed()` computes, for nodes with text, their vector, their importance and pin
-(`memory.importance`, messages only) and, for messages, one vector per passage
-(`memory.passages`), all in one embedder call. `write()` writes what nodes gain (a vector with
+(`memory.build.importance`, messages only) and, for messages, one vector per passage
+(`memory.build.passages`), all in one embedder call. `write()` writes what nodes gain (a vector with
 its importance, pin and passages, a parent, or both) in one UPDATE for the nodes and one INSERT
 for the passages: the caller's transaction makes a message's vector and its passages appear
-together. `memory.hierarchy` decides when nodes are embedded and adopted; this module only
+together. `memory.build.tree` decides when nodes are embedded and adopted; this module only
 computes and writes.
 """
 
@@ -18,7 +18,7 @@ from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from memory import importance, passages
+from memory.build import importance, passages
 from memory.db import AnyRow
 from memory.embeddings import Embedder, Vector
 from memory.schema import nodes

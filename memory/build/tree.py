@@ -4,10 +4,10 @@
 
 1. embed the messages after the last closed segment, a chunk of `embed_batch` at a time,
    scoring each one's importance and pinning milestones on the way (and embedding its passages,
-   `memory.passages`, written with its vector: `memory.indexing`), and cut them into segments
-   (`memory.segments`, fed chunk by chunk); each closed segment gets a level-1 summary node,
-   and its messages get their vector, importance and parent in one UPDATE each, so the HNSW
-   index takes one entry per message rather than one for the vector and another for the
+   `memory.build.passages`, written with its vector: `memory.build.indexing`), and cut them into
+   segments (`memory.build.segments`, fed chunk by chunk); each closed segment gets a level-1
+   summary node, and its messages get their vector, importance and parent in one UPDATE each, so the
+   HNSW index takes one entry per message rather than one for the vector and another for the
    parent. Messages of the still-open segment are written with their vector at the end (they
    gain a parent in a later build). A message without text (an assistant's bare tool calls)
    has nothing to embed and keeps no vector. Messages stored after the step read its work are
@@ -42,14 +42,15 @@ from sqlalchemy import cast, func, literal, select
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
-from memory import indexing, jobs, tokens
+from memory import tokens
+from memory.build import indexing, jobs
+from memory.build.indexing import FLOATS, Embedded
+from memory.build.jobs import Job
+from memory.build.segments import SegmentMessage, SegmentPolicy, split
+from memory.build.summarize import Summarizer, Summary, SummaryInput
 from memory.db import AnyRow, transaction
 from memory.embeddings import Embedder, Vector, centroid
-from memory.indexing import FLOATS, Embedded
-from memory.jobs import Job
 from memory.schema import nodes
-from memory.segments import SegmentMessage, SegmentPolicy, split
-from memory.summarize import Summarizer, Summary, SummaryInput
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +71,7 @@ class TreeConfig:
     embed_batch: int = 256
     # Segments summarized at once: bounds LLM concurrency and the size of one transaction.
     summary_batch: int = 16
-    # Embed each message's sentences too (`memory.passages`): ~1.5x the embedding work.
+    # Embed each message's sentences too (`memory.build.passages`): ~1.5x the embedding work.
     passages: bool = True
 
 

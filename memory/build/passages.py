@@ -3,8 +3,8 @@
 A message's vector averages everything it says, so the one sentence that answers a question
 ("I was in the final of a big Valorant tournament") is diluted by the greeting and small talk
 around it. `split()` cuts a message's text into the sentences worth a vector of their own; the
-summary tree's build embeds them with the message (`memory.hierarchy`) into the `passages`
-table, and retrieval's passage leg (`memory.retrieval.passage_candidates`) ranks the vector
+summary tree's build embeds them with the message (`memory.build.tree`) into the `passages`
+table, and retrieval's passage leg (`memory.recall.retrieval.passage_candidates`) ranks the vector
 leg's candidates again, each by whichever matches the query best, its whole text or one of its
 passages.
 
