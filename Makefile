@@ -3,6 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+BENCH_STAMP := $(VENV)/.installed-bench
 
 .PHONY: install run test lint typecheck format clean
 
@@ -41,8 +42,13 @@ clean:
 # Performance benchmarks (bench/README.md): results in bench/results/, report in docs/benchmarks.md.
 .PHONY: bench bench-quick
 
-bench: install
+# The benchmarks' own packages (the `bench` extra) on top of `make install`'s.
+$(BENCH_STAMP): $(STAMP)
+	$(BIN)/pip install --quiet -e '.[dev,bench]'
+	@touch $(BENCH_STAMP)
+
+bench: $(BENCH_STAMP)
 	$(BIN)/python -m bench
 
-bench-quick: install
+bench-quick: $(BENCH_STAMP)
 	$(BIN)/python -m bench --quick

@@ -53,7 +53,7 @@ async def run_all(args: argparse.Namespace, out_dir: Path) -> dict[str, Path]:
     }
     written: dict[str, Path] = {}
     started = time.perf_counter()
-    with h.Stack(stack_config) as stack:
+    with h.running_stack(stack_config) as stack:
         async with h.load_client(64) as client:
             scale_single: dict[str, Any] | None = None
             conversation_id = f"bench-{max(ov.sizes)}-0"
@@ -65,7 +65,7 @@ async def run_all(args: argparse.Namespace, out_dir: Path) -> dict[str, Path]:
             if "overhead" in only:
                 gateway = stack.gateway(name="gateway", workers=0)
                 cells = await overhead.measure(client, stack, gateway, ov)
-                memory = gateway.memory()
+                memory = h.process_memory(gateway.pid)
                 gateway.stop()
                 if ov.variant_seconds > 0:
                     gateway = stack.gateway(name="gateway-worker", workers=1)

@@ -3,16 +3,19 @@
 Everything the performance scenarios (`bench.overhead`, `bench.load`, `bench.scale`,
 `bench.profile`) share lives here:
 
-* **processes** -- `Stack` starts the embedded Postgres (a throw-away cluster, configured as
-  `memstrata serve` configures its own), the fake OpenAI upstream (`tests.upstream.UpstreamServer`,
-  with a configurable latency and streaming rate), the pass-through relay floor (`bench.relay`)
-  and any number of gateways (`memstrata serve` as a real process, `Service`);
+* **processes** -- `running_stack()` starts the embedded Postgres (a throw-away cluster,
+  configured as `memstrata serve` configures its own; `devkit.postgres`), the fake OpenAI
+  upstream (`devkit.upstream.UpstreamServer`, with a configurable latency and streaming rate),
+  the pass-through relay floor (`bench.relay`) and, from the `Stack` it yields, any number of
+  gateways (`memstrata serve` as a real process, `devkit.gateway.GatewayProcess`);
+  `process_memory()` and `process_cpu_seconds()` read what a process uses;
 * **the load generator** -- `run_load()` keeps `concurrency` requests in flight with one
   `httpx.AsyncClient` until a request count or a duration is reached, and records each
   request's latency, time to first body byte, status and the gateway's own
   `X-Memstrata-Overhead-Ms` (`Sample`);
-* **statistics** -- `summarize()` gives count, errors, mean and percentiles in milliseconds;
-* **data** -- synthetic conversations (`tests.synthetic`) imported through the admin bulk import
+* **statistics** -- `summarize()` gives count, errors, mean and percentiles
+  (`devkit.stats.percentile`) in milliseconds;
+* **data** -- synthetic conversations (`devkit.synthetic`) imported through the admin bulk import
   endpoint, and `wait_idle()` until the background queue is empty;
 * **results** -- `machine_info()` (CPU, Python, package versions, git commit) goes into every
   results file, written by `write_results()`.
@@ -29,26 +32,27 @@ import importlib.metadata
 import json
 import os
 import platform
-import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from types import TracebackType
-from typing import IO, Any, Self
+from typing import Any, Self
 
 import asyncpg
 import httpx
 import numpy as np
 import psutil
 
+from devkit import synthetic
+from devkit.gateway import GatewayProcess
+from devkit.postgres import throwaway_postgres
+from devkit.service import Service, child_env, free_port
+from devkit.stats import percentile
+from devkit.upstream import UpstreamServer
 from memory.postgres import EmbeddedPostgres
-from tests import synthetic
-from tests.upstream import UpstreamServer, free_port
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 RESULTS_DIR = REPO_ROOT / "bench" / "results"
@@ -160,13 +164,6 @@ def write_results(path: Path, payload: Mapping[str, Any]) -> Path:
 
 
 # -- statistics -------------------------------------------------------------------------------
-
-
-def percentile(values: Sequence[float], q: float) -> float | None:
-    """The q-th percentile (linear interpolation), or None for no values."""
-    if not values:
-        return None
-    return float(np.percentile(np.asarray(values, dtype=float), q))
 
 
 def summarize(values_ms: Sequence[float], *, errors: int = 0) -> dict[str, Any]:
@@ -376,116 +373,27 @@ def latency_figures(samples: Sequence[Sample]) -> dict[str, Any]:
 # -- processes --------------------------------------------------------------------------------
 
 
-class ServiceStartError(RuntimeError):
-    """A process did not come up."""
+def process_memory(pid: int) -> dict[str, float | None]:
+    """A process's resident memory now and at its peak (VmHWM), in MiB."""
+    try:
+        rss = psutil.Process(pid).memory_info().rss / 2**20
+    except psutil.Error:
+        return {"rss_mib": None, "peak_rss_mib": None}
+    peak = None
+    with contextlib.suppress(OSError):
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                peak = int(line.split()[1]) / 1024
+    return {"rss_mib": round(rss, 1), "peak_rss_mib": round(peak, 1) if peak else None}
 
 
-class Service:
-    """A server subprocess on a free loopback port, ready once `health_path` answers 200."""
-
-    def __init__(
-        self,
-        name: str,
-        argv: Sequence[str],
-        *,
-        env: Mapping[str, str],
-        port: int,
-        log_dir: Path,
-        health_path: str = "/healthz",
-        startup_timeout: float = 120.0,
-    ) -> None:
-        self.name = name
-        self.port = port
-        self.root_url = f"http://127.0.0.1:{port}"
-        self.log_path = log_dir / f"{name}.log"
-        log_dir.mkdir(parents=True, exist_ok=True)
-        self._log: IO[bytes] = self.log_path.open("wb")
-        self.started_at = time.perf_counter()
-        self.process = subprocess.Popen(
-            list(argv),
-            cwd=REPO_ROOT,
-            env=dict(env),
-            stdin=subprocess.DEVNULL,
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-        )
-        try:
-            self._wait_ready(health_path, startup_timeout)
-        except BaseException:
-            self.stop()
-            raise
-        self.startup_seconds = time.perf_counter() - self.started_at
-
-    def _wait_ready(self, path: str, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise ServiceStartError(f"{self.name} exited early:\n{self.logs()[-3000:]}")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(self.root_url + path, timeout=1, trust_env=False).status_code == 200:
-                    return
-            time.sleep(0.1)
-        raise ServiceStartError(f"{self.name} not ready after {timeout}s:\n{self.logs()[-3000:]}")
-
-    @property
-    def pid(self) -> int:
-        return self.process.pid
-
-    def logs(self) -> str:
-        with contextlib.suppress(OSError):
-            return self.log_path.read_text(errors="replace")
-        return ""
-
-    def memory(self) -> dict[str, float | None]:
-        """Resident memory now and at its peak (VmHWM), in MiB."""
-        try:
-            rss = psutil.Process(self.pid).memory_info().rss / 2**20
-        except psutil.Error:
-            return {"rss_mib": None, "peak_rss_mib": None}
-        peak = None
-        with contextlib.suppress(OSError):
-            for line in Path(f"/proc/{self.pid}/status").read_text().splitlines():
-                if line.startswith("VmHWM:"):
-                    peak = int(line.split()[1]) / 1024
-        return {"rss_mib": round(rss, 1), "peak_rss_mib": round(peak, 1) if peak else None}
-
-    def cpu_seconds(self) -> float | None:
-        """User + system CPU time the process has used so far (threads included)."""
-        try:
-            times = psutil.Process(self.pid).cpu_times()
-        except psutil.Error:
-            return None
-        return float(times.user + times.system)
-
-    def stop(self) -> None:
-        """SIGTERM, then SIGKILL after 20 s. Idempotent."""
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-        if not self._log.closed:
-            self._log.close()
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.stop()
-
-
-def _child_env() -> dict[str, str]:
-    env = {key: value for key, value in os.environ.items() if not key.startswith("MEMSTRATA_")}
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
-    env["PYTHONUNBUFFERED"] = "1"
-    return env
+def process_cpu_seconds(pid: int) -> float | None:
+    """User + system CPU time a process has used so far (threads included)."""
+    try:
+        times = psutil.Process(pid).cpu_times()
+    except psutil.Error:
+        return None
+    return float(times.user + times.system)
 
 
 @dataclass
@@ -495,55 +403,46 @@ class StackConfig:
     upstream_latency: float = 0.005
     upstream_chunk_delay: float = 0.0
     durable: bool = True
-    work_dir: Path | None = None
 
 
+@dataclass
 class Stack:
-    """Postgres + fake upstream + relay floor for one benchmark run; gateways on demand."""
+    """The processes of one benchmark run (`running_stack`); gateways on demand."""
 
-    def __init__(self, config: StackConfig) -> None:
-        self.config = config
-        self._own_dir = config.work_dir is None
-        folder = config.work_dir or Path(tempfile.mkdtemp(prefix="memstrata-bench-"))
-        folder.mkdir(parents=True, exist_ok=True)
-        # As root, Postgres runs as the `postgres` user, which must reach the data folder.
-        folder.chmod(0o755)
-        self.folder = folder
-        self.log_dir = folder / "logs"
-        self.postgres = EmbeddedPostgres(folder / "data", durable=config.durable)
-        self.upstream: UpstreamServer | None = None
-        self.relay: Service | None = None
-        self.gateways: list[Service] = []
-        self._counter = 0
+    postgres: EmbeddedPostgres
+    upstream: UpstreamServer
+    relay: Service
+    relay_url: str
+    gateway_data: Path
+    gateways: list[GatewayProcess] = field(default_factory=list)
 
-    def start(self) -> Self:
-        log(f"starting embedded Postgres under {self.folder} (durable={self.config.durable})")
-        self.postgres.start()
-        log(
-            f"starting the fake upstream (latency {self.config.upstream_latency * 1000:.1f} ms, "
-            f"chunk delay {self.config.upstream_chunk_delay * 1000:.1f} ms)"
+    def gateway(
+        self,
+        *,
+        name: str = "gateway",
+        argv: Sequence[str] | None = None,
+        database_url: str | None = None,
+        **settings: object,
+    ) -> GatewayProcess:
+        """Start `memstrata serve` (or `argv`) on the stack's upstream and database (or
+        `database_url`); `settings` are MEMSTRATA_* settings by their lower-case names."""
+        values: dict[str, object] = {
+            "log_level": "warning",
+            "summary_mode": "extractive",
+            "data_dir": str(self.gateway_data),
+            **settings,
+        }
+        gateway = GatewayProcess(
+            database_url=database_url or self.database_url,
+            upstream_url=self.upstream.url,
+            name=f"{name}-{len(self.gateways) + 1}",
+            argv=argv,
+            startup_timeout=120.0,
+            **values,
         )
-        self.upstream = UpstreamServer(
-            latency=self.config.upstream_latency, chunk_delay=self.config.upstream_chunk_delay
-        )
-        port = free_port()
-        self.relay = Service(
-            "relay",
-            [
-                sys.executable,
-                "-m",
-                "bench.relay",
-                "--port",
-                str(port),
-                "--upstream",
-                self.upstream.url,
-            ],
-            env=_child_env(),
-            port=port,
-            log_dir=self.log_dir,
-            health_path="/healthz",
-        )
-        return self
+        self.gateways.append(gateway)
+        log(f"{gateway.name} ready in {gateway.startup_seconds:.1f}s, pid {gateway.pid}")
+        return gateway
 
     def postgres_cpu_seconds(self) -> float | None:
         """CPU time used so far by the stack's Postgres (the postmaster and its backends)."""
@@ -570,63 +469,52 @@ class Stack:
         """The database for asyncpg (read-only statistics)."""
         return self.postgres.url.replace("postgresql+asyncpg://", "postgresql://")
 
-    def gateway(
-        self, *, name: str = "gateway", argv: Sequence[str] | None = None, **settings: object
-    ) -> Service:
-        """Start `memstrata serve` (or `argv`) on the stack's database and upstream; `settings`
-        are MEMSTRATA_* settings by their lower-case names."""
-        assert self.upstream is not None, "start() first"
-        self._counter += 1
-        port = free_port()
-        env = _child_env()
-        values: dict[str, object] = {
-            "database_url": self.database_url,
-            "upstream_base_url": self.upstream.url,
-            "host": "127.0.0.1",
-            "port": port,
-            "log_level": "warning",
-            "summary_mode": "extractive",
-            "data_dir": str(self.folder / "gateway-data"),
-        }
-        values.update(settings)
-        env.update({f"MEMSTRATA_{key.upper()}": str(value) for key, value in values.items()})
-        service = Service(
-            f"{name}-{self._counter}",
-            argv or [sys.executable, "-m", "gateway", "serve"],
-            env=env,
-            port=port,
-            log_dir=self.log_dir,
+
+@contextlib.contextmanager
+def running_stack(config: StackConfig) -> Iterator[Stack]:
+    """Postgres (a throw-away cluster, durable as `memstrata serve` runs its own unless the
+    config says otherwise), the fake upstream and the relay floor, started; everything, the
+    gateways included, stopped on exit."""
+    with contextlib.ExitStack() as resources:
+        log(f"starting embedded Postgres (durable={config.durable})")
+        postgres = resources.enter_context(
+            throwaway_postgres(prefix="memstrata-bench-", durable=config.durable)
         )
-        self.gateways.append(service)
-        log(f"{service.name} ready in {service.startup_seconds:.1f}s, pid {service.pid}")
-        return service
-
-    def stop(self) -> None:
-        for gateway in self.gateways:
-            gateway.stop()
-        if self.relay is not None:
-            self.relay.stop()
-        if self.upstream is not None:
-            self.upstream.stop()
-        with contextlib.suppress(Exception):
-            self.postgres.stop()
-        if self._own_dir:
-            shutil.rmtree(self.folder, ignore_errors=True)
-
-    def __enter__(self) -> Self:
+        log(
+            f"starting the fake upstream (latency {config.upstream_latency * 1000:.1f} ms, "
+            f"chunk delay {config.upstream_chunk_delay * 1000:.1f} ms)"
+        )
+        upstream = resources.enter_context(
+            UpstreamServer(latency=config.upstream_latency, chunk_delay=config.upstream_chunk_delay)
+        )
+        port = free_port()
+        relay_url = f"http://127.0.0.1:{port}"
+        relay = resources.enter_context(
+            Service(
+                "relay",
+                [
+                    sys.executable,
+                    "-m",
+                    "bench.relay",
+                    "--port",
+                    str(port),
+                    "--upstream",
+                    upstream.url,
+                ],
+                env=child_env(),
+                ready_url=f"{relay_url}/healthz",
+                startup_timeout=120.0,
+            )
+        )
+        # The gateways' own data folder, beside the cluster's in the throw-away folder.
+        stack = Stack(
+            postgres, upstream, relay, relay_url, postgres.data_dir.parent / "gateway-data"
+        )
         try:
-            return self.start()
-        except BaseException:
-            self.stop()
-            raise
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.stop()
+            yield stack
+        finally:
+            for gateway in stack.gateways:
+                gateway.stop()
 
 
 # -- data -------------------------------------------------------------------------------------

@@ -30,6 +30,7 @@ from typing import Any
 import asyncpg
 
 from bench import harness as h
+from devkit.service import Service
 
 TOPICS = (
     "plan a weekend trip to Lisbon in May with a budget of $1,200",
@@ -124,7 +125,7 @@ async def run_target(
     config: LoadConfig,
     *,
     duration: float,
-    service: h.Service | None = None,
+    service: Service | None = None,
     stack: h.Stack | None = None,
 ) -> dict[str, Any]:
     scripts = Scripts(url, concurrency=config.concurrency, turns=config.turns, tag=name)
@@ -137,8 +138,8 @@ async def run_target(
         duration=min(duration / 2, 20.0),
         observe=scripts.observe,
     )
-    memory_before = service.memory() if service else None
-    cpu_before = service.cpu_seconds() if service else None
+    memory_before = h.process_memory(service.pid) if service else None
+    cpu_before = h.process_cpu_seconds(service.pid) if service else None
     postgres_before = stack.postgres_cpu_seconds() if stack else None
     started = time.perf_counter()
     samples = await h.run_load(
@@ -162,13 +163,13 @@ async def run_target(
         "per_second": per_second(samples, wall),
     }
     if service is not None:
-        cpu_after = service.cpu_seconds()
+        cpu_after = h.process_cpu_seconds(service.pid)
         if cpu_before is not None and cpu_after is not None:
             used = cpu_after - cpu_before
             result["cpu_ms_per_request"] = round(used * 1000 / max(len(samples), 1), 2)
             result["cpu_cores_busy"] = round(used / wall, 2)
         result["memory_before"] = memory_before
-        result["memory_after"] = service.memory()
+        result["memory_after"] = h.process_memory(service.pid)
     postgres_after = stack.postgres_cpu_seconds() if stack else None
     if postgres_before is not None and postgres_after is not None:
         used = postgres_after - postgres_before
@@ -222,7 +223,6 @@ async def _gateway_target(
 
 async def run(client: h.Client, stack: h.Stack, config: LoadConfig) -> dict[str, Any]:
     """Reference runs (upstream, relay), then the gateway (workers off, then on)."""
-    assert stack.upstream is not None and stack.relay is not None
     targets: list[dict[str, Any]] = []
     targets.append(
         await run_target(
@@ -233,7 +233,7 @@ async def run(client: h.Client, stack: h.Stack, config: LoadConfig) -> dict[str,
         await run_target(
             client,
             "relay",
-            f"{stack.relay.root_url}/v1",
+            f"{stack.relay_url}/v1",
             config,
             duration=config.reference_duration,
             service=stack.relay,
@@ -254,7 +254,7 @@ def headline(result: Mapping[str, Any]) -> dict[str, Any] | None:
 
 async def standalone(args: argparse.Namespace) -> dict[str, Any]:
     config = LoadConfig.quick() if args.quick else LoadConfig()
-    with h.Stack(h.StackConfig(upstream_latency=args.latency)) as stack:
+    with h.running_stack(h.StackConfig(upstream_latency=args.latency)) as stack:
         async with h.load_client(config.concurrency) as client:
             result = await run(client, stack, config)
     return {

@@ -17,12 +17,12 @@ tree is then built with the extractive summarizer and the local MiniLM embedder
 (`memory.build.tree.build`, `final=True`).
 
 For each question of categories 1-4 and each budget, the prompt is built exactly as the gateway
-would (`gateway.chat.dry_run`: the question as the new user message, model gpt-4o) and scored by
-the share of its evidence turns whose whole text (surrounding whitespace aside) is present verbatim
-in the prompt. Evidence ids are normalized (`D:11:26` → `D11:26`, `D8:6; D9:17` → two ids); ids
-that name no turn are dropped and counted. Scores are reported with the dataset's evidence and with
-the audit file's `correct_evidence` in place of the cited one. memstrata is measured twice: with
-the memory tools off (`MEMSTRATA_MEMORY_TOOLS=never`: the prompt is all messages, like the
+would (`gateway.openai.chat.dry_run`: the question as the new user message, model gpt-4o) and scored
+by the share of its evidence turns whose whole text (surrounding whitespace aside) is present
+verbatim in the prompt. Evidence ids are normalized (`D:11:26` → `D11:26`, `D8:6; D9:17` → two ids);
+ids that name no turn are dropped and counted. Scores are reported with the dataset's evidence and
+with the audit file's `correct_evidence` in place of the cited one. memstrata is measured twice:
+with the memory tools off (`MEMSTRATA_MEMORY_TOOLS=never`: the prompt is all messages, like the
 baselines') and with them offered (the default `auto`: their definitions are reserved out of the
 budget, so the messages get less). Three baselines get the same budgets and the same token
 counting: the newest turns only (verbatim chat messages), flat embedding top-k (MiniLM cosine over
@@ -46,10 +46,8 @@ import asyncio
 import json
 import os
 import re
-import shutil
 import statistics
 import sys
-import tempfile
 import time
 from collections import defaultdict
 from collections.abc import Collection, Sequence
@@ -63,15 +61,17 @@ from sqlalchemy import insert, select, text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from bench.locomo_report import CATEGORIES, METHODS, ROOT, render, update_docs
-from gateway import chat, importer
-from gateway.deps import State
+from devkit.postgres import throwaway_postgres
+from devkit.stats import percentile
+from gateway import importer
+from gateway.openai import chat
 from gateway.settings import Settings
+from gateway.state import State
 from memory import tokens
 from memory.build import tree
 from memory.build.summarize import ExtractiveSummarizer
 from memory.db import connect, migrate
 from memory.embeddings import LocalEmbedder
-from memory.postgres import EmbeddedPostgres
 from memory.recall import retrieval, tools
 from memory.schema import nodes, tenants
 
@@ -295,13 +295,6 @@ async def dry(
     )
 
 
-def percentile(values: Sequence[float], share: float) -> float:
-    ordered = sorted(values)
-    if not ordered:
-        return 0.0
-    return ordered[min(len(ordered) - 1, int(share * len(ordered)))]
-
-
 async def evaluate(
     state: State,
     tenant: int,
@@ -392,8 +385,8 @@ async def evaluate(
         },
         "build_latency_ms": {
             str(b): {
-                "p50": round(percentile(v, 0.5), 2),
-                "p95": round(percentile(v, 0.95), 2),
+                "p50": round(percentile(v, 50) or 0.0, 2),
+                "p95": round(percentile(v, 95) or 0.0, 2),
                 "mean": round(statistics.fmean(v), 2),
             }
             for b, v in latency.items()
@@ -408,16 +401,11 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         wanted = _numbers(args.conversations)
         samples = [sample for sample in samples if sample.number in wanted]
     budgets = [4000] if args.quick else [int(b) for b in args.budgets.split(",")]
-    keep = args.data_dir is not None
-    folder = args.data_dir or Path(tempfile.mkdtemp(prefix="memstrata-locomo-"))
-    await asyncio.to_thread(folder.mkdir, parents=True, exist_ok=True)
-    await asyncio.to_thread(folder.chmod, 0o755)
-    server = EmbeddedPostgres(folder / "data", durable=False)
     embedder = LocalEmbedder()
     await embedder.warmup()
     started = time.perf_counter()
-    try:
-        await asyncio.to_thread(server.start)
+    # Nothing else runs on the event loop: starting and stopping the server may block it.
+    with throwaway_postgres(prefix="memstrata-locomo-", folder=args.data_dir) as server:
         engine = connect(server.url)
         await migrate(engine)
         async with engine.begin() as conn:
@@ -449,10 +437,6 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         report = await evaluate(state, tenant, samples, budgets, with_tools, systems)
         report["memory_tool_definition_tokens"] = tools.tool_tokens(MODEL)
         await engine.dispose()
-    finally:
-        await asyncio.to_thread(server.stop)
-        if not keep:
-            shutil.rmtree(folder, ignore_errors=True)
     return {
         "benchmark": "locomo evidence recall",
         "measured": datetime.now(UTC).isoformat(timespec="seconds"),

@@ -114,7 +114,7 @@ def render(report: dict[str, Any]) -> str:
         "**What is measured.** Every conversation is replayed through the import path and its "
         "summary tree built (extractive summaries, local MiniLM embeddings). For each question "
         "the prompt is built exactly as the gateway would send it upstream "
-        "(`gateway.chat.dry_run`, the question as the new user message, gpt-4o's tokenizer) "
+        "(`gateway.openai.chat.dry_run`, the question as the new user message, gpt-4o's tokenizer) "
         "and scored by the share of the question's evidence turns whose whole text is in it "
         "verbatim; the score is the mean over questions. The baselines get the same budgets "
         "and tokenizer: the newest turns as chat messages; the turns ranked by MiniLM cosine "

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import harness as h
+from devkit.gateway import GatewayProcess
 
 TARGETS = ("upstream", "relay", "gateway")
 QUESTIONS = (
@@ -83,7 +84,7 @@ class OverheadConfig:
 
 async def prepare(
     client: h.Client,
-    builder: h.Service,
+    builder: GatewayProcess,
     config: OverheadConfig,
     *,
     skip: Sequence[str] = (),
@@ -267,7 +268,7 @@ async def measure_cell(
 async def measure(
     client: h.Client,
     stack: h.Stack,
-    gateway: h.Service,
+    gateway: GatewayProcess,
     config: OverheadConfig,
     *,
     variant: str = "workers=0",
@@ -277,10 +278,9 @@ async def measure(
     offset: int = 0,
 ) -> list[dict[str, Any]]:
     """Every cell of the grid against `gateway` (and the upstream and the relay)."""
-    assert stack.upstream is not None and stack.relay is not None
     urls = {
         "upstream": stack.upstream.url,
-        "relay": f"{stack.relay.root_url}/v1",
+        "relay": f"{stack.relay_url}/v1",
         "gateway": f"{gateway.root_url}/v1",
     }
     seconds = seconds or config.seconds
@@ -322,7 +322,7 @@ def config_dict(config: OverheadConfig) -> dict[str, Any]:
 
 async def standalone(args: argparse.Namespace) -> dict[str, Any]:
     config = OverheadConfig.quick() if args.quick else OverheadConfig()
-    with h.Stack(h.StackConfig(upstream_latency=args.latency)) as stack:
+    with h.running_stack(h.StackConfig(upstream_latency=args.latency)) as stack:
         async with h.load_client(64) as client:
             builder = stack.gateway(name="builder", workers=1)
             data = await prepare(client, builder, config)

@@ -44,15 +44,15 @@ from typing import Any
 from bench import harness as h
 
 INSTRUMENTED_MODULES = (
-    "gateway.chat",
-    "gateway.relay",
-    "gateway.turn",
+    "gateway.openai.chat",
+    "gateway.openai.relay",
+    "gateway.openai.turn",
     "gateway.deps",
     "gateway.upstream",
-    "gateway.replies",
-    "gateway.degraded",
-    "gateway.tools",
+    "gateway.openai.replies",
+    "gateway.openai.degraded",
     "memory.write.store",
+    "memory.recall.assemble",
     "memory.recall.prompt",
     "memory.recall.retrieval",
     "memory.build.tree",
@@ -67,7 +67,7 @@ INSTRUMENTED_MODULES = (
 )
 IDLE_FUNCTIONS = frozenset({"select", "poll", "epoll", "run_forever", "_run_once"})
 # Frames with these as the innermost sampled Python frame are the event loop waiting.
-ROOT_REQUEST = "gateway.chat.complete"
+ROOT_REQUEST = "gateway.openai.chat.complete"
 
 
 # -- inside the profiled gateway process ------------------------------------------------------
@@ -432,7 +432,7 @@ async def run(
                     params={"timers": int(timers), "sampler": int(sampler)},
                 )
             ).raise_for_status()
-            cpu_before = gateway.cpu_seconds() or 0.0
+            cpu_before = h.process_cpu_seconds(gateway.pid) or 0.0
             postgres_before = stack.postgres_cpu_seconds() or 0.0
             factory = _factory(
                 url, stream=False, conversation_ids=ids, concurrency=concurrency, offset=offset
@@ -443,7 +443,7 @@ async def run(
             )
             wall = time.perf_counter() - started
             offset += count
-            cpu = (gateway.cpu_seconds() or 0.0) - cpu_before
+            cpu = (h.process_cpu_seconds(gateway.pid) or 0.0) - cpu_before
             postgres_cpu = (stack.postgres_cpu_seconds() or 0.0) - postgres_before
             answer = await client.post(
                 f"{gateway.root_url}/_bench/profile/stop",
@@ -493,7 +493,7 @@ async def run(
 
 async def standalone(args: argparse.Namespace) -> dict[str, Any]:
     """Import one conversation of `--size` messages, build its tree, profile."""
-    with h.Stack(h.StackConfig()) as stack:
+    with h.running_stack(h.StackConfig()) as stack:
         async with h.load_client(64) as client:
             builder = stack.gateway(name="builder", workers=1)
             conversation_id = f"bench-{args.size}-0"

@@ -45,7 +45,7 @@ Written by hand from the full run of 2026-11-21 10:26-10:38 UTC (commit `08bcef9
 otherwise idle: load average 1.5-2.4) and the profile re-run at 10:43-10:46 (`--only profile`,
 after a fix to the Postgres CPU count); the tables above are redrawn by every run, this note is
 not: update it when the profile changes. At 10,000 stored messages a request spent 78.6 ms in
-`gateway.chat.complete` (stage timers, c=1), 62.4 ms of it building the prompt; it ran 17 SQL
+`gateway.openai.chat.complete` (stage timers, c=1), 62.4 ms of it building the prompt; it ran 17 SQL
 statements (46 ms waiting). In the full run, where the profile came after minutes of other
 traffic on the same tables, the same figures were 57.5, 41.8 and 28 ms, with the full-text
 leg at 19.3 ms and the vector leg at 1.0 ms: planner statistics and index state move them.
@@ -130,7 +130,7 @@ def _setup(results: Mapping[str, Mapping[str, Any]]) -> list[str]:
         + ".",
         "",
         "- Everything runs on this one machine: the load generator (one Python process, "
-        "httpx), the fake upstream (`tests/upstream_server.py`), the relay floor "
+        "httpx), the fake upstream (`devkit/upstream_server.py`), the relay floor "
         "(`bench/relay.py`), Postgres and the gateway share its cores, so figures at high "
         "concurrency are CPU-bound for all of them.",
         f"- Upstream latency {settings.get('upstream_latency_s', 0) * 1000:.0f} ms, "

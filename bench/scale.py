@@ -26,7 +26,8 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from bench import harness as h
-from tests import synthetic
+from devkit import synthetic
+from devkit.gateway import GatewayProcess
 
 
 @dataclass
@@ -85,7 +86,7 @@ def _rate(samples: Sequence[dict[str, float]], key: str) -> float | None:
 
 
 async def single(
-    client: h.Client, stack: h.Stack, builder: h.Service, config: ScaleConfig
+    client: h.Client, stack: h.Stack, builder: GatewayProcess, config: ScaleConfig
 ) -> tuple[str, dict[str, Any]]:
     """Import one conversation and wait for its summary tree; its id and the figures."""
     size = config.conversation_size
@@ -114,12 +115,12 @@ async def single(
         "depth": depth,
         "dead_job_errors": await h.dead_jobs(client, builder.root_url) if depth.get("dead") else [],
         "progress": progress.samples,
-        "gateway_memory": builder.memory(),
+        "gateway_memory": h.process_memory(builder.pid),
     }
 
 
 async def tenant(
-    client: h.Client, stack: h.Stack, gateway: h.Service, config: ScaleConfig
+    client: h.Client, stack: h.Stack, gateway: GatewayProcess, config: ScaleConfig
 ) -> dict[str, Any]:
     """Fill the tenant up to `tenant_messages`, give the queue `budget` seconds to drain."""
     before = await h.node_progress(stack.dsn)
@@ -172,7 +173,7 @@ async def tenant(
         "depth": depth,
         "dead_job_errors": await h.dead_jobs(client, gateway.root_url) if depth.get("dead") else [],
         "progress": progress.samples,
-        "gateway_memory": gateway.memory(),
+        "gateway_memory": h.process_memory(gateway.pid),
     }
 
 
@@ -325,7 +326,7 @@ def config_dict(config: ScaleConfig) -> dict[str, Any]:
 
 async def main_async(quick: bool) -> dict[str, Any]:
     config = ScaleConfig.quick() if quick else ScaleConfig()
-    with h.Stack(h.StackConfig()) as stack:
+    with h.running_stack(h.StackConfig()) as stack:
         async with h.load_client(8) as client:
             builder = stack.gateway(name="scale", workers=1)
             conversation_id, one = await single(client, stack, builder, config)

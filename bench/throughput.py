@@ -6,7 +6,7 @@
 Starts its own embedded Postgres (pgvector) in a temporary folder, `durable=False` (fsync,
 synchronous_commit and full_page_writes off, as in the test suite; `--durable` for the real
 thing), and for each run (`CONCURRENCYxCONVERSATIONS`) makes a fresh database, migrates it,
-imports `--messages` synthetic messages (`tests/synthetic.py`, split evenly over the
+imports `--messages` synthetic messages (`devkit/synthetic.py`, split evenly over the
 conversations) with `gateway.importer.import_messages` -- which also queues the build jobs --
 and then runs the queued tree jobs through a `memory.build.worker.Worker` with that concurrency
 until the queue is idle, extractive summaries. Import and processing are timed separately; the
@@ -15,7 +15,7 @@ headline is `messages / (import + processing)`.
 Embeddings (`--embedder`): `local`, the default deployment (all-MiniLM-L6-v2 int8 ONNX on this
 machine's CPU); `upstream`, the deployment with `MEMSTRATA_EMBEDDING_PROVIDER=upstream`, built
 by `gateway.background.embedder` from `Settings` exactly as the gateway builds it, against the
-fake OpenAI server process (`tests/upstream_server.py`: deterministic vectors, over real HTTP on
+fake OpenAI server process (`devkit/upstream_server.py`: deterministic vectors, over real HTTP on
 127.0.0.1) -- a real provider's latency and model time are off this machine and not in the
 figure, the fake server's CPU is reported apart; `instant`, free in-process vectors, to measure
 everything but the model.
@@ -46,9 +46,7 @@ import json
 import os
 import platform
 import pstats
-import shutil
 import sys
-import tempfile
 import time
 from collections import defaultdict
 from collections.abc import Awaitable, Callable, Iterator, Sequence
@@ -60,6 +58,9 @@ import asyncpg
 import numpy as np
 from sqlalchemy import func, insert, select
 
+from devkit import synthetic
+from devkit.postgres import throwaway_postgres
+from devkit.upstream import UpstreamServer
 from gateway import background, importer, upstream
 from gateway.settings import Settings
 from memory import tokens
@@ -69,10 +70,7 @@ from memory.build.summarize import ExtractiveSummarizer, Summary, SummaryInput
 from memory.build.worker import Worker
 from memory.db import connect, migrate
 from memory.embeddings import EMBEDDING_DIM, Embedder, LocalEmbedder
-from memory.postgres import EmbeddedPostgres
 from memory.schema import jobs, nodes, tenants
-from tests import synthetic
-from tests.upstream import UpstreamServer
 
 RESULTS = Path(__file__).resolve().parent / "results" / "throughput.json"
 TARGET = 500.0  # messages per second, import to fully summarized
@@ -439,10 +437,6 @@ def machine() -> dict[str, Any]:
 
 
 async def main_async(args: argparse.Namespace) -> dict[str, Any]:
-    # As root the server runs as `postgres`, which must reach the folder.
-    folder = Path(await asyncio.to_thread(tempfile.mkdtemp, prefix="memstrata-bench-"))
-    await asyncio.to_thread(folder.chmod, 0o755)
-    server = EmbeddedPostgres(folder / "data", durable=args.durable)
     conversation = synthetic.generate(args.messages, seed=args.seed, with_tools=True)
     texts = [tokens.message_text(m) for m in conversation.messages]
     stack = contextlib.AsyncExitStack()
@@ -470,7 +464,10 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     await embedder.embed(["warm up the session"] * 8)
     started = time.perf_counter()
     try:
-        await asyncio.to_thread(server.start)
+        server = await asyncio.to_thread(
+            stack.enter_context,
+            throwaway_postgres(prefix="memstrata-bench-", durable=args.durable),
+        )
         results = []
         for run in parse_runs(args.runs):
             print(
@@ -499,8 +496,6 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             results.append(result)
         server_version = await server_version_of(server.url)
     finally:
-        await asyncio.to_thread(server.stop)
-        shutil.rmtree(folder, ignore_errors=True)
         await stack.aclose()
     return {
         "benchmark": "throughput",

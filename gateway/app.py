@@ -13,14 +13,14 @@ from contextlib import AsyncExitStack, asynccontextmanager
 
 from fastapi import FastAPI
 
-from gateway import background, mcp, metrics
-from gateway.auth import KeyGrace
-from gateway.deps import State
+from gateway import background, mcp
 from gateway.errors import install_handlers
+from gateway.key_grace import KeyGrace
 from gateway.logs import RequestIdMiddleware
 from gateway.metrics import Metrics, MetricsMiddleware
-from gateway.routes import admin, health, openai
+from gateway.routes import admin, health, metrics, openai
 from gateway.settings import Settings
+from gateway.state import State
 from gateway.upstream import Upstream, make_clients
 from memory import tokens
 from memory.db import connect, migrate, transaction

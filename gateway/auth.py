@@ -9,7 +9,8 @@ Clients (`/v1`, `/mcp`)
     While the database is down a key cannot be checked: the request fails with 503, except with
     `MEMSTRATA_FAIL_OPEN=on`, where a key this process verified within
     `MEMSTRATA_KEY_GRACE_SECONDS` is still accepted (`KeyGrace`) so that degraded forwarding
-    keeps serving known clients. Revoking a key or deleting a tenant here forgets its entries.
+    keeps serving known clients (`gateway.key_grace`). Revoking a key or deleting a tenant here
+    forgets its entries.
 
 Admins (`/admin`)
     With `MEMSTRATA_ADMIN_TOKEN` set, every admin request needs `Authorization: Bearer <token>`
@@ -27,53 +28,17 @@ Metrics (`/metrics`)
 import hmac
 import ipaddress
 import logging
-import time
-from collections import OrderedDict
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
 
 from starlette.requests import HTTPConnection
 
 from gateway.errors import GatewayError
+from gateway.state import State
 from memory.db import transaction
 from memory.errors import StorageUnavailable
 from memory.write import tenants
 
-if TYPE_CHECKING:
-    from gateway.deps import State
-
 log = logging.getLogger(__name__)
-
-
-class KeyGrace:
-    """Keys verified recently, by hash, for use only while the database cannot be reached."""
-
-    def __init__(self, *, seconds: float, size: int = 10_000) -> None:
-        self._seconds = seconds
-        self._size = size
-        self._verified: OrderedDict[str, tuple[int, float]] = OrderedDict()
-
-    def remember(self, key_hash: str, tenant_id: int) -> None:
-        if self._seconds <= 0:
-            return
-        self._verified[key_hash] = (tenant_id, time.monotonic())
-        self._verified.move_to_end(key_hash)
-        while len(self._verified) > self._size:
-            self._verified.popitem(last=False)
-
-    def forget(self, key_hash: str) -> None:
-        self._verified.pop(key_hash, None)
-
-    def forget_tenant(self, tenant_id: int) -> None:
-        for key_hash in [k for k, (t, _) in self._verified.items() if t == tenant_id]:
-            del self._verified[key_hash]
-
-    def tenant(self, key_hash: str) -> int | None:
-        """The tenant of a key verified within the grace period, else None."""
-        found = self._verified.get(key_hash)
-        if found is None or time.monotonic() - found[1] > self._seconds:
-            return None
-        return found[0]
 
 
 def bearer(headers: Mapping[str, str]) -> str | None:
@@ -93,7 +58,7 @@ def _invalid_key(message: str) -> GatewayError:
     )
 
 
-async def tenant_from_headers(state: "State", headers: Mapping[str, str]) -> int:
+async def tenant_from_headers(state: State, headers: Mapping[str, str]) -> int:
     """The tenant a client request acts for (see the module's docstring)."""
     if state.settings.auth == "off":
         return state.default_tenant_id
@@ -127,7 +92,7 @@ def _is_loopback(host: str) -> bool:
         return host == "localhost"
 
 
-def check_admin(state: "State", connection: HTTPConnection) -> None:
+def check_admin(state: State, connection: HTTPConnection) -> None:
     """Let an admin request through, or refuse it (see the module's docstring)."""
     expected = state.settings.admin_token
     if expected is None:
@@ -152,7 +117,7 @@ def check_admin(state: "State", connection: HTTPConnection) -> None:
         )
 
 
-def check_metrics(state: "State", connection: HTTPConnection) -> None:
+def check_metrics(state: State, connection: HTTPConnection) -> None:
     """Let a scrape through with the metrics token, else as an admin request."""
     expected = state.settings.metrics_token
     token = bearer(connection.headers)

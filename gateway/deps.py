@@ -3,12 +3,12 @@
 Every dependency is `async def`, even where it awaits nothing: FastAPI runs a plain `def`
 dependency in a worker thread, a thread hop on every request for a field lookup.
 
-`State` is everything the app holds for its lifetime. `TenantDep` is the tenant a client
-request acts for and `require_admin` guards the admin API; both are decided in `gateway.auth`.
+`State` (`gateway.state`) is everything the app holds for its lifetime. `TenantDep` is the tenant a
+client request acts for and `require_admin` guards the admin API; both are decided in
+`gateway.auth`.
 """
 
 import json
-from dataclasses import dataclass, field
 from typing import Annotated, Any
 
 from fastapi import Depends, Request, Security
@@ -17,32 +17,13 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from gateway import auth
 from gateway.errors import GatewayError
-from gateway.metrics import Metrics
-from gateway.settings import Settings
+from gateway.state import State
 from gateway.upstream import Upstream
-from memory.embeddings import Embedder
-
-
-@dataclass
-class State:
-    """What the app holds for its lifetime (built in the lifespan, see `gateway.app`)."""
-
-    settings: Settings
-    engine: AsyncEngine
-    upstream: Upstream
-    embedder: Embedder
-    default_tenant_id: int
-    metrics: Metrics = field(default_factory=Metrics)
-    key_grace: auth.KeyGrace = field(default_factory=lambda: auth.KeyGrace(seconds=0))
 
 
 async def get_state(request: Request) -> State:
     state: State = request.state.memstrata
     return state
-
-
-async def get_settings(state: Annotated[State, Depends(get_state)]) -> Settings:
-    return state.settings
 
 
 async def get_engine(state: Annotated[State, Depends(get_state)]) -> AsyncEngine:
@@ -87,7 +68,6 @@ async def require_admin(
 
 
 StateDep = Annotated[State, Depends(get_state)]
-SettingsDep = Annotated[Settings, Depends(get_settings)]
 EngineDep = Annotated[AsyncEngine, Depends(get_engine)]
 UpstreamDep = Annotated[Upstream, Depends(get_upstream)]
 TenantDep = Annotated[int, Depends(get_tenant_id)]

@@ -16,6 +16,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from gateway.logs import REQUEST_ID_HEADER, request_id
 from memory.errors import (
     Conflict,
+    ContextOverflow,
     InvalidInput,
     MemstrataError,
     NotFound,
@@ -76,6 +77,8 @@ def error_response(error: GatewayError, headers: dict[str, str] | None = None) -
 
 
 def _domain_status(exc: MemstrataError) -> tuple[int, str, str | None]:
+    if isinstance(exc, ContextOverflow):
+        return 400, "invalid_request_error", "context_length_exceeded"
     if isinstance(exc, InvalidInput):
         return 400, "invalid_request_error", None
     if isinstance(exc, NotFound):

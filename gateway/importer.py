@@ -17,7 +17,6 @@ from pydantic import ValidationError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from gateway.schemas import ImportMessage
-from memory.build import tree
 from memory.db import transaction
 from memory.errors import InvalidInput
 from memory.write import store
@@ -64,8 +63,8 @@ async def import_messages(
     batch: int,
     progress: Callable[[int], object] = lambda _: None,
 ) -> int:
-    """Append what the conversation lacks of `messages`, `batch` per transaction, and queue
-    the summary tree's build; returns how many messages were stored."""
+    """Append what the conversation lacks of `messages`, `batch` per transaction (each queues
+    the summary tree's build); returns how many messages were stored."""
     async with transaction(engine) as conn:
         tenant = tenant_id if tenant_id is not None else await store.tenant_id_by_name(conn)
         ref, _ = await store.open_conversation(conn, tenant_id=tenant, external_id=external_id)
@@ -81,6 +80,5 @@ async def import_messages(
                 created_at=created_at[offset : offset + batch],
                 model=model,
             )
-            await tree.enqueue(conn, tenant_id=tenant, conversation_id=ref.id)
         progress(min(batch, len(messages) - offset))
     return len(messages) - start

@@ -34,7 +34,8 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from gateway.deps import State, TenantDep, get_state
+from gateway.deps import TenantDep, get_state
+from gateway.state import State
 from memory.db import transaction
 from memory.errors import InvalidInput, MemstrataError
 from memory.recall import tools

@@ -1,4 +1,4 @@
-"""Prometheus metrics of one app, served at `GET /metrics`.
+"""Prometheus metrics of one app (served at `GET /metrics` by `gateway.routes.metrics`).
 
 `Metrics` owns a `CollectorRegistry` of its own (one per app: tests build many apps in one
 process, and nothing here is global). What moves them:
@@ -25,8 +25,6 @@ import time
 from collections.abc import Iterable, Iterator
 from typing import Final
 
-from fastapi import APIRouter, Request
-from fastapi.responses import Response
 from prometheus_client import (
     CollectorRegistry,
     Counter,
@@ -42,7 +40,6 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from starlette.routing import Mount
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from gateway.auth import check_metrics
 from gateway.logs import route_template
 from memory.build import jobs
 from memory.db import transaction
@@ -268,20 +265,3 @@ class MetricsMiddleware:
             method = str(scope.get("method", ""))
             metrics.requests.labels(method, route, str(status)).inc()
             metrics.request_seconds.labels(method, route).observe(time.perf_counter() - started)
-
-
-router = APIRouter(tags=["health"])
-
-
-@router.get(
-    "/metrics",
-    summary="Prometheus metrics",
-    response_class=Response,
-    responses={200: {"content": {CONTENT_TYPE: {}}, "description": "Prometheus text format"}},
-)
-async def scrape(request: Request) -> Response:
-    """The metrics in Prometheus' text format (`gateway.auth.check_metrics` guards them)."""
-    state = request.state.memstrata
-    check_metrics(state, request)
-    await state.metrics.refresh(state.engine)
-    return Response(state.metrics.render(), media_type=CONTENT_TYPE)

@@ -49,7 +49,6 @@ __all__ = [
     "UpstreamEmbedder",
     "Vector",
     "centroid",
-    "cosine_distance",
     "make_embedder",
 ]
 
@@ -389,16 +388,6 @@ def make_embedder(
             "choose a model of that width (or one that accepts a 'dimensions' parameter)"
         )
     return embedder
-
-
-def cosine_distance(a: Vector, b: Vector) -> float:
-    """``1 - cos(a, b)``, in [0, 2]; 1.0 when either vector is zero (no direction)."""
-    x = np.asarray(a, dtype=np.float64)
-    y = np.asarray(b, dtype=np.float64)
-    norms = float(np.linalg.norm(x) * np.linalg.norm(y))
-    if norms == 0.0:
-        return 1.0
-    return float(1.0 - np.dot(x, y) / norms)
 
 
 def centroid(vectors: Sequence[Vector]) -> list[float]:

@@ -3,6 +3,7 @@
     MemstrataError
     ├── InvalidInput          the caller sent something we refuse (→ 4xx at the edge)
     │   ├── InvalidConversationId
+    │   ├── ContextOverflow   a turn that no memory could fit into its budget
     │   └── PatternRejected   a regex that is too costly or malformed
     ├── NotFound              a conversation, node or job that does not exist *for this tenant*
     ├── Conflict              an operation that collides with stored state
@@ -34,6 +35,14 @@ class InvalidConversationId(InvalidInput):
 
 class PatternRejected(InvalidInput):
     """A regular expression that is malformed, too long, or took too long to run."""
+
+
+class ContextOverflow(InvalidInput):
+    """The system prompt and the new messages alone exceed the budget: no memory could make
+    such a turn fit (OpenAI's `context_length_exceeded`)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, param="messages")
 
 
 class NotFound(MemstrataError):

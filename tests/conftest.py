@@ -4,33 +4,25 @@ Tests isolate themselves by tenant: the `tenant_id` fixture makes a fresh tenant
 sees another's rows and nothing needs truncating.
 """
 
-import shutil
-import tempfile
 import uuid
 from collections.abc import AsyncIterator, Iterator
-from pathlib import Path
 
 import pytest
 from sqlalchemy import insert
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from devkit.postgres import throwaway_postgres
+from devkit.upstream import UpstreamServer
 from memory.db import connect, migrate
 from memory.postgres import EmbeddedPostgres
 from memory.schema import tenants
-from tests.upstream import UpstreamServer
 
 
 @pytest.fixture(scope="session")
 def postgres() -> Iterator[EmbeddedPostgres]:
     """A real Postgres 18 + pgvector server for the whole session, on a throwaway folder."""
-    # Under /tmp and world-traversable: as root, the server runs as the `postgres` user.
-    folder = Path(tempfile.mkdtemp(prefix="memstrata-test-"))
-    folder.chmod(0o755)
-    server = EmbeddedPostgres(folder / "data", durable=False)
-    server.start()
-    yield server
-    server.stop()
-    shutil.rmtree(folder, ignore_errors=True)
+    with throwaway_postgres(prefix="memstrata-test-") as server:
+        yield server
 
 
 @pytest.fixture(scope="session")

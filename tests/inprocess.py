@@ -16,8 +16,8 @@ from fastapi import FastAPI
 from starlette.types import Receive, Scope, Send
 
 from gateway.app import create_app
-from gateway.deps import State
 from gateway.settings import Settings
+from gateway.state import State
 
 
 @dataclasses.dataclass

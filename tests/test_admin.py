@@ -18,6 +18,7 @@ from sqlalchemy import func, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from devkit.upstream import UpstreamServer
 from gateway.settings import Settings
 from memory.build import jobs as job_queue
 from memory.build import tree
@@ -25,7 +26,6 @@ from memory.build.segments import SegmentPolicy
 from memory.build.summarize import ExtractiveSummarizer, Summary, SummaryInput
 from memory.schema import api_keys, conversations, jobs, nodes
 from tests.inprocess import App, running_app
-from tests.upstream import UpstreamServer
 
 TOPICS = [
     "The invoice INV-2041 for Acme was paid twice; refund 18,400 dollars to the customer.",

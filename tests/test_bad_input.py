@@ -20,12 +20,13 @@ from sqlalchemy import func, select
 from sqlalchemy.ext.asyncio import AsyncEngine
 from starlette.types import Receive, Scope, Send
 
+from devkit.service import free_port
+from devkit.upstream import UpstreamServer
 from gateway.app import create_app
-from gateway.deps import State
 from gateway.settings import Settings
+from gateway.state import State
 from memory.db import connect
 from memory.schema import conversations, jobs, nodes
-from tests.upstream import UpstreamServer, free_port
 
 MAX_BODY = 4096
 CHAT = "/v1/chat/completions"

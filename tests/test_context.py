@@ -1,7 +1,7 @@
-"""Prompt assembly (`memory.recall.prompt`, `gateway.chat.assemble` / `dry_run`) against a real
-Postgres: the budget is never exceeded (a property test over random conversations with tool
-calls), the layout holds (system prompt, one memory message with tags, recent turns whose tool
-calls and results are never split, new messages last), a conversation that fits goes unchanged,
+"""Prompt assembly (`memory.recall.prompt`, `memory.recall.assemble`, `gateway.openai.chat.dry_run`)
+against a real Postgres: the budget is never exceeded (a property test over random conversations
+with tool calls), the layout holds (system prompt, one memory message with tags, recent turns whose
+tool calls and results are never split, new messages last), a conversation that fits goes unchanged,
 and end to end through a real gateway process the upstream receives a prompt within the budget
 with the token headers set.
 """
@@ -22,19 +22,20 @@ from hypothesis import strategies as st
 from sqlalchemy import insert, text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from gateway import chat
-from gateway.deps import State
+from devkit import synthetic
+from devkit.gateway import GatewayProcess
+from devkit.upstream import UpstreamServer
+from gateway.openai import chat
 from gateway.settings import Settings
+from gateway.state import State
 from memory import tokens
 from memory.build import tree
 from memory.build.summarize import ExtractiveSummarizer
 from memory.embeddings import LocalEmbedder
+from memory.errors import ContextOverflow
 from memory.recall import prompt
 from memory.schema import tenants
-from memory.write import store
-from tests import synthetic
-from tests.gateway import GatewayProcess
-from tests.upstream import UpstreamServer
+from memory.write import identity, store
 
 MODEL = "gpt-4o"
 WORDS = [
@@ -88,7 +89,7 @@ async def build(
     budget: int,
     reserved: int = 0,
     embedder: LocalEmbedder | None = None,
-) -> prompt.Context:
+) -> prompt.BuiltPrompt:
     query = " ".join(tokens.message_text(m) for m in new)
     embed = None
     if embedder is not None:
@@ -130,7 +131,7 @@ def check_tool_pairs(messages: Sequence[Message]) -> None:
 
 
 def check_layout(
-    built: prompt.Context,
+    built: prompt.BuiltPrompt,
     *,
     system: Sequence[Message],
     stored: Sequence[Message],
@@ -225,7 +226,7 @@ async def test_the_prompt_never_exceeds_the_budget(
     conversation_id, _ = await store_conversation(engine, property_tenant, history + new)
     needed = tokens.count_messages([*system, *new], model=MODEL)
     if needed > budget - reserved:
-        with pytest.raises(prompt.ContextOverflow):
+        with pytest.raises(ContextOverflow):
             await build(
                 engine,
                 property_tenant,
@@ -337,7 +338,7 @@ async def test_system_prompt_and_new_messages_over_the_budget(
 ) -> None:
     tenant_id, conversation_id, messages, _ = built_tree
     new = [{"role": "user", "content": "word " * 500}]
-    with pytest.raises(prompt.ContextOverflow, match="budget"):
+    with pytest.raises(ContextOverflow, match="budget"):
         await build(
             engine,
             tenant_id,
@@ -382,9 +383,10 @@ async def test_dry_run_of_a_conversation_that_fits_is_the_history(engine: AsyncE
         {"role": "assistant", "content": "hi"},
     ]
     async with engine.begin() as conn:
-        await store.ingest(
-            conn, tenant_id=tenant_id, external_id="fits", user=None, messages=history, model=MODEL
+        found = await identity.identify(
+            conn, tenant_id=tenant_id, external_id="fits", user=None, messages=history
         )
+        await store.store_new(conn, tenant_id=tenant_id, found=found, messages=history, model=MODEL)
     messages, count = await chat.dry_run(
         state_for(engine), tenant_id=tenant_id, external_id="fits", query="and now?", budget=None
     )

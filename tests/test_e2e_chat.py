@@ -1,7 +1,7 @@
 """End to end: the real `openai` SDK → the gateway process → the fake upstream process.
 
 Every test drives the official SDK (sync and async, streaming and not) or raw httpx at a real
-`memstrata serve` process whose upstream is `tests/upstream_server.py`, and checks the three
+`memstrata serve` process whose upstream is `devkit/upstream_server.py`, and checks the three
 places that matter: what the client received, what the upstream received (its recorded
 requests), and what Postgres holds (the admin endpoint from sync tests, the `engine` fixture
 from async ones). The gateway runs without background workers so that stored rows stay as the
@@ -23,10 +23,12 @@ from openai.types.chat import ChatCompletionMessageParam, ChatCompletionToolPara
 from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from devkit.gateway import GatewayProcess
+from devkit.service import free_port
+from devkit.upstream import UpstreamServer
+from devkit.upstream_script import embedding_vector
+from devkit.upstream_server import MODELS
 from memory.schema import DEFAULT_TENANT, conversations, nodes, tenants
-from tests.gateway import GatewayProcess
-from tests.upstream import UpstreamServer, free_port
-from tests.upstream_server import MODELS, embedding_vector
 
 CHAT = "/v1/chat/completions"
 HEADER = "X-Memstrata-Conversation"

@@ -6,21 +6,19 @@ fail-closed. Each is used while the database is up, then the server is stopped, 
 sent, the server is started again, and requests work as before.
 """
 
-import shutil
-import tempfile
 import time
 import uuid
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from devkit.gateway import GatewayProcess
+from devkit.postgres import throwaway_postgres
+from devkit.upstream import UpstreamServer
 from memory.postgres import EmbeddedPostgres
-from tests.gateway import GatewayProcess
-from tests.upstream import UpstreamServer
 
 CHAT = "/v1/chat/completions"
 UPSTREAM_KEY = "sk-upstream-of-the-gateway"
@@ -29,13 +27,8 @@ CLIENT_KEY = "sk-client-own-key"
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[EmbeddedPostgres]:
-    folder = Path(tempfile.mkdtemp(prefix="memstrata-failopen-"))
-    folder.chmod(0o755)
-    postgres = EmbeddedPostgres(folder / "data", durable=False)
-    postgres.start()
-    yield postgres
-    postgres.stop()
-    shutil.rmtree(folder, ignore_errors=True)
+    with throwaway_postgres(prefix="memstrata-failopen-") as postgres:
+        yield postgres
 
 
 @pytest.fixture(autouse=True)

@@ -1,7 +1,7 @@
 """The summary tree (`memory.build.tree`) against a real Postgres, real local embeddings and the
 extractive summarizer; `llm` and `auto` modes against the fake upstream server.
 
-The big test imports a 2,000-message synthetic conversation (`tests/synthetic.py`) with the
+The big test imports a 2,000-message synthetic conversation (`devkit/synthetic.py`) with the
 importer and builds it through a job `Worker`; the expected shape is computed independently:
 the messages' stored embeddings are cut by `segments.split` in one pass with the same policy
 (n1 closed segments), then n(k+1) = n(k) // 8. Every message must be reachable by descending
@@ -30,6 +30,8 @@ from sqlalchemy import func, insert, select
 from sqlalchemy import text as sql
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from devkit import synthetic
+from devkit.upstream import UpstreamServer
 from gateway import importer
 from gateway.settings import Settings
 from memory.build import passages, tree
@@ -40,10 +42,8 @@ from memory.build.worker import Worker
 from memory.embeddings import LocalEmbedder
 from memory.schema import jobs, nodes, tenants
 from memory.schema import passages as passages_table
-from memory.write import store
-from tests import synthetic
+from memory.write import identity, store
 from tests.inprocess import running_app
-from tests.upstream import UpstreamServer
 
 # Embedding ~3,000 texts on a shared 2-core machine takes from ~45 s (idle) to minutes (busy).
 pytestmark = pytest.mark.timeout(900)
@@ -107,13 +107,15 @@ async def store_messages(
     messages: Sequence[dict[str, Any]],
     created_at: Sequence[datetime] | None = None,
 ) -> int:
-    """Append `messages` (no job queued); the conversation's id."""
+    """Append `messages` (their build queued, as every write queues it); the conversation's id."""
     async with engine.begin() as conn:
-        stored = await store.ingest(
+        found = await identity.identify(
+            conn, tenant_id=tenant_id, external_id=external_id, user=None, messages=messages
+        )
+        stored = await store.store_new(
             conn,
             tenant_id=tenant_id,
-            external_id=external_id,
-            user=None,
+            found=found,
             messages=messages,
             model="gpt-4o",
             created_at=created_at,

@@ -22,9 +22,9 @@ from mcp import Client
 from mcp.client.streamable_http import streamable_http_client
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from devkit.gateway import GatewayProcess
+from devkit.upstream import UpstreamServer
 from memory.write import tenants
-from tests.gateway import GatewayProcess
-from tests.upstream import UpstreamServer
 
 HEADER = "X-Memstrata-Conversation"
 TOOL_NAMES = ["memory_expand", "memory_search", "memory_browse", "memory_find", "memory_stats"]

@@ -9,6 +9,7 @@ import asyncio
 import json
 import logging
 import re
+import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
@@ -19,6 +20,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from devkit.gateway import GatewayProcess
+from devkit.upstream import UpstreamServer
 from gateway.logs import JsonFormatter, request_id
 from gateway.settings import Settings
 from memory.build import jobs, tree
@@ -27,9 +30,7 @@ from memory.build.segments import SegmentPolicy
 from memory.build.summarize import ExtractiveSummarizer
 from memory.build.worker import Worker
 from memory.schema import conversations
-from tests.gateway import GatewayProcess
 from tests.inprocess import App, running_app
-from tests.upstream import UpstreamServer
 
 CHAT = "/v1/chat/completions"
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
@@ -343,11 +344,19 @@ def test_logs_are_json_lines_with_request_ids_and_no_content(process: GatewayPro
         timeout=30,
     )
     assert sent.status_code == 200
-    logs = process.logs()
-    lines = [json.loads(line) for line in logs.splitlines() if line.strip()]
+    request_id = f"trace-{secret[-8:]}"
+    # The access line is written once the response is sent: it may trail the client's answer.
+    deadline = time.monotonic() + 10
+    while True:
+        logs = process.logs()
+        lines = [json.loads(line) for line in logs.splitlines() if line.strip()]
+        found = [line for line in lines if line.get("request_id") == request_id]
+        if found or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
     assert lines, logs
     assert all({"time", "level", "logger", "message"} <= set(line) for line in lines)
-    [access] = [line for line in lines if line.get("request_id") == f"trace-{secret[-8:]}"]
+    [access] = found
     assert access["logger"] == "memstrata.access"
     assert (access["route"], access["status"]) == (CHAT, 200)
     assert access["upstream_request_id"].startswith("req_")

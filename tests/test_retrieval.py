@@ -1,6 +1,6 @@
 """Retrieval (`memory.recall.retrieval`) against a real Postgres with real local embeddings.
 
-The main fixture imports a 5,000-message synthetic conversation (`tests/synthetic.py`) with the
+The main fixture imports a 5,000-message synthetic conversation (`devkit/synthetic.py`) with the
 importer, plants two messages of our own in it (one to be found by meaning with no word in
 common with the query, one holding an exact identifier), and builds its summary tree
 (embeddings, segments, roll-ups) with the local MiniLM model and the extractive summarizer.
@@ -18,6 +18,7 @@ import pytest
 from sqlalchemy import insert, select
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from devkit import synthetic
 from gateway import importer
 from memory.build import tree
 from memory.build.summarize import ExtractiveSummarizer
@@ -26,8 +27,7 @@ from memory.recall import fusion, retrieval
 from memory.recall.fusion import Candidates, Place
 from memory.recall.query import Route
 from memory.schema import nodes, tenants
-from memory.write import store
-from tests import synthetic
+from memory.write import identity, store
 
 # Embedding 5,000 texts on a busy 2-core machine can take minutes.
 pytestmark = pytest.mark.timeout(900)
@@ -281,13 +281,12 @@ async def test_another_tenant_sees_nothing(engine: AsyncEngine, corpus: Corpus) 
     assert await search(engine, corpus, MEANING_QUERY, tenant_id=other) == []
     # The other tenant's own conversation holding the same text is found only by its owner.
     async with engine.begin() as conn:
-        own = await store.ingest(
-            conn,
-            tenant_id=other,
-            external_id="isolation",
-            user=None,
-            messages=[{"role": "user", "content": IDENTIFIER_TEXT}],
-            model="gpt-4o",
+        history = [{"role": "user", "content": IDENTIFIER_TEXT}]
+        found = await identity.identify(
+            conn, tenant_id=other, external_id="isolation", user=None, messages=history
+        )
+        own = await store.store_new(
+            conn, tenant_id=other, found=found, messages=history, model="gpt-4o"
         )
     mine = await search(
         engine,
@@ -308,13 +307,16 @@ async def test_conversations_of_one_tenant_are_searched_together(
     engine: AsyncEngine, corpus: Corpus
 ) -> None:
     async with engine.begin() as conn:
-        other = await store.ingest(
+        history = [{"role": "user", "content": "My locker combination is 4-19-33, QV-7781."}]
+        found = await identity.identify(
             conn,
             tenant_id=corpus.tenant_id,
             external_id=f"sibling-{uuid.uuid4().hex}",
             user=None,
-            messages=[{"role": "user", "content": "My locker combination is 4-19-33, QV-7781."}],
-            model="gpt-4o",
+            messages=history,
+        )
+        other = await store.store_new(
+            conn, tenant_id=corpus.tenant_id, found=found, messages=history, model="gpt-4o"
         )
     hits = await search(
         engine,

@@ -21,10 +21,10 @@ import schemathesis
 from hypothesis import HealthCheck, Phase, settings
 from schemathesis.checks import not_a_server_error
 
+from devkit.gateway import GatewayProcess
+from devkit.upstream import UpstreamServer
 from gateway.app import create_app
 from gateway.settings import Settings
-from tests.gateway import GatewayProcess
-from tests.upstream import UpstreamServer
 
 TOKEN = f"schemathesis-{uuid.uuid4().hex}"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}

@@ -4,7 +4,7 @@
 Extractive mode is checked on hand-written conversations: the sentence holding an id and a
 number beats filler, facts come from all the text (not only the kept sentences), the narrative
 fits the token budget, children's facts are merged at level 2, and it is fast. LLM mode runs
-against the real fake upstream (``tests.upstream_server`` in a subprocess): the request it
+against the real fake upstream (``devkit.upstream_server`` in a subprocess): the request it
 receives, the parsing of plain, fenced and prose-wrapped JSON, and failures as ProviderError.
 Auto mode falls back to extractive on a failing upstream and says so.
 """
@@ -22,6 +22,8 @@ from typing import Any
 import httpx
 import pytest
 
+from devkit.service import free_port
+from devkit.upstream import UpstreamServer
 from memory.build.facts import FACT_KEYS, extract_facts
 from memory.build.summarize import (
     ExtractiveSummarizer,
@@ -33,7 +35,6 @@ from memory.build.summarize import (
 )
 from memory.errors import ProviderError
 from memory.tokens import count_text
-from tests.upstream import UpstreamServer, free_port
 
 T0 = datetime(2024, 3, 4, 9, 30, tzinfo=UTC)
 

@@ -28,15 +28,15 @@ from mcp.client.streamable_http import streamable_http_client
 from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from devkit.gateway import GatewayProcess
+from devkit.upstream import UpstreamServer
 from gateway.settings import Settings
 from memory.build import tree
 from memory.build.segments import SegmentPolicy
 from memory.build.summarize import ExtractiveSummarizer
 from memory.embeddings import make_embedder
 from memory.schema import conversations, tenants
-from tests.gateway import GatewayProcess
 from tests.inprocess import running_app
-from tests.upstream import UpstreamServer
 
 CHAT = "/v1/chat/completions"
 HEADER = "X-Memstrata-Conversation"

@@ -22,11 +22,11 @@ from openai.types.chat import ChatCompletionToolParam
 from sqlalchemy import insert
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from gateway.streams import EventReader, MergedStream, add_usage
+from devkit.gateway import GatewayProcess
+from devkit.upstream import UpstreamServer
+from gateway.openai.streams import EventReader, MergedStream, add_usage
 from memory.schema import tenants
-from memory.write import store
-from tests.gateway import GatewayProcess
-from tests.upstream import UpstreamServer
+from memory.write import identity, store
 
 CHAT = "/v1/chat/completions"
 HEADER = "X-Memstrata-Conversation"
@@ -490,13 +490,12 @@ async def test_another_tenants_memory_is_out_of_reach(
             insert(tenants).values(name=f"test-{uuid.uuid4().hex}").returning(tenants.c.id)
         )
         assert other is not None
-        theirs = await store.ingest(
-            conn,
-            tenant_id=int(other),
-            external_id=new_conversation(),
-            user=None,
-            messages=[{"role": "user", "content": f"The vault word is {secret}."}],
-            model="m",
+        history = [{"role": "user", "content": f"The vault word is {secret}."}]
+        found = await identity.identify(
+            conn, tenant_id=int(other), external_id=new_conversation(), user=None, messages=history
+        )
+        theirs = await store.store_new(
+            conn, tenant_id=int(other), found=found, messages=history, model="m"
         )
     [their_node] = theirs.node_ids
     missing = 2**62

@@ -20,10 +20,10 @@ import pytest
 from sqlalchemy import insert, update
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from devkit.upstream_script import embedding_vector
 from memory.recall import browsing, tools
 from memory.schema import nodes, tenants
-from memory.write import store
-from tests.upstream_server import embedding_vector
+from memory.write import identity, store
 
 MODEL = "gpt-4o-mini"
 
@@ -65,13 +65,16 @@ async def store_conversation(
     engine: AsyncEngine, tenant_id: int, messages: Sequence[Mapping[str, Any]] = MESSAGES
 ) -> Stored:
     async with engine.begin() as conn:
-        appended = await store.ingest(
+        history = list(messages)
+        found = await identity.identify(
             conn,
             tenant_id=tenant_id,
             external_id=f"tools-{uuid.uuid4().hex}",
             user=None,
-            messages=list(messages),
-            model=MODEL,
+            messages=history,
+        )
+        appended = await store.store_new(
+            conn, tenant_id=tenant_id, found=found, messages=history, model=MODEL
         )
         conversation_id = appended.conversation.id
         segments = []

@@ -20,7 +20,7 @@ import openai
 import pytest
 from openai.types.chat import ChatCompletionMessageParam, ChatCompletionToolParam
 
-from tests.upstream import UpstreamServer
+from devkit.upstream import UpstreamServer
 
 USER: list[ChatCompletionMessageParam] = [{"role": "user", "content": "hello brave new world"}]
 TOOLS: list[ChatCompletionToolParam] = [

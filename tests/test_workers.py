@@ -15,25 +15,21 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
-import os
-import signal
-import subprocess
-import sys
-import tempfile
 import time
 from collections.abc import Iterator
-from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import pytest
 from sqlalchemy import func, select
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from devkit import synthetic
+from devkit.gateway import WorkerProcess
+from devkit.upstream import UpstreamServer
 from gateway import importer
 from memory.build.segments import SegmentPolicy
 from memory.schema import jobs, nodes
 from memory.write import store
-from tests import synthetic
 from tests.test_hierarchy import (
     check_complete,
     expected_levels,
@@ -41,63 +37,9 @@ from tests.test_hierarchy import (
     level_counts,
     walk_tree,
 )
-from tests.upstream import UpstreamServer
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
 # Real embeddings in real processes: ~30 s on an idle 2-core machine, minutes on a busy one.
 pytestmark = pytest.mark.timeout(600)
-
-
-class WorkerProcess:
-    """A `python -m gateway worker` subprocess with `MEMSTRATA_*` settings."""
-
-    def __init__(self, database_url: str, **settings: object) -> None:
-        env = {k: v for k, v in os.environ.items() if not k.startswith("MEMSTRATA_")}
-        env.update(
-            {
-                "MEMSTRATA_DATABASE_URL": database_url,
-                "MEMSTRATA_LOG_LEVEL": "info",
-                "PYTHONUNBUFFERED": "1",
-            }
-        )
-        env.update({f"MEMSTRATA_{key.upper()}": str(value) for key, value in settings.items()})
-        self._log: IO[bytes] = tempfile.TemporaryFile()  # noqa: SIM115 - closed in stop()
-        self._final_logs: str | None = None
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "gateway", "worker"],
-            cwd=REPO_ROOT,
-            env=env,
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-        )
-        self.pid = self.process.pid
-
-    def owns(self, locked_by: str | None) -> bool:
-        """Whether a job's `locked_by` names this process (`host:pid:random`)."""
-        return locked_by is not None and locked_by.split(":")[1] == str(self.pid)
-
-    def logs(self) -> str:
-        if self._final_logs is not None:
-            return self._final_logs
-        self._log.seek(0)
-        return self._log.read().decode(errors="replace")
-
-    def kill(self) -> None:
-        os.kill(self.pid, signal.SIGKILL)
-        self.process.wait(timeout=10)
-
-    def stop(self) -> None:
-        """SIGTERM (a worker finishes the job in hand), SIGKILL after 20 s. Idempotent."""
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-        if self._final_logs is None:
-            self._final_logs = self.logs()
-            self._log.close()
 
 
 @pytest.fixture

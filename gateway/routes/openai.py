@@ -3,8 +3,8 @@
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 
-from gateway import chat
 from gateway.deps import StateDep, TenantDep, UpstreamDep, get_tenant_id, read_json
+from gateway.openai import chat
 from gateway.upstream import relayed_headers
 
 router = APIRouter(prefix="/v1", tags=["openai"])

@@ -34,6 +34,17 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final, Protocol
 
+from memory.text import (
+    MONTH_FORMS,
+    MONTHS,
+    NAME_STOPWORDS,
+    OPEN_MARKERS,
+    RELATIVE_DAYS,
+    SENTENCE_OPENERS,
+    WEEKDAYS,
+    sentence_starts,
+)
+
 __all__ = [
     "FACT_CAPS",
     "FACT_KEYS",
@@ -120,26 +131,25 @@ _PATH_RE = re.compile(
     r"[/~.](?<![\w/.~].)(?:(?<=/)|(?<=~)/|(?<=\.)\.?/)[\w.@%+-]+(?:/[\w.@%+-]+)+/?"
 )
 _WINDOWS_PATH_RE = re.compile(r"\b[A-Za-z]:\\(?:[\w .-]+\\)*[\w.-]+")
-_MONTH_FORMS = _wordlist(
-    "January February March April May June July August September October November December "
-    "Jan Feb Mar Apr Jun Jul Aug Sept Sep Oct Nov Dec"
-)
+_MONTH_FORMS = [month.capitalize() for month in MONTH_FORMS]
 _DAY_OF_MONTH = r"\.?\s+\d{1,2}(?:st|nd|rd|th)?\b(?:,?\s+\d{4}\b)?|\s+\d{4}\b"
 # Capitalised or upper-case words: months, EOD, Q3, FY24, and TBD / TODO / FIXME.
-_OPEN_CAPS = frozenset({"TBD", "TODO", "FIXME"})
+_OPEN_CAPS = frozenset(OPEN_MARKERS)
 _CAPS_WORDS_RE = re.compile(
     _words(
         [
             # A bare month name counts when spelled out ("in March"), except "May" (the verb);
             # abbreviations and May only with a day or a year.
             *(
-                f"{m}(?:{_DAY_OF_MONTH})?" if i < 12 and m != "May" else f"{m}(?:{_DAY_OF_MONTH})"
+                f"{m}(?:{_DAY_OF_MONTH})?"
+                if i < len(MONTHS) and m != "May"
+                else f"{m}(?:{_DAY_OF_MONTH})"
                 for i, m in enumerate(_MONTH_FORMS)
             ),
             r"EO[DWMY]",
             r"Q[1-4](?:\s+(?:FY)?\d{2,4})?",
             r"FY\s?\d{2,4}",
-            *_OPEN_CAPS,
+            *OPEN_MARKERS,
         ],
         any_case=False,
     )
@@ -177,11 +187,11 @@ _OPEN_WORDS = [
     "pending",
     r"follow[- ]?up",
 ]
-_WEEKDAYS = "monday|tuesday|wednesday|thursday|friday|saturday|sunday"
+_WEEKDAYS = "|".join(WEEKDAYS)
 _DATE_WORDS = [
     rf"(?:next|last|this)\s+(?:{_WEEKDAYS}|week|month|quarter|year|sprint)",
     _WEEKDAYS,
-    "yesterday|today|tomorrow|tonight",
+    "|".join(RELATIVE_DAYS),
     r"end\s+of\s+(?:the\s+)?(?:day|week|month|quarter|year|sprint)",
 ]
 _LOWER_WORDS_RE = re.compile(
@@ -231,47 +241,9 @@ _NUMBER_RE = re.compile(
 )
 _UPPER = "A-ZÀ-ÖØ-Þ"
 _ENTITY_RE = re.compile(rf"[{_UPPER}](?<!\w.)[\w'&-]*(?:[ \t]+[{_UPPER}][\w'&-]*)*")
-# Titles and Latin abbreviations end in a dot without ending the sentence ("Dr. Jane Smith").
-_ABBREVIATIONS = _wordlist("Dr Mr Mrs Ms Prof Sr Jr St vs etc approx Inc Ltd Co Corp No Fig")
-_NEXT_SENTENCE = r"(?=[\"')\]]*\s+[^a-z\s])"
-_BOUNDARY_RE = re.compile(
-    r"[.!?…\n](?:(?<=\n)|(?<=[!?…])"
-    + _NEXT_SENTENCE
-    + r"|(?<=\.)"
-    + "".join(rf"(?<!\b{abbr}\.)" for abbr in _ABBREVIATIONS)
-    + r"(?<!\b[a-zA-Z]\.[a-zA-Z]\.)"
-    + _NEXT_SENTENCE
-    + ")"
-)
 _LEAD_RE = re.compile(r"\W*")
 _JSON_KEY_RE = re.compile(r'"[\w.$@-]{1,64}"(?=\s*:)')
 _SPACES_RE = re.compile(r"\s+")
-
-_NAME_STOPWORDS_TEXT = (
-    "I I'm I've I'll I'd A An The This That These Those It It's Its We We're We'll You "
-    "You're Your He She They Them Their My Our Me Us Let Let's If When While So But And Or "
-    "Also Then Here There What Why How Who Where Which Yes No Not OK Ok Okay Hi Hello Hey "
-    "Thanks Thank Please Sure Great Good Done Note Sorry Maybe Just Now Well Oh Yeah Yep "
-    "API APIs JSON HTTP HTTPS URL URLs SQL CPU GPU RAM TODO FYI ETA PR ID IDs UI UX CLI SDK "
-    "CSV PDF HTML CSS XML YAML TBD ASAP EOD EOW IMO IIRC BTW LLM AI DB OS VM DNS TLS SSL SSH "
-    "UTC GMT NB PS FIXME Dr Mr Mrs Ms Prof Sr Jr St"
-)
-_NAME_STOPWORDS = frozenset(_wordlist(_NAME_STOPWORDS_TEXT))
-# Words that open a sentence with a capital only because they open it: before a name
-# ("Yesterday Caroline said", "Ask Bob") they are dropped; any other first word of a run of
-# capitalised words is kept, since it is a name's first word ("Caroline Smith said").
-_SENTENCE_OPENERS = frozenset(
-    _wordlist(
-        "About After Again All Although Another Any Anyway As At Because Before Both By "
-        "Dear During Each Either Even Every Finally First For From Had Has Have Having However "
-        "In Instead Is Last Later Like Many Meanwhile More Most Much Neither Next Nor Of On "
-        "Once One Only Other Over Per Perhaps Plus Since Some Still Such Than Thus To Today "
-        "Tomorrow Tonight Under Unless Until Upon Was Were Whether With Within Without Yes "
-        "Yesterday Yet Ask Call Contact Email Invite Message Meet Ping Remind Send Tell Text "
-        "Thank Welcome Congrats Congratulations Happy Hey Hi Hello Did Does Do Can Could Will "
-        "Would Should Shall May Might Must Are Am Be Been Being Was Went Met Saw Told Asked"
-    )
-)
 
 # Sentence weights: exact, reusable facts count most; names and soft decision words least.
 _W_ID = 3.0
@@ -391,11 +363,11 @@ def _name_of(match: re.Match[str], sentence_lead: int) -> str | None:
     if match.start() == sentence_lead:
         if len(words) == 1:
             return None
-        if words[0] in _SENTENCE_OPENERS:
+        if words[0] in SENTENCE_OPENERS:
             words = words[1:]
-    while words and words[0] in _NAME_STOPWORDS:
+    while words and words[0] in NAME_STOPWORDS:
         words = words[1:]
-    while words and words[-1] in _NAME_STOPWORDS:
+    while words and words[-1] in NAME_STOPWORDS:
         words = words[:-1]
     if not words:
         return None
@@ -410,11 +382,8 @@ def _analyze_item(analysis: Analysis, index: int, item: FactSource, *, topic: bo
     if not text or text.isspace():
         return
     facts = analysis.facts
-    starts = [0]
-    line_starts = [True]
-    for boundary in _BOUNDARY_RE.finditer(text):
-        starts.append(boundary.end())
-        line_starts.append(boundary.group() == "\n")
+    starts = sentence_starts(text, prose=True)
+    line_starts = [start == 0 or text[start - 1] == "\n" for start in starts]
     ends = [*starts[1:], len(text)]
     scores = [0.0] * len(starts)
 

@@ -9,6 +9,8 @@ offered verbatim in every rebuilt prompt, so the bar for a milestone is delibera
 import re
 from typing import Final
 
+from memory.text import MONTHS, WEEKDAYS
+
 MILESTONE: Final = 0.8
 
 _REMEMBER = re.compile(
@@ -25,9 +27,11 @@ _IDENTIFIER = re.compile(
     r"\b([A-Z]{2,}-\d+|#\d+|[0-9a-f]{7,40}|[\w.+-]+@[\w-]+\.[\w.]+|https?://\S+)\b"
 )
 _NUMBER = re.compile(r"\b\d[\d,.:/-]*\b")
+_MONTH_PREFIXES = "|".join(month[:3] for month in MONTHS)  # jan|feb|...|dec
+_WEEKDAY_STEMS = "|".join(day.removesuffix("day") for day in WEEKDAYS)  # mon|tues|...|sun
 _DATE = re.compile(
-    r"\b(\d{4}-\d{2}-\d{2}|(jan|feb|mar|apr|may|jun|jul|aug|sep|oct|nov|dec)[a-z]*\.? \d{1,2}|"
-    r"(mon|tues|wednes|thurs|fri|satur|sun)day|tomorrow|next week)\b",
+    rf"\b(\d{{4}}-\d{{2}}-\d{{2}}|({_MONTH_PREFIXES})[a-z]*\.? \d{{1,2}}|"
+    rf"({_WEEKDAY_STEMS})day|tomorrow|next week)\b",
     re.IGNORECASE,
 )
 

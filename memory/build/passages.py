@@ -17,8 +17,9 @@ vectors. The cost is ~1.5x the embedding work per message, in the background;
 
 from __future__ import annotations
 
-import re
 from typing import Final
+
+from memory.text import split_sentences
 
 MIN_WORDS: Final = 3
 """Shortest sentence, in words, embedded on its own ("Hey Joanna!" says nothing to find)."""
@@ -26,14 +27,10 @@ MIN_WORDS: Final = 3
 MAX_PASSAGES: Final = 16
 """Most passages of one message (`passages.ordinal` is a smallint)."""
 
-_SENTENCE_END = re.compile(r"(?<=[.!?…])\s+|\n\s*")
-
 
 def split(text: str) -> list[str]:
     """The passages of a message's `text`, in order; none when it has fewer than two."""
-    sentences = [
-        part.strip() for part in _SENTENCE_END.split(text) if len(part.split()) >= MIN_WORDS
-    ]
+    sentences = [part for part in split_sentences(text) if len(part.split()) >= MIN_WORDS]
     if len(sentences) < 2:
         return []
     if len(sentences) <= MAX_PASSAGES:

@@ -56,6 +56,8 @@ from typing import Any, Literal
 import numpy as np
 import numpy.typing as npt
 
+from memory.text import COMPLETION_NEGATORS, GENERIC_TOOL_VERBS, split_sentences
+
 __all__ = [
     "CloseReason",
     "Segment",
@@ -143,10 +145,6 @@ class Segment:
         return sum(m.token_count for m in self.messages)
 
 
-def _words(text: str) -> frozenset[str]:
-    return frozenset(text.split())
-
-
 # Curly apostrophes (phones, word processors) are folded so one spelling of "let's" suffices.
 _APOSTROPHES = str.maketrans({"\u2019": "'", "\u02bc": "'"})
 
@@ -223,18 +221,8 @@ _COMPLETION_HINT_RE = re.compile(
     "done|finish|complet|resolv|solved|fixed|closed|all|work|did|accomplished|"
     + "|".join(_CHECK_MARKS)
 )
-# Words that, within the few words before a completion phrase, make it not (yet) a completion.
-_NEGATORS = _words(
-    """
-    not no never nothing none nor yet once when whenever if unless until till before after
-    almost nearly hardly barely still whether will would should could might may must can
-    cannot to be gonna going need needs needed want wants wanted try trying hope hopefully
-    how what why where which see check test verify confirm sure ensure
-    """
-)
-_NEGATION_WINDOW = 4
+_NEGATION_WINDOW = 4  # words before a completion phrase searched for a negator
 _WORD_RE = re.compile(r"[\w']+")
-_SENTENCE_END_RE = re.compile(r"(?<=[.!?…])\s+|\n+")
 _COMPLETION_ROLES = frozenset({"user", "assistant"})
 _SENTENCE_SPAN = 400
 
@@ -242,7 +230,7 @@ _SENTENCE_SPAN = 400
 def _is_negated(prefix: str) -> bool:
     # ``prefix`` is lower-cased already.
     words = _WORD_RE.findall(prefix[-80:])[-_NEGATION_WINDOW:]
-    return any(w in _NEGATORS or w.endswith("n't") for w in words)
+    return any(w in COMPLETION_NEGATORS or w.endswith("n't") for w in words)
 
 
 def _sentence_completes(sentence: str) -> bool:
@@ -279,18 +267,13 @@ def closes_after(message: SegmentMessage) -> Literal["completion"] | None:
         hint = _COMPLETION_HINT_RE.search(text.lower())
     if hint is None:
         return None
-    head = text[:_SENTENCE_SPAN]
-    boundary = _SENTENCE_END_RE.search(head)
-    first = head[: boundary.start()] if boundary else head
+    head = split_sentences(text[:_SENTENCE_SPAN])
+    first = head[0]
     if _sentence_completes(_fold(first)):
         return "completion"
-    if boundary is None and len(text) <= _SENTENCE_SPAN:
+    if len(head) == 1 and len(text) <= _SENTENCE_SPAN:
         return None  # a single sentence, already looked at
-    tail = text[-_SENTENCE_SPAN:]
-    last_start = 0
-    for boundary in _SENTENCE_END_RE.finditer(tail):
-        last_start = boundary.end()
-    last = tail[last_start:]
+    last = split_sentences(text[-_SENTENCE_SPAN:])[-1]
     if last == first:
         return None
     return "completion" if _sentence_completes(_fold(last)) else None
@@ -300,15 +283,6 @@ def closes_after(message: SegmentMessage) -> Literal["completion"] | None:
 
 _TOOL_SPLIT_RE = re.compile(r"[_.\-/:]+")
 _TOOL_NAMESPACES = frozenset({"mcp", "functions", "function", "tools", "tool", "default_api"})
-# Tools named verb_object belong to no product family: read_file / write_file / get_weather.
-_GENERIC_VERBS = _words(
-    """
-    get set put post read write list create update delete remove add edit modify apply run exec
-    execute call fetch search find query lookup look open close save load send make do check view
-    show print compute calculate generate convert parse format upload download insert replace
-    move copy rename start stop submit
-    """
-)
 
 
 def tool_family(name: str) -> str | None:
@@ -319,7 +293,7 @@ def tool_family(name: str) -> str | None:
     parts = [p for p in _TOOL_SPLIT_RE.split(name.strip().lower()) if p]
     while len(parts) > 1 and parts[0] in _TOOL_NAMESPACES:
         parts = parts[1:]
-    if not parts or parts[0] in _GENERIC_VERBS:
+    if not parts or parts[0] in GENERIC_TOOL_VERBS:
         return None
     return parts[0]
 

@@ -18,7 +18,7 @@ encoding) of the messages returned, and `tokens + reserved_tokens <= budget`; wh
 prompt and new messages alone exceed that, `ContextOverflow` is raised and nothing is built;
 when they fit but not even the memory message's preamble does, the prompt is the system prompt
 and the new messages alone.
-The budget is split between the parts by `Shares`: what a part leaves unused goes to retrieval.
+The budget is split between the parts by `BudgetSplit`: what a part leaves unused goes to retrieval.
 Retrieved nodes are added best first by estimated cost; the exact count then drops the weakest
 when the estimates fell short, and a second pass fills the room they left when they ran high.
 
@@ -37,16 +37,17 @@ from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from memory import tokens
-from memory.errors import InvalidInput
+from memory.errors import ContextOverflow
 from memory.recall import fusion, retrieval
 from memory.recall.memory_block import MemoryBlock
+from memory.write import store
 
 __all__ = [
     "MODEL_LIMITS",
     "TOOLS_GUIDE",
-    "Context",
+    "BudgetSplit",
+    "BuiltPrompt",
     "ContextOverflow",
-    "Shares",
     "budget_for",
     "build",
     "model_limits",
@@ -76,12 +77,8 @@ TOOLS_GUIDE: Final = (
 """How the memory message tells the model to use the memory tools."""
 
 
-class ContextOverflow(InvalidInput):
-    """The system prompt and the new messages alone exceed the budget."""
-
-
 @dataclass(frozen=True)
-class Shares:
+class BudgetSplit:
     """The most of the budget left after the fixed parts each part may take."""
 
     recent: float = 0.1
@@ -97,7 +94,7 @@ class Shares:
 
 
 @dataclass(frozen=True)
-class Context:
+class BuiltPrompt:
     """A built prompt and what went into it."""
 
     messages: list[dict[str, Any]]
@@ -210,8 +207,8 @@ async def build(
     stored_messages: int | None = None,
     stored_tokens: int | None = None,
     tools_guide: str | None = TOOLS_GUIDE,
-    shares: Shares | None = None,
-) -> Context:
+    shares: BudgetSplit | None = None,
+) -> BuiltPrompt:
     """The prompt for a conversation whose history does not fit (see the module docstring).
 
     `new_messages` are the messages of this turn, stored from seq `new_from` on (or not stored:
@@ -219,11 +216,11 @@ async def build(
     conversations whose memory may be recalled (the same user's). `embed` turns the query into
     a vector, run while the full-text leg runs; without it, or when it returns None, retrieval
     is full-text only."""
-    shares = shares or Shares()
+    shares = shares or BudgetSplit()
     limit = budget - reserved_tokens
     must = await _calls_of(conn, tenant_id, conversation_id, new_messages, new_from)
     head = [dict(m) for m in system]
-    tail_new = [*(_openai(row) for row in must), *(dict(m) for m in new_messages)]
+    tail_new = [*(store.openai_message(row) for row in must), *(dict(m) for m in new_messages)]
     first_kept = must[0].seq if must else new_from
     fixed = tokens.count_messages([*head, *tail_new], model=model)
     if fixed > limit:
@@ -331,7 +328,7 @@ async def build(
             block.add_milestone(hit)
     room = available - sum(row.token_count for row in recent) - block.total
     found = int(available * shares.found_summaries)
-    recent_messages = [_openai(row) for row in recent]
+    recent_messages = [store.openai_message(row) for row in recent]
     for _ in range(2):  # the second pass fills what the estimates (which run high) left over
         found = _fill(block, hits, room=room, found=found, cap=cap)
         while True:
@@ -349,7 +346,7 @@ async def build(
         count = tokens.count_messages(messages, model=model)
     if count > limit:  # not even the memory message's preamble fits: no memory at all
         messages, count = [*head, *tail_new], fixed
-    return Context(
+    return BuiltPrompt(
         messages=messages,
         tokens=count,
         recent_from=first_kept - len(recent_messages),
@@ -442,7 +439,7 @@ async def _recent(
     *,
     before: int,
     available: int,
-    shares: Shares,
+    shares: BudgetSplit,
 ) -> tuple[list[Any], set[str]]:
     """The newest stored messages before `before` within the recent share, oldest first,
     starting on a message that is not a tool result; and the speaker names (`name`) seen among
@@ -537,13 +534,3 @@ def _frontier(tree: Sequence[_TreeNode], *, budget: int, cap: int) -> list[_Tree
         frontier[index : index + 1] = kids
         total += change
     return frontier
-
-
-def _openai(row: Any) -> dict[str, Any]:
-    """A stored message row in OpenAI's format, as the client sent or received it."""
-    message: dict[str, Any] = {**(row.meta or {}), "role": row.role, "content": row.content}
-    for key in ("name", "tool_calls", "tool_call_id"):
-        value = getattr(row, key)
-        if value is not None:
-            message[key] = value
-    return message

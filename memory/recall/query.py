@@ -9,6 +9,8 @@ from datetime import date, timedelta
 from enum import StrEnum
 from typing import Final
 
+from memory.text import MONTH_FORMS, MONTHS
+
 __all__ = [
     "Route",
     "identifiers",
@@ -92,24 +94,8 @@ def without_names(query: str, names: Collection[str]) -> str:
     return result or query
 
 
-_MONTHS: Final = (
-    "january",
-    "february",
-    "march",
-    "april",
-    "may",
-    "june",
-    "july",
-    "august",
-    "september",
-    "october",
-    "november",
-    "december",
-)
-_MONTH = (
-    r"(jan(?:uary)?|feb(?:ruary)?|mar(?:ch)?|apr(?:il)?|may|june?|july?|aug(?:ust)?|"
-    r"sep(?:t(?:ember)?)?|oct(?:ober)?|nov(?:ember)?|dec(?:ember)?)"
-)
+# Every spelling of a month, longest first at each position (MONTH_FORMS' order).
+_MONTH = "(" + "|".join(MONTH_FORMS) + ")"
 _DAY = r"(\d{1,2})(?:st|nd|rd|th)?"
 _DATES = re.compile(
     rf"\b(?:{_MONTH}\.?\s+(?:{_DAY},?\s+)?(\d{{4}})|{_DAY}\s+{_MONTH}\.?,?\s+(\d{{4}})|"
@@ -145,4 +131,4 @@ def periods(query: str) -> list[tuple[date, date]]:
 
 
 def _month(name: str) -> int:
-    return next(i for i, full in enumerate(_MONTHS, start=1) if full.startswith(name.lower()[:3]))
+    return next(i for i, full in enumerate(MONTHS, start=1) if full.startswith(name.lower()[:3]))

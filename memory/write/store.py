@@ -4,10 +4,12 @@ Every function takes the connection and keyword-only arguments, and is scoped by
 a conversation or node of another tenant behaves as missing. Writes that touch a conversation
 lock its row first (`FOR UPDATE`), so concurrent requests on one conversation get consecutive,
 never duplicated, sequence numbers and a consistent hash chain. Callers own the transaction:
-`ingest` and `append` do their work inside the caller's transaction so that queueing the
-background work commits or rolls back with the messages it concerns.
+`store_new` and `append` do their work inside the caller's transaction, and queue the build of
+the conversation's tree there (`memory.build.tree.enqueue`, deduplicated), so that the
+background work commits or rolls back with the messages it concerns. They are the only place a
+write queues its build: no caller can store messages and forget them.
 
-The request path runs `ingest` and `append` on every chat request, so each keeps its round
+The request path runs `store_new` and `append` on every chat request, so each keeps its round
 trips to the database few: the conversation is found and locked in one statement, and what
 the request path needs next (the conversation's token count and user) comes back in `Appended`.
 """
@@ -17,12 +19,12 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from sqlalchemy import Text, bindparam, func, insert, literal_column, select, update
-from sqlalchemy.dialects.postgresql import ARRAY, aggregate_order_by
-from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy import Text, bindparam, func, insert, select, update
+from sqlalchemy.dialects.postgresql import aggregate_order_by
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from memory import tokens
+from memory.build import tree
 from memory.db import AnyRow
 from memory.errors import NotFound
 from memory.schema import DEFAULT_TENANT, conversations, nodes, tenants
@@ -44,7 +46,7 @@ class ConversationRef:
 
 @dataclass(frozen=True)
 class Appended:
-    """What `ingest` or `append` stored, and the conversation as it is now."""
+    """What `store_new` or `append` stored, and the conversation as it is now."""
 
     conversation: ConversationRef
     node_ids: list[int]
@@ -72,11 +74,7 @@ class MessageRecord:
 
     def as_openai(self) -> dict[str, Any]:
         """The message in OpenAI's chat format, as the client sent or received it."""
-        message: dict[str, Any] = {**self.meta, "role": self.role, "content": self.content}
-        for key in ("name", "tool_calls", "tool_call_id"):
-            if getattr(self, key) is not None:
-                message[key] = getattr(self, key)
-        return message
+        return openai_message(self)
 
 
 async def tenant_id_by_name(conn: AsyncConnection, *, name: str = DEFAULT_TENANT) -> int:
@@ -87,40 +85,24 @@ async def tenant_id_by_name(conn: AsyncConnection, *, name: str = DEFAULT_TENANT
     return int(found)
 
 
-async def ingest(
+async def store_new(
     conn: AsyncConnection,
     *,
     tenant_id: int,
-    external_id: str | None,
-    user: str | None,
+    found: identity.Found,
     messages: Sequence[Mapping[str, Any]],
     model: str,
     created_at: Sequence[datetime | None] | None = None,
 ) -> Appended:
-    """Store the new part of an incoming history and say which conversation it belongs to.
-
-    With `external_id`, that conversation (created if new) receives the messages that come
-    after its stored chain; a history that does not contain its chain is taken as new messages
-    only. Without it, the conversation whose whole chain prefixes `messages` is extended, or a
-    new one is started. `created_at`, if given, holds one timestamp (or None: now) per message.
-    """
-    hashes = identity.chain(messages)
-    if external_id is not None:
-        conv, created = await _lock_or_create(
-            conn, tenant_id=tenant_id, external_id=external_id, user=user
-        )
-        start = _after_head(hashes, conv.head_hash)
-        if start is None:
-            start = _repeated_system(conv.system_hash, messages)
-    else:
-        conv, start, created = await _match_prefix(
-            conn, tenant_id=tenant_id, user=user, hashes=hashes
-        )
+    """Store the part of an incoming history that is new to the conversation `identity.identify`
+    found (and locked): `messages` from `found.start` on. `created_at`, if given, holds one
+    timestamp (or None: now) per message of `messages`."""
+    start = found.start
     return await _append_locked(
         conn,
         tenant_id=tenant_id,
-        conv=conv,
-        created=created,
+        conv=found.row,
+        created=found.created,
         messages=messages[start:],
         model=model,
         created_at=created_at[start:] if created_at is not None else None,
@@ -166,10 +148,11 @@ async def open_conversation(
 ) -> tuple[ConversationRef, int]:
     """The conversation `external_id`, created if missing and locked until the transaction
     ends, and the number of messages it holds."""
-    conv, created = await _lock_or_create(
+    found = await identity.lock_or_create(
         conn, tenant_id=tenant_id, external_id=external_id, user=user
     )
-    return ConversationRef(id=conv.id, external_id=external_id, created=created), conv.next_seq
+    ref = ConversationRef(id=found.row.id, external_id=external_id, created=found.created)
+    return ref, found.row.next_seq
 
 
 async def resume_point(
@@ -180,7 +163,7 @@ async def resume_point(
     head = await conn.scalar(
         select(conversations.c.head_hash).where(conversations.c.id == conversation_id)
     )
-    start = _after_head(identity.chain(messages), head)
+    start = identity.after_head(identity.chain(messages), head)
     return 0 if start is None else start
 
 
@@ -221,6 +204,31 @@ async def list_messages(
     return [_message_record(row) for row in await conn.execute(query)]
 
 
+async def history(
+    conn: AsyncConnection, *, tenant_id: int, conversation_id: int, before_seq: int
+) -> list[dict[str, Any]]:
+    """Stored messages before seq `before_seq`, in OpenAI's format, as the client sent them
+    (only the columns a prompt needs: the request path reads this)."""
+    rows = await conn.execute(
+        select(
+            nodes.c.role,
+            nodes.c.content,
+            nodes.c.name,
+            nodes.c.tool_calls,
+            nodes.c.tool_call_id,
+            nodes.c.meta,
+        )
+        .where(
+            nodes.c.tenant_id == tenant_id,
+            nodes.c.conversation_id == conversation_id,
+            nodes.c.level == 0,
+            nodes.c.seq < before_seq,
+        )
+        .order_by(nodes.c.seq)
+    )
+    return [openai_message(row) for row in rows]
+
+
 # -- internals ---------------------------------------------------------------------------
 
 # The statements every chat request runs, built once: SQLAlchemy then neither rebuilds them nor
@@ -230,24 +238,6 @@ _LOCK_BY_ID = (
     .where(
         conversations.c.id == bindparam("id"), conversations.c.tenant_id == bindparam("tenant_id")
     )
-    .with_for_update()
-)
-_CHAIN = bindparam("chain", type_=ARRAY(Text))
-# The conversation whose head is latest in the history. Locked as found: a candidate that
-# another request extended meanwhile is read again after the lock, and skipped if its new head
-# is not in this history (the next candidate is taken).
-_LOCK_BY_PREFIX = (
-    select(conversations)
-    .where(
-        conversations.c.tenant_id == bindparam("tenant_id"),
-        conversations.c.head_hash == func.any(_CHAIN),
-        conversations.c.user_id.is_not_distinct_from(bindparam("user", type_=Text)),
-    )
-    .order_by(
-        func.array_position(_CHAIN, conversations.c.head_hash).desc(),
-        conversations.c.updated_at.desc(),
-    )
-    .limit(1)
     .with_for_update()
 )
 # Moves the head after new messages (a NULL hash keeps the stored one) and counts a request.
@@ -267,68 +257,6 @@ _MOVE_HEAD = (
 )
 
 
-async def _lock_or_create(
-    conn: AsyncConnection, *, tenant_id: int, external_id: str, user: str | None
-) -> tuple[AnyRow, bool]:
-    # One statement: the conflicting update is a no-op that locks the existing row (a new one
-    # is ours until commit); `xmax` is 0 only on a row this statement inserted.
-    statement = pg_insert(conversations).values(
-        tenant_id=tenant_id, external_id=external_id, user_id=user
-    )
-    conv = (
-        await conn.execute(
-            statement.on_conflict_do_update(
-                constraint="uq_conversations_tenant_external",
-                set_={"external_id": statement.excluded.external_id},
-            ).returning(*conversations.c, literal_column("xmax = 0").label("inserted"))
-        )
-    ).one()
-    return conv, bool(conv.inserted)
-
-
-def _after_head(hashes: Sequence[str], head: str | None) -> int | None:
-    """Where the new messages start, or None when the history does not contain the head."""
-    if head is None:
-        return 0
-    try:
-        return hashes.index(head) + 1
-    except ValueError:
-        return None
-
-
-def _repeated_system(system_hash: str | None, messages: Sequence[Mapping[str, Any]]) -> int:
-    """Clients that send only new turns usually repeat their system prompt: store it once
-    (1 to skip it, when it is the conversation's newest stored system prompt)."""
-    if system_hash is None or not messages:
-        return 0
-    first = messages[0]
-    if first.get("role") not in _SYSTEM_ROLES:
-        return 0
-    return 1 if identity.content_hash(first.get("content")) == system_hash else 0
-
-
-async def _match_prefix(
-    conn: AsyncConnection, *, tenant_id: int, user: str | None, hashes: Sequence[str]
-) -> tuple[AnyRow, int, bool]:
-    """Lock the conversation whose whole chain is the longest prefix of the history; return
-    it, where the new messages start, and whether it was created."""
-    conv = (
-        await conn.execute(
-            _LOCK_BY_PREFIX, {"tenant_id": tenant_id, "chain": list(hashes), "user": user}
-        )
-    ).one_or_none()
-    if conv is not None:
-        return conv, hashes.index(conv.head_hash) + 1, False
-    conv = (
-        await conn.execute(
-            insert(conversations)
-            .values(tenant_id=tenant_id, external_id=identity.new_conversation_id(), user_id=user)
-            .returning(*conversations.c)
-        )
-    ).one()
-    return conv, 0, True
-
-
 async def _append_locked(
     conn: AsyncConnection,
     *,
@@ -343,6 +271,7 @@ async def _append_locked(
 ) -> Appended:
     """Insert `messages` after the locked conversation's head and move the head."""
     ref = ConversationRef(id=conv.id, external_id=conv.external_id, created=created)
+    await tree.enqueue(conn, tenant_id=tenant_id, conversation_id=conv.id)
     if not messages and request_tokens is None:
         return Appended(
             conversation=ref,
@@ -402,6 +331,16 @@ async def _append_locked(
         token_count=conv.token_count + added,
         user_id=conv.user_id,
     )
+
+
+def openai_message(row: Any) -> dict[str, Any]:
+    """A stored message row (any row with its columns) in OpenAI's format, as the client sent
+    or received it: its extra fields (`meta`), then role, content and the set optional fields."""
+    message: dict[str, Any] = {**(row.meta or {}), "role": row.role, "content": row.content}
+    for key in ("name", "tool_calls", "tool_call_id"):
+        if getattr(row, key) is not None:
+            message[key] = getattr(row, key)
+    return message
 
 
 def _message_record(row: AnyRow) -> MessageRecord:

@@ -15,9 +15,9 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Query
 from fastapi.responses import StreamingResponse
 
-from gateway import chat
 from gateway.deps import EngineDep, StateDep
 from gateway.errors import GatewayError
+from gateway.openai import chat
 from gateway.routes.admin.models import (
     TEXT_PATTERN,
     CompactQueued,
@@ -38,7 +38,7 @@ from gateway.schemas import ImportRequest
 from memory.build import tree
 from memory.db import transaction
 from memory.schema import conversations as conversations_table
-from memory.write import conversations, store
+from memory.write import conversations, identity, store
 
 router = APIRouter()
 
@@ -182,22 +182,24 @@ async def conversation_messages(
 async def import_messages(
     conversation: ConversationPath, body: ImportRequest, engine: EngineDep, tenant_id: ScopeDep
 ) -> ImportResult:
-    """Append OpenAI-format messages (each with an optional `created_at`) and queue their
-    processing. Messages the conversation already holds, as a resent prefix, are skipped."""
+    """Append OpenAI-format messages (each with an optional `created_at`); the write path
+    queues their processing. Messages the conversation already holds, as a resent prefix, are
+    skipped."""
     if body.user is not None and "\x00" in body.user:
         raise GatewayError(400, "user must not contain NUL characters", param="user")
     messages = [m.model_dump(exclude={"created_at"}, exclude_none=True) for m in body.messages]
     async with transaction(engine) as conn:
-        stored = await store.ingest(
+        found = await identity.identify(
+            conn, tenant_id=tenant_id, external_id=conversation, user=body.user, messages=messages
+        )
+        stored = await store.store_new(
             conn,
             tenant_id=tenant_id,
-            external_id=conversation,
-            user=body.user,
+            found=found,
             messages=messages,
             model=body.model,
             created_at=[_aware(m.created_at) for m in body.messages],
         )
-        await tree.enqueue(conn, tenant_id=tenant_id, conversation_id=stored.conversation.id)
     return ImportResult(
         conversation=conversation,
         imported=len(stored.node_ids),

@@ -5,7 +5,7 @@ several upstream rounds into the one stream a client sees.
 joined `data:` payload) in whatever pieces the network delivers; `\\n`, `\\r\\n` and `\\r` line
 ends are all understood.
 
-`MergedStream` serves the memory-tool loop (`gateway.toolloop`): each upstream round is read
+`MergedStream` serves the memory-tool loop (`gateway.openai.toolloop`): each upstream round is read
 through `MergedStream.round(final=...)`, whose `event()` returns what the client must see of
 each event (often the raw bytes unchanged, sometimes a rewritten chunk, sometimes nothing):
 
@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gateway.errors import error_body
-from gateway.replies import StreamedReply
+from gateway.openai.replies import StreamedReply
 from memory.recall.tools import TOOL_NAMES
 
 _EVENT_END = re.compile(rb"\r\n\r\n|\n\n|\r\r")

@@ -16,9 +16,9 @@ from typing import Any
 
 from fastapi.responses import Response
 
-from gateway import relay
-from gateway.deps import State
-from gateway.turn import CONVERSATION_HEADER, Turn
+from gateway.openai import relay
+from gateway.openai.turn import CONVERSATION_HEADER, Turn
+from gateway.state import State
 from memory.errors import StorageUnavailable
 
 log = logging.getLogger(__name__)

@@ -18,8 +18,8 @@ client; keeping them for later would make the stored conversation differ from th
 Non-stream: every round is read whole; the final completion is returned with the memory calls
 removed and `usage` summed over the rounds (unchanged, byte for byte, when the first reply is
 final as it is). Stream: content is relayed as it arrives, in every round, as one coherent
-stream (`gateway.streams.MergedStream`): a round that ends in memory calls only is continued by
-the next one in the same stream. An upstream error answering the first round is relayed with its
+stream (`gateway.openai.streams.MergedStream`): a round that ends in memory calls only is continued
+by the next one in the same stream. An upstream error answering the first round is relayed with its
 status and body; one answering a later round of a stream arrives as an error event (the HTTP
 status is already sent), as does a stream cut mid-way, and the partial reply is kept, marked
 incomplete. The reply recorded is always what the client was shown.
@@ -29,21 +29,19 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import anyio
 import httpx
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import Response
 
-from gateway.deps import State
 from gateway.errors import GatewayError
-from gateway.replies import from_completion
+from gateway.openai.replies import from_completion
+from gateway.openai.streams import EventReader, MergedStream, add_usage, is_memory_call, sse_error
+from gateway.openai.turn import REPLY_COMPLETE, Chunks, Turn
 from gateway.settings import Settings
-from gateway.streams import EventReader, MergedStream, add_usage, is_memory_call, sse_error
-from gateway.turn import Turn
-from gateway.upstream import relayed_headers
+from gateway.state import State
 from memory.db import transaction
 from memory.errors import StorageUnavailable
 from memory.recall import tools
@@ -131,11 +129,11 @@ class ToolLoop:
             response = await self._open(final=round_ == self._max_rounds, stream=False)
             content = await self._read(response)
             if not response.is_success:
-                return self._response(content, response)
+                return await self._answer(content, response)
             completion = _json(content)
             message = _message(completion)
             if message is None:  # not a completion we understand: relayed as it is
-                return self._response(content, response)
+                return await self._answer(content, response)
             usage = add_usage(usage, completion.get("usage"))
             calls = message.get("tool_calls") or []
             memory = [call for call in calls if is_memory_call(call)]
@@ -147,30 +145,18 @@ class ToolLoop:
                 if round_ > 0 and usage is not None:
                     completion["usage"] = usage
                 content = json.dumps(completion, ensure_ascii=False).encode()
-            await self._turn.record(self._state, from_completion(completion), complete=True)
-            return self._response(content, response)
+            return await self._answer(content, response, from_completion(completion))
         raise AssertionError("unreachable: the last round always answers")
 
     async def stream(self) -> Response:
         """Stream: one client stream over all the rounds."""
         first = await self._open(final=False, stream=True)
         if not first.is_success:
-            return self._response(await self._read(first), first)
-        return StreamingResponse(
-            self._rounds(first),
-            status_code=first.status_code,
-            headers={
-                **relayed_headers(first),
-                **self._turn.headers(),
-                "Cache-Control": "no-cache",
-                "X-Accel-Buffering": "no",
-            },
-            media_type="text/event-stream",
-        )
-
-    async def _rounds(self, response: httpx.Response) -> AsyncIterator[bytes]:
+            return await self._answer(await self._read(first), first)
         merged = MergedStream()
-        recorded = False
+        return self._turn.stream(self._state, first, self._rounds(first, merged), merged.reply)
+
+    async def _rounds(self, response: httpx.Response, merged: MergedStream) -> Chunks:
         try:
             for round_ in range(self._max_rounds + 1):
                 if round_ > 0:
@@ -191,10 +177,7 @@ class ToolLoop:
                 await response.aclose()
                 current.end()
                 if not current.continues:
-                    # Stored before the client has it all: its next turn must find it there.
-                    recorded = True
-                    with anyio.CancelScope(shield=True):
-                        await self._record(merged)
+                    yield REPLY_COMPLETE
                     if done := merged.done():
                         yield done
                     return
@@ -215,14 +198,6 @@ class ToolLoop:
             )
         finally:
             await response.aclose()
-            # The client may be gone (cancelled scope): storing the reply must still happen.
-            if not recorded:
-                with anyio.CancelScope(shield=True):
-                    await self._record(merged)
-
-    async def _record(self, merged: MergedStream) -> None:
-        reply = merged.reply
-        await self._turn.record(self._state, reply.message(), complete=reply.complete)
 
     async def _next_round(self, round_: int) -> httpx.Response | bytes:
         """The next round's response, or the error event that ends the stream instead."""
@@ -270,12 +245,10 @@ class ToolLoop:
             exc.headers.update(self._turn.headers())
             raise
 
-    def _response(self, content: bytes, response: httpx.Response) -> Response:
-        return Response(
-            content,
-            status_code=response.status_code,
-            headers={**relayed_headers(response), **self._turn.headers()},
-        )
+    async def _answer(
+        self, content: bytes, response: httpx.Response, reply: dict[str, Any] | None = None
+    ) -> Response:
+        return await self._turn.answer(self._state, content, response, reply)
 
     async def _run(self, content: Any, calls: list[dict[str, Any]]) -> None:
         """Run the memory calls and add them and their results to the prompt."""

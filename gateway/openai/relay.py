@@ -1,0 +1,91 @@
+"""Forwarding a chat completion upstream and relaying the answer to the client.
+
+The upstream answer is relayed unchanged: an error keeps its status, body and `Retry-After`; a
+stream is passed on chunk by chunk as it arrives while a `StreamedReply` rebuilds the message
+beside it. The reply is recorded by the turn (`gateway.openai.turn`): a stream's when it
+ends, before the client is sent `[DONE]`, marked incomplete if the stream was cut, even when
+the client has gone. When the memory tools are offered (`gateway.openai.toolloop.offer`), the
+request goes through the tool loop instead, with the same guarantees.
+"""
+
+import json
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+import httpx
+from fastapi.responses import Response
+
+from gateway.errors import GatewayError
+from gateway.openai import toolloop
+from gateway.openai.replies import StreamedReply, from_completion
+from gateway.openai.streams import sse_error
+from gateway.openai.turn import REPLY_COMPLETE, Chunks, Turn
+from gateway.state import State
+
+log = logging.getLogger(__name__)
+
+
+async def forward(
+    state: State,
+    turn: Turn,
+    *,
+    client_headers: Mapping[str, str],
+    body: dict[str, Any],
+    stream: bool,
+) -> Response:
+    """Send `body` upstream and answer the client with what comes back."""
+    offer = toolloop.offer(state.settings, turn, body)
+    if offer is not None:
+        loop = toolloop.ToolLoop(state, turn, client_headers=client_headers, body=body, offer=offer)
+        return await (loop.stream() if stream else loop.complete())
+    upstream = state.upstream
+    try:
+        response = await upstream.open(
+            "POST",
+            "/chat/completions",
+            headers=upstream.headers_for(client_headers),
+            json=body,
+            stream=stream,
+        )
+        if stream and response.is_success:
+            reply = StreamedReply()
+            return turn.stream(state, response, _relay(response, reply, turn), reply)
+        content = await upstream.read(response)
+    except GatewayError as exc:
+        exc.headers.update(turn.headers())
+        raise
+    return await turn.answer(state, content, response, from_completion(_json(content)))
+
+
+async def _relay(response: httpx.Response, reply: StreamedReply, turn: Turn) -> Chunks:
+    """Pass the upstream stream on as it comes, feeding `reply`; the reply is complete just
+    before the chunk that ends the stream."""
+    complete = False
+    try:
+        async for chunk in response.aiter_bytes():
+            reply.feed(chunk)
+            if reply.done and not complete:
+                complete = True
+                yield REPLY_COMPLETE
+            yield chunk
+    except httpx.HTTPError as exc:
+        log.warning(
+            "upstream stream interrupted: %s",
+            type(exc).__name__,
+            extra={"conversation": turn.external_id},
+        )
+        yield sse_error(
+            f"the upstream stream was interrupted ({type(exc).__name__}); "
+            "the partial reply was kept",
+            code="upstream_stream_interrupted",
+        )
+    finally:
+        await response.aclose()
+
+
+def _json(content: bytes) -> Any:
+    try:
+        return json.loads(content)
+    except ValueError:
+        return None

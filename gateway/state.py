@@ -1,0 +1,29 @@
+"""What the app holds for its lifetime: one `State`, built in the lifespan (`gateway.app`).
+
+A leaf: it imports the types it holds and nothing that reads a request, so that `deps`, `auth`
+and the OpenAI surface can all depend on it without depending on each other.
+"""
+
+from dataclasses import dataclass, field
+
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from gateway.key_grace import KeyGrace
+from gateway.metrics import Metrics
+from gateway.settings import Settings
+from gateway.upstream import Upstream
+from memory.embeddings import Embedder
+
+
+@dataclass
+class State:
+    """The settings, the database engine, the upstream clients and the query embedder, with
+    this process's metrics and recently verified keys."""
+
+    settings: Settings
+    engine: AsyncEngine
+    upstream: Upstream
+    embedder: Embedder
+    default_tenant_id: int
+    metrics: Metrics = field(default_factory=Metrics)
+    key_grace: KeyGrace = field(default_factory=lambda: KeyGrace(seconds=0))
