@@ -35,16 +35,14 @@ from prometheus_client import (
 )
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
-from sqlalchemy import func, select
 from sqlalchemy.ext.asyncio import AsyncEngine
 from starlette.routing import Mount
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway.logs import route_template
-from memory.build import jobs
+from memory.build import jobs, tree
 from memory.db import transaction
 from memory.errors import StorageUnavailable
-from memory.schema import nodes
 
 log = logging.getLogger(__name__)
 
@@ -177,12 +175,7 @@ class Metrics:
         try:
             async with transaction(engine) as conn:
                 depth = await jobs.depth(conn)
-                rows = await conn.execute(
-                    select(nodes.c.level, func.coalesce(nodes.c.method, "unknown"), func.count())
-                    .where(nodes.c.level >= 1)
-                    .group_by(nodes.c.level, nodes.c.method)
-                )
-                summaries = {(int(level), str(method)): int(n) for level, method, n in rows}
+                summaries = await tree.summary_counts(conn)
         except StorageUnavailable as exc:
             log.warning("metrics cannot read the database: %s", exc)
             self._figures.up = 0.0

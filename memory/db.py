@@ -73,6 +73,12 @@ async def check(engine: AsyncEngine) -> None:
         )
 
 
+async def ping(engine: AsyncEngine) -> None:
+    """One round trip to the server; `StorageUnavailable` when it cannot be made."""
+    async with transaction(engine) as conn:
+        await conn.execute(text("SELECT 1"))
+
+
 async def migrate(engine: AsyncEngine) -> None:
     """Apply every pending migration; safe to call from many processes at once."""
     await check(engine)

@@ -100,6 +100,16 @@ async def enqueue(
     )
 
 
+async def summary_counts(conn: AsyncConnection) -> dict[tuple[int, str], int]:
+    """Summaries of every tenant by (level, method); `unknown` for a summary without one."""
+    rows = await conn.execute(
+        select(nodes.c.level, func.coalesce(nodes.c.method, "unknown"), func.count())
+        .where(nodes.c.level >= 1)
+        .group_by(nodes.c.level, nodes.c.method)
+    )
+    return {(int(level), str(method)): int(n) for level, method, n in rows}
+
+
 def handler(engine: AsyncEngine, config: TreeConfig) -> jobs.Handler:
     """The job handler for `JOB_KIND`."""
 

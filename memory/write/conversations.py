@@ -134,6 +134,20 @@ async def list_conversations(
     )
 
 
+async def recent(
+    conn: AsyncConnection, *, tenant_id: int, external_id: str | None = None, limit: int
+) -> dict[int, str]:
+    """The tenant's `limit` most recently active conversations (or the one named), external id
+    by id: the scope of a tenant-wide search."""
+    query = select(conversations.c.id, conversations.c.external_id).where(
+        conversations.c.tenant_id == tenant_id
+    )
+    if external_id is not None:
+        query = query.where(conversations.c.external_id == external_id)
+    rows = await conn.execute(query.order_by(conversations.c.updated_at.desc()).limit(limit))
+    return {int(row.id): str(row.external_id) for row in rows}
+
+
 async def get_conversation(
     conn: AsyncConnection, *, tenant_id: int, external_id: str
 ) -> ConversationSummary:

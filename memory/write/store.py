@@ -181,6 +181,18 @@ async def find_conversation(
     return ConversationRef(id=int(found), external_id=external_id, created=False)
 
 
+async def external_id(conn: AsyncConnection, *, tenant_id: int, conversation_id: int) -> str:
+    """The id clients know the conversation by, or `NotFound`."""
+    found = await conn.scalar(
+        select(conversations.c.external_id).where(
+            conversations.c.id == conversation_id, conversations.c.tenant_id == tenant_id
+        )
+    )
+    if found is None:
+        raise NotFound(f"conversation {conversation_id} does not exist")
+    return str(found)
+
+
 async def list_messages(
     conn: AsyncConnection,
     *,

@@ -37,7 +37,6 @@ from gateway.routes.admin.scope import ConversationPath, ScopeDep, id_path
 from gateway.schemas import ImportRequest
 from memory.build import tree
 from memory.db import transaction
-from memory.schema import conversations as conversations_table
 from memory.write import conversations, identity, store
 
 router = APIRouter()
@@ -301,12 +300,10 @@ async def node(
     """A message or a summary, with its parent and children."""
     async with transaction(engine) as conn:
         record = await store.get_node(conn, tenant_id=tenant_id, node_id=node_id)
-        external_id = await conn.scalar(
-            conversations_table.select()
-            .with_only_columns(conversations_table.c.external_id)
-            .where(conversations_table.c.id == record.conversation_id)
+        external_id = await store.external_id(
+            conn, tenant_id=tenant_id, conversation_id=record.conversation_id
         )
-    return node_public(record, str(external_id))
+    return node_public(record, external_id)
 
 
 def node_public(record: store.NodeRecord, conversation: str) -> NodePublic:

@@ -5,7 +5,6 @@ import logging
 from typing import Annotated
 
 from fastapi import APIRouter, Query
-from sqlalchemy import select
 
 from gateway.deps import EngineDep, StateDep
 from gateway.routes.admin.models import (
@@ -22,7 +21,7 @@ from memory.build import jobs
 from memory.db import transaction
 from memory.errors import ProviderError
 from memory.recall import retrieval
-from memory.schema import conversations
+from memory.write import conversations
 
 log = logging.getLogger(__name__)
 router = APIRouter()
@@ -55,17 +54,9 @@ async def search(
         log.warning("query embedding failed; searching by full text only")
         vector = None
     async with transaction(state.engine) as conn:
-        scope = select(conversations.c.id, conversations.c.external_id).where(
-            conversations.c.tenant_id == tenant_id
+        names = await conversations.recent(
+            conn, tenant_id=tenant_id, external_id=conversation, limit=SEARCH_SCOPE
         )
-        if conversation is not None:
-            scope = scope.where(conversations.c.external_id == conversation)
-        rows = (
-            await conn.execute(
-                scope.order_by(conversations.c.updated_at.desc()).limit(SEARCH_SCOPE)
-            )
-        ).all()
-        names = {int(row.id): str(row.external_id) for row in rows}
         hits = await retrieval.search(
             conn,
             tenant_id=tenant_id,
