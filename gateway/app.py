@@ -52,16 +52,16 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             )
             for one in clients:
                 stack.push_async_callback(one.aclose)
-            # Background calls (embeddings, summaries) are few: one client serves them.
-            client = clients[0]
+            upstream_api = background.provider(settings)
+            stack.push_async_callback(upstream_api.aclose)
             # Load the tokenizer now rather than on the first request.
             await asyncio.to_thread(tokens.get_encoding, "o200k_base")
             await migrate(engine)
             async with transaction(engine) as conn:
                 default_tenant = await store.tenant_id_by_name(conn)
-            embed = background.embedder(settings, client)
+            embed = background.embedder(settings, upstream_api)
             if settings.workers > 0:
-                config = background.tree_config(settings, client, embed)
+                config = background.tree_config(settings, upstream_api, embed)
                 runner = background.worker(
                     engine,
                     settings,
@@ -94,6 +94,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                 )
             await stack.enter_async_context(mcp_endpoint.running())
             log.info("memstrata ready", extra={"upstream": settings.upstream_url})
+            stack.push_async_callback(state.close)
             yield {"memstrata": state}
 
     app = FastAPI(

@@ -127,6 +127,8 @@ nodes = Table(
     Column("pinned", Boolean, nullable=False, server_default=text("false")),
     # 'complete', or 'incomplete' for a reply whose upstream stream was cut.
     Column("status", Text, nullable=False, server_default="complete"),
+    # True when text Postgres cannot hold (NUL, unpaired surrogates) was stored escaped.
+    Column("escaped", Boolean, nullable=False, server_default=text("false")),
     Column("meta", JSONB, nullable=False, server_default=text("'{}'::jsonb")),
     _created_at(),
     UniqueConstraint("conversation_id", "level", "seq", name="uq_nodes_conversation_level_seq"),

@@ -57,7 +57,7 @@ class InProcess:
             await app(scope, receive, send)
 
         transport = httpx.ASGITransport(app=asgi, client=(host, 1234))
-        return httpx.AsyncClient(transport=transport, base_url="http://testserver")
+        return httpx.AsyncClient(transport=transport, base_url="http://localhost")
 
 
 @pytest.fixture(scope="module")

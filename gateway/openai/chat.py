@@ -19,7 +19,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from pydantic import ValidationError
 
-from gateway.deps import read_json
+from gateway.bodies import read_json
 from gateway.errors import GatewayError
 from gateway.openai import degraded, relay, toolloop
 from gateway.openai.turn import CONVERSATION_HEADER, Turn
@@ -38,7 +38,7 @@ BUDGET_HEADER = "X-Memstrata-Budget"
 async def complete(request: Request, state: State, *, tenant_id: int) -> Response:
     """Handle `POST /v1/chat/completions`."""
     started = time.perf_counter()
-    body, chat = await parse(request, max_bytes=state.settings.max_body_bytes)
+    body, chat = await parse(request, state.settings)
     header = request.headers.get(CONVERSATION_HEADER)
     external_id = identity.validate_conversation_id(header) if header is not None else None
     # Room kept for the memory tools' definitions, when the gateway offers them.
@@ -94,7 +94,7 @@ async def complete(request: Request, state: State, *, tenant_id: int) -> Respons
             tools_guide=tools_room > 0,
         )
     except StorageUnavailable as exc:
-        return await unchanged(exc, external_id=turn.external_id)
+        return await unchanged(exc, external_id=turn.external_id, stored=turn)
     turn.sent(assembled)
     prompt = (
         body if assembled.messages is body["messages"] else {**body, "messages": assembled.messages}
@@ -105,16 +105,32 @@ async def complete(request: Request, state: State, *, tenant_id: int) -> Respons
 
 
 async def parse(
-    request: Request, *, max_bytes: int
+    request: Request, settings: Settings
 ) -> tuple[dict[str, Any], ChatCompletionRequest]:
-    """The raw body (forwarded as is) and its validated view."""
-    body = await read_json(request, max_bytes=max_bytes)
-    if not isinstance(body, dict):
-        raise GatewayError(400, "the body must be a JSON object", code="invalid_value")
-    try:
-        return body, ChatCompletionRequest.model_validate(body)
-    except ValidationError as exc:
-        raise RequestValidationError(exc.errors()) from exc
+    """The raw body (forwarded as is) and its validated view, both made off the event loop
+    when the body is large (`gateway.bodies`)."""
+
+    def validate(body: Any) -> tuple[dict[str, Any], ChatCompletionRequest]:
+        if not isinstance(body, dict):
+            raise GatewayError(400, "the body must be a JSON object", code="invalid_value")
+        messages = body.get("messages")
+        if isinstance(messages, list) and len(messages) > settings.max_messages:
+            raise GatewayError(
+                413,
+                f"the body holds {len(messages)} messages, more than {settings.max_messages} "
+                "(MEMSTRATA_MAX_MESSAGES); send the new messages with X-Memstrata-Conversation",
+                param="messages",
+                code="too_many_messages",
+            )
+        try:
+            return body, ChatCompletionRequest.model_validate(body)
+        except ValidationError as exc:
+            raise RequestValidationError(exc.errors()) from exc
+
+    parsed: tuple[dict[str, Any], ChatCompletionRequest] = await read_json(
+        request, max_bytes=settings.max_body_bytes, then=validate
+    )
+    return parsed
 
 
 async def dry_run(
@@ -157,7 +173,12 @@ def parse_budget(value: str | None) -> int | None:
     if value is None:
         return None
     value = value.strip()
-    if not value.isdigit() or not 1 <= int(value) <= 10_000_000:
+    # ASCII digits only: `isdigit` also accepts "²", which `int` refuses.
+    if (
+        not (value.isascii() and value.isdigit())
+        or len(value) > 8
+        or not 1 <= int(value) <= 10_000_000
+    ):
         raise GatewayError(
             400,
             f"{BUDGET_HEADER} must be a whole number of tokens from 1 to 10000000",

@@ -2,12 +2,22 @@
 
 With fail-open on, a chat request whose messages cannot be stored, or whose prompt cannot be
 assembled, because Postgres is unreachable goes upstream exactly as the client sent it; the
-answer (stream or not, error or not) is relayed as usual with `X-Memstrata-Degraded: 1`, and
-nothing is recorded: the request is answered as if memstrata were not there. The response
-carries `X-Memstrata-Conversation` only when the client named its conversation. With fail-open
-off the `StorageUnavailable` is raised again, and the client gets 503 in OpenAI's shape.
+answer (stream or not, error or not) is relayed as usual with `X-Memstrata-Degraded: 1`. What is
+stored depends on when the database failed:
+
+* before the client's messages were stored: nothing of the request is (it is answered as if
+  memstrata were not there);
+* after they were stored (the prompt could not be assembled): the reply is stored too, once the
+  database is back: this process tries again, backing off, for `RECORD_RETRY_SECONDS`, after the
+  client has its answer; a reply still unstored then, or when the process stops, is logged as
+  lost from memory.
+
+The response carries `X-Memstrata-Conversation` when the client named its conversation or its
+messages were stored. With fail-open off the `StorageUnavailable` is raised again, and the
+client gets 503 in OpenAI's shape.
 """
 
+import asyncio
 import logging
 import time
 from collections.abc import Mapping
@@ -26,9 +36,15 @@ log = logging.getLogger(__name__)
 DEGRADED_HEADER = "X-Memstrata-Degraded"
 
 
+RECORD_RETRY_SECONDS = 120.0
+
+
 @dataclass
 class DegradedTurn(Turn):
-    """A turn forwarded without memory: it records nothing."""
+    """A turn forwarded without memory; it records its reply only for a `stored` turn."""
+
+    stored: Turn | None = None
+    """The turn whose messages were stored before the database failed."""
 
     def headers(self) -> dict[str, str]:
         headers = {
@@ -42,7 +58,31 @@ class DegradedTurn(Turn):
     async def record(
         self, state: State, reply: Mapping[str, Any] | None, *, complete: bool
     ) -> None:
-        return None
+        if self.stored is not None and reply is not None:
+            state.spawn(_record_when_back(state, self.stored, dict(reply), complete=complete))
+
+
+async def _record_when_back(
+    state: State, turn: Turn, reply: dict[str, Any], *, complete: bool
+) -> None:
+    deadline = time.monotonic() + RECORD_RETRY_SECONDS
+    delay = 0.25
+    extra = {"conversation": turn.external_id}
+    while True:
+        try:
+            await turn.store_reply(state, reply, complete=complete)
+        except StorageUnavailable:
+            if time.monotonic() + delay > deadline:
+                log.error("the reply of a degraded turn is lost from memory", extra=extra)
+                return
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 10.0)
+        except Exception:
+            log.exception("the reply of a degraded turn could not be stored", extra=extra)
+            return
+        else:
+            log.info("stored the reply of a degraded turn", extra=extra)
+            return
 
 
 async def forward(
@@ -56,8 +96,10 @@ async def forward(
     model: str,
     stream: bool,
     started: float,
+    stored: Turn | None = None,
 ) -> Response:
-    """Forward the client's own `body` unchanged if fail-open is on; else raise `cause`."""
+    """Forward the client's own `body` unchanged if fail-open is on; else raise `cause`.
+    `stored`: the turn, when the client's messages were stored before the database failed."""
     if state.settings.fail_open != "on":
         raise cause
     log.warning("database unavailable, forwarding without memory: %s", cause)
@@ -68,6 +110,7 @@ async def forward(
         external_id=external_id or "",
         model=model,
         started=started,
+        stored=stored,
     )
     turn.overhead = time.perf_counter() - started
     return await relay.forward(state, turn, client_headers=client_headers, body=body, stream=stream)

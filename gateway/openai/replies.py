@@ -13,18 +13,26 @@ from typing import Any
 
 
 def from_completion(body: Any) -> dict[str, Any] | None:
-    """The assistant message of a chat.completion body, if it has one."""
-    try:
-        message = body["choices"][0]["message"]
-    except (KeyError, IndexError, TypeError):
-        return None
+    """The assistant message of a chat.completion body, if it has one.
+
+    An upstream may send anything: what is recorded is well-formed whatever it sent (content a
+    string, a list of parts or None, anything else as its JSON text; tool calls only when they
+    are a list of objects), while the client is relayed the upstream's answer untouched."""
+    choices = body.get("choices") if isinstance(body, dict) else None
+    choice = choices[0] if isinstance(choices, list) and choices else None
+    message = choice.get("message") if isinstance(choice, dict) else None
     if not isinstance(message, dict):
         return None
-    reply: dict[str, Any] = {"role": "assistant", "content": message.get("content")}
-    if message.get("tool_calls"):
-        reply["tool_calls"] = message["tool_calls"]
-    if message.get("refusal"):
-        reply["refusal"] = message["refusal"]
+    content = message.get("content")
+    if not (content is None or isinstance(content, str | list)):
+        content = json.dumps(content, ensure_ascii=False)
+    reply: dict[str, Any] = {"role": "assistant", "content": content}
+    calls = message.get("tool_calls")
+    if isinstance(calls, list) and calls and all(isinstance(call, dict) for call in calls):
+        reply["tool_calls"] = calls
+    refusal = message.get("refusal")
+    if isinstance(refusal, str) and refusal:
+        reply["refusal"] = refusal
     return reply
 
 
@@ -72,32 +80,38 @@ class StreamedReply:
             return
         try:
             chunk = json.loads(payload)
-            choice = chunk["choices"][0]
-        except (ValueError, KeyError, IndexError, TypeError):
-            return  # usage-only chunks, errors, keep-alives: nothing of the message
-        if choice.get("index", 0) != 0:
+        except ValueError:
+            return  # a keep-alive or garbage: nothing of the message
+        # Usage-only chunks, errors and chunks of any other shape hold nothing of the message.
+        choices = chunk.get("choices") if isinstance(chunk, dict) else None
+        choice = choices[0] if isinstance(choices, list) and choices else None
+        if not isinstance(choice, dict) or choice.get("index", 0) != 0:
             return
-        delta = choice.get("delta") or {}
-        if delta.get("content"):
-            self._content.append(delta["content"])
-        if delta.get("refusal"):
-            self._refusal.append(delta["refusal"])
-        for call in delta.get("tool_calls") or []:
-            self._tool_call(call)
-        if choice.get("finish_reason"):
-            self.finish_reason = choice["finish_reason"]
+        delta = choice.get("delta")
+        if isinstance(delta, dict):
+            if isinstance(content := delta.get("content"), str):
+                self._content.append(content)
+            if isinstance(refusal := delta.get("refusal"), str):
+                self._refusal.append(refusal)
+            calls = delta.get("tool_calls")
+            for call in calls if isinstance(calls, list) else []:
+                if isinstance(call, dict):
+                    self._tool_call(call)
+        if isinstance(reason := choice.get("finish_reason"), str) and reason:
+            self.finish_reason = reason
 
     def _tool_call(self, fragment: dict[str, Any]) -> None:
-        index = int(fragment.get("index", len(self._tool_calls)))
+        index = fragment.get("index")
+        if not isinstance(index, int) or isinstance(index, bool):
+            index = len(self._tool_calls)
         call = self._tool_calls.setdefault(
             index, {"id": None, "type": "function", "function": {"name": "", "arguments": ""}}
         )
-        if fragment.get("id"):
-            call["id"] = fragment["id"]
-        if fragment.get("type"):
-            call["type"] = fragment["type"]
-        function = fragment.get("function") or {}
-        if function.get("name"):
-            call["function"]["name"] += function["name"]
-        if function.get("arguments"):
-            call["function"]["arguments"] += function["arguments"]
+        for key in ("id", "type"):
+            if isinstance(value := fragment.get(key), str) and value:
+                call[key] = value
+        function = fragment.get("function")
+        if isinstance(function, dict):
+            for key in ("name", "arguments"):
+                if isinstance(value := function.get(key), str):
+                    call["function"][key] += value

@@ -27,7 +27,6 @@ from gateway.openai.replies import StreamedReply
 from gateway.state import State
 from gateway.upstream import relayed_headers
 from memory.db import transaction
-from memory.errors import MemstrataError
 from memory.recall.assemble import Assembled
 from memory.write import store
 
@@ -145,19 +144,25 @@ class Turn:
             return
         began = time.perf_counter()
         try:
-            async with transaction(state.engine) as conn:
-                await store.append(
-                    conn,
-                    tenant_id=self.tenant_id,
-                    conversation_id=self.conversation_id,
-                    messages=[reply],
-                    model=self.model,
-                    status="complete" if complete else "incomplete",
-                    request_tokens=(self.context_tokens or 0, self.full_tokens or 0),
-                )
-            state.metrics.observe_tokens(sent=self.context_tokens or 0, full=self.full_tokens or 0)
-        except MemstrataError:
-            # The client already has its answer; losing the stored copy is logged loudly.
+            await self.store_reply(state, reply, complete=complete)
+        except Exception:
+            # Whatever failed, the client gets (or has) its answer: the stored copy's loss is
+            # logged loudly rather than turned into an error the client would see instead.
             log.exception("could not store the reply", extra={"conversation": self.external_id})
         finally:
             self.overhead += time.perf_counter() - began
+
+    async def store_reply(self, state: State, reply: Mapping[str, Any], *, complete: bool) -> None:
+        """`record`'s work, raising what went wrong (`StorageUnavailable` while the database
+        is down)."""
+        async with transaction(state.engine) as conn:
+            await store.append(
+                conn,
+                tenant_id=self.tenant_id,
+                conversation_id=self.conversation_id,
+                messages=[reply],
+                model=self.model,
+                status="complete" if complete else "incomplete",
+                request_tokens=(self.context_tokens or 0, self.full_tokens or 0),
+            )
+        state.metrics.observe_tokens(sent=self.context_tokens or 0, full=self.full_tokens or 0)

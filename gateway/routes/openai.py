@@ -3,7 +3,8 @@
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 
-from gateway.deps import StateDep, TenantDep, UpstreamDep, get_tenant_id, read_json
+from gateway.bodies import read_json
+from gateway.deps import StateDep, TenantDep, UpstreamDep, get_tenant_id
 from gateway.openai import chat
 from gateway.upstream import relayed_headers
 

@@ -34,16 +34,19 @@ from memory.db import AnyRow
 from memory.errors import InvalidConversationId
 from memory.schema import conversations
 
-_CONVERSATION_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+CONVERSATION_ID_PATTERN = r"^[A-Za-z0-9._:-]*[A-Za-z0-9_:-][A-Za-z0-9._:-]*$"
+"""Characters of A-Za-z0-9._:-, not dots alone (`.` and `..` name folders in paths and URLs)."""
+CONVERSATION_ID_MAX = 128
+_CONVERSATION_ID = re.compile(CONVERSATION_ID_PATTERN)
 ROOT_HASH = ""
 _SYSTEM_ROLES = ("system", "developer")
 
 
 def validate_conversation_id(value: str) -> str:
     """Return `value` if it is a valid conversation id, else raise `InvalidConversationId`."""
-    if not _CONVERSATION_ID.fullmatch(value):
+    if len(value) > CONVERSATION_ID_MAX or not _CONVERSATION_ID.fullmatch(value):
         raise InvalidConversationId(
-            "conversation id must be 1-128 characters of A-Z a-z 0-9 . _ : -",
+            "conversation id must be 1-128 characters of A-Z a-z 0-9 . _ : -, not dots alone",
             param="X-Memstrata-Conversation",
         )
     return value

@@ -28,6 +28,7 @@ from memory.build import tree
 from memory.db import AnyRow
 from memory.errors import NotFound
 from memory.schema import DEFAULT_TENANT, conversations, nodes, tenants
+from memory.text import escape_unstorable
 from memory.write import identity
 
 MESSAGE_FIELDS = ("role", "name", "content", "tool_calls", "tool_call_id")
@@ -71,6 +72,8 @@ class MessageRecord:
     token_count: int
     created_at: datetime
     meta: dict[str, Any]
+    escaped: bool = False
+    """Text Postgres cannot hold (NUL, unpaired surrogates) was stored escaped."""
 
     def as_openai(self) -> dict[str, Any]:
         """The message in OpenAI's chat format, as the client sent or received it."""
@@ -295,7 +298,9 @@ async def _append_locked(
     hashes = identity.chain(messages, conv.head_hash or identity.ROOT_HASH)
     now = datetime.now(UTC)
     rows = []
-    for offset, (message, digest) in enumerate(zip(messages, hashes, strict=True)):
+    for offset, (original, digest) in enumerate(zip(messages, hashes, strict=True)):
+        # The hash is the original's, so that a client resending it still matches.
+        message, escaped = escape_unstorable(dict(original))
         text = tokens.message_text(message)
         row: dict[str, Any] = {
             "tenant_id": tenant_id,
@@ -309,6 +314,7 @@ async def _append_locked(
             "text": text,
             "token_count": tokens.count_message(message, model=model),
             "status": status,
+            "escaped": escaped,
             "meta": {k: v for k, v in message.items() if k not in MESSAGE_FIELDS},
         }
         if created_at is not None:
@@ -368,6 +374,7 @@ def _message_record(row: AnyRow) -> MessageRecord:
         token_count=row.token_count,
         created_at=row.created_at,
         meta=row.meta,
+        escaped=row.escaped,
     )
 
 

@@ -9,8 +9,13 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-TENANT_PATTERN = r"^[A-Za-z0-9._-]{1,64}$"
-CONVERSATION_PATTERN = r"^[A-Za-z0-9._:-]{1,128}$"
+from memory.write.identity import CONVERSATION_ID_MAX, CONVERSATION_ID_PATTERN
+
+# Not dots alone: `.` and `..` name folders in paths and URLs.
+TENANT_PATTERN = r"^[A-Za-z0-9._-]*[A-Za-z0-9_-][A-Za-z0-9._-]*$"
+TENANT_MAX = 64
+CONVERSATION_PATTERN = CONVERSATION_ID_PATTERN
+CONVERSATION_MAX = CONVERSATION_ID_MAX
 # Text Postgres can hold: no NUL characters.
 TEXT_PATTERN = r"^[^\x00]*$"
 MAX_ID = 2**63 - 1
@@ -22,7 +27,11 @@ FROM_RECORD = ConfigDict(from_attributes=True)
 
 
 class TenantCreate(BaseModel):
-    name: str = Field(pattern=TENANT_PATTERN, description="1-64 characters of A-Za-z0-9._-")
+    name: str = Field(
+        pattern=TENANT_PATTERN,
+        max_length=TENANT_MAX,
+        description="1-64 characters of A-Za-z0-9._-, not dots alone",
+    )
 
 
 class TenantPublic(BaseModel):
@@ -127,6 +136,10 @@ class MessagePublic(BaseModel):
     status: str
     token_count: int
     created_at: datetime
+    escaped: bool = Field(
+        default=False,
+        description="Text Postgres cannot hold (NUL, unpaired surrogates) was stored escaped",
+    )
 
 
 class MessagesPublic(BaseModel):

@@ -8,6 +8,7 @@ from fastapi import APIRouter, Query
 
 from gateway.deps import EngineDep, StateDep
 from gateway.routes.admin.models import (
+    CONVERSATION_MAX,
     CONVERSATION_PATTERN,
     TEXT_PATTERN,
     HitPublic,
@@ -36,7 +37,12 @@ async def search(
     tenant_id: ScopeDep,
     q: Annotated[str, Query(min_length=1, max_length=2000, pattern=TEXT_PATTERN)],
     conversation: Annotated[
-        str | None, Query(pattern=CONVERSATION_PATTERN, description="Only this conversation")
+        str | None,
+        Query(
+            pattern=CONVERSATION_PATTERN,
+            max_length=CONVERSATION_MAX,
+            description="Only this conversation",
+        ),
     ] = None,
     level: Annotated[
         list[int] | None, Query(description="Only these levels (0: messages); repeatable")
