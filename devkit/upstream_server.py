@@ -187,6 +187,9 @@ def create_upstream_app(
         """The scripted error/raw answer, or ``None`` to go on with the normal answer."""
         headers = headers_for(request, behaviour)
         status = behaviour.get("status")
+        if "sse" in behaviour:
+            events = "".join(f"data: {item}\n\n" for item in behaviour["sse"])
+            return Response(events, 200, headers=headers, media_type="text/event-stream")
         if "body" in behaviour or (status is not None and status >= 400):
             status = status if status is not None else 200
             body = behaviour.get("body", error_body(f"Scripted error {status}", status=status))

@@ -8,6 +8,7 @@ conversations, messages and queued jobs before and after each request.
 """
 
 import dataclasses
+import functools
 import json
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -358,6 +359,8 @@ BAD_IDS = {
     "slash": "conv/1",
     "empty": "",
     "percent": "conv%201",
+    "dot": ".",
+    "dot dot": "..",
 }
 
 
@@ -435,6 +438,72 @@ async def test_admin_unknown_conversation_is_404(client: httpx.AsyncClient) -> N
 
 async def test_admin_bad_conversation_id_is_400(client: httpx.AsyncClient) -> None:
     _assert_openai_error(await client.get(f"/admin/conversations/{'c' * 129}/messages"), 400)
+    for dots in ("..%2E", "%2E%2E%2E"):  # ids of dots alone, which URLs would resolve
+        response = await client.get(f"/admin/conversations/{dots}/messages")
+        assert response.status_code in (400, 404), dots
+
+
+# -- hostile input found by the fault and fuzz runs (each a 500 once) ----------------------
+
+VALID = b'"model": "m", "messages": [{"role": "user", "content": "x"}]'
+HOSTILE = {
+    # A lone surrogate in a field passed through upstream cannot be encoded to UTF-8.
+    "surrogate in metadata": b"{" + VALID + b', "metadata": {"k": "\\ud800"}}',
+    "surrogate in stop": b"{" + VALID + b', "stop": ["\\udfff"]}',
+    "surrogate in a key": b"{" + VALID + b', "metadata": {"\\ud800": "v"}}',
+    # Finite in JSON's grammar, infinite as a double.
+    "1e400": b"{" + VALID + b', "temperature": 1e400}',
+    "-1e400": b"{" + VALID + b', "top_p": -1e400}',
+    # Nesting: 1,000 levels raised RecursionError; the documented limit is 64.
+    "1000 levels": b"{" + VALID + b', "metadata": ' + b"[" * 1000 + b"]" * 1000 + b"}",
+    "65 levels": b"{" + VALID + b', "x": ' + b"[" * 64 + b"]" * 64 + b"}",
+}
+
+
+@pytest.mark.parametrize("raw", HOSTILE.values(), ids=HOSTILE.keys())
+async def test_hostile_bodies_are_400_before_anything_is_stored(
+    client: httpx.AsyncClient, refused: _Refused, raw: bytes
+) -> None:
+    error = await refused(400, lambda: client.post(CHAT, content=raw, headers=JSON_HEADERS))
+    assert error["code"] in ("invalid_value", "invalid_json")
+
+
+async def test_64_levels_of_nesting_are_accepted(client: httpx.AsyncClient) -> None:
+    raw = b"{" + VALID + b', "x": ' + b"[" * 63 + b"]" * 63 + b"}"
+    response = await client.post(CHAT, content=raw, headers=JSON_HEADERS)
+    assert response.status_code == 200, response.text
+
+
+# Header bytes are read as latin-1: 0xB2 is "²", which `str.isdigit` accepts and `int` refuses.
+BAD_BUDGETS = {
+    "superscript two": "²".encode("latin-1"),
+    "superscripts": "1²³".encode("latin-1"),
+    "100,000 digits": b"9" * 100_000,
+}
+
+
+@pytest.mark.parametrize("budget", BAD_BUDGETS.values(), ids=BAD_BUDGETS.keys())
+async def test_budget_header_of_other_digits_is_400(
+    client: httpx.AsyncClient, refused: _Refused, budget: bytes
+) -> None:
+    body = {"model": "m", "messages": _user()}
+    headers = {"X-Memstrata-Budget": budget}
+    error = await refused(400, lambda: client.post(CHAT, json=body, headers=headers))
+    assert error["param"] == "X-Memstrata-Budget"
+
+
+@pytest.mark.parametrize("path", [CHAT, "/v1/embeddings", "/admin/conversations/ct/messages"])
+async def test_a_body_that_is_not_json_is_415_everywhere(
+    client: httpx.AsyncClient, refused: _Refused, path: str
+) -> None:
+    body = json.dumps({"model": "m", "messages": _user(), "input": "x"})
+    for media in ("text/plain", "application/x-www-form-urlencoded"):
+        send = functools.partial(client.post, path, content=body, headers={"content-type": media})
+        error = await refused(415, send)
+        assert (error["code"], error["param"]) == ("unsupported_media_type", "Content-Type")
+    for media in ("application/json; charset=utf-8", "application/merge-patch+json"):
+        response = await client.post(CHAT, content=body, headers={"content-type": media})
+        assert response.status_code == 200, (media, response.text)
 
 
 # -- other routes --------------------------------------------------------------------------

@@ -61,6 +61,7 @@ async def job_rows(engine: AsyncEngine, tenant_id: int) -> list[Any]:
                         jobs.c.conversation_id,
                         jobs.c.status,
                         jobs.c.attempts,
+                        jobs.c.max_attempts,
                         jobs.c.locked_by,
                         jobs.c.last_error,
                     )
@@ -288,3 +289,57 @@ async def test_killed_worker_job_is_reclaimed_and_finished(
             )
         )
     assert models == {"slow-model"}
+
+
+async def test_a_job_that_kills_its_workers_is_dead_lettered_at_max_attempts(
+    engine: AsyncEngine,
+    database_url: str,
+    tenant_id: int,
+    workers: list[WorkerProcess],
+    slow_upstream: UpstreamServer,
+) -> None:
+    """A crash loop: every worker that takes the job is SIGKILLed while it runs it. After the
+    job's `max_attempts` claims it is dead-lettered, not run a sixth time, and no summary of
+    the attempts is stored twice."""
+    settings = {
+        "summary_mode": "llm",
+        "summary_model": "slow-model",
+        "upstream_base_url": slow_upstream.url,
+        "job_lease_seconds": 2,
+        "segment_token_cap": KILLED_TOKEN_CAP,
+    }
+    conversation = synthetic.generate(MESSAGES, seed=11)
+    await importer.import_messages(
+        engine,
+        tenant_id=tenant_id,
+        external_id="crash-loop",
+        messages=conversation.messages,
+        created_at=conversation.created_at,
+        model="gpt-4o",
+        batch=MESSAGES,
+    )
+    (job,) = await job_rows(engine, tenant_id)
+    for attempt in range(1, job.max_attempts + 1):
+        worker = WorkerProcess(database_url, **settings)
+        workers.append(worker)
+
+        async def running(worker: WorkerProcess = worker, attempt: int = attempt) -> bool:
+            (row,) = await job_rows(engine, tenant_id)
+            return bool(
+                row.status == "running" and worker.owns(row.locked_by) and row.attempts == attempt
+            )
+
+        await wait_for(running, within=120, what=f"attempt {attempt}", workers=[worker])
+        worker.kill()
+
+    survivor = WorkerProcess(database_url, **settings)
+    workers.append(survivor)
+
+    async def buried() -> Any:
+        (row,) = await job_rows(engine, tenant_id)
+        return row if row.status == "dead" else None
+
+    dead = await wait_for(buried, within=60, what="the dead letter", workers=[survivor])
+    assert dead.id == job.id and dead.attempts == job.max_attempts
+    assert "worker was lost" in dead.last_error
+    await check_no_duplicates(engine, tenant_id)

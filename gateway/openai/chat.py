@@ -26,6 +26,7 @@ from gateway.openai.turn import CONVERSATION_HEADER, Turn
 from gateway.schemas import ChatCompletionRequest
 from gateway.settings import Settings
 from gateway.state import State
+from memory import tokens
 from memory.db import transaction
 from memory.errors import StorageUnavailable
 from memory.recall.assemble import Budget, BudgetRules, StoredTurn, assemble, check_fits
@@ -123,9 +124,12 @@ async def parse(
                 code="too_many_messages",
             )
         try:
-            return body, ChatCompletionRequest.model_validate(body)
+            chat = ChatCompletionRequest.model_validate(body)
         except ValidationError as exc:
             raise RequestValidationError(exc.errors()) from exc
+        # Counted here, off the event loop for a large body; found counted when stored.
+        tokens.precount(body["messages"], model=chat.model)
+        return body, chat
 
     parsed: tuple[dict[str, Any], ChatCompletionRequest] = await read_json(
         request, max_bytes=settings.max_body_bytes, then=validate

@@ -8,16 +8,13 @@ stored depends on when the database failed:
 * before the client's messages were stored: nothing of the request is (it is answered as if
   memstrata were not there);
 * after they were stored (the prompt could not be assembled): the reply is stored too, once the
-  database is back: this process tries again, backing off, for `RECORD_RETRY_SECONDS`, after the
-  client has its answer; a reply still unstored then, or when the process stops, is logged as
-  lost from memory.
+  database is back, as any turn's (`gateway.openai.turn`).
 
 The response carries `X-Memstrata-Conversation` when the client named its conversation or its
 messages were stored. With fail-open off the `StorageUnavailable` is raised again, and the
 client gets 503 in OpenAI's shape.
 """
 
-import asyncio
 import logging
 import time
 from collections.abc import Mapping
@@ -34,9 +31,6 @@ from memory.errors import StorageUnavailable
 log = logging.getLogger(__name__)
 
 DEGRADED_HEADER = "X-Memstrata-Degraded"
-
-
-RECORD_RETRY_SECONDS = 120.0
 
 
 @dataclass
@@ -58,31 +52,8 @@ class DegradedTurn(Turn):
     async def record(
         self, state: State, reply: Mapping[str, Any] | None, *, complete: bool
     ) -> None:
-        if self.stored is not None and reply is not None:
-            state.spawn(_record_when_back(state, self.stored, dict(reply), complete=complete))
-
-
-async def _record_when_back(
-    state: State, turn: Turn, reply: dict[str, Any], *, complete: bool
-) -> None:
-    deadline = time.monotonic() + RECORD_RETRY_SECONDS
-    delay = 0.25
-    extra = {"conversation": turn.external_id}
-    while True:
-        try:
-            await turn.store_reply(state, reply, complete=complete)
-        except StorageUnavailable:
-            if time.monotonic() + delay > deadline:
-                log.error("the reply of a degraded turn is lost from memory", extra=extra)
-                return
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 10.0)
-        except Exception:
-            log.exception("the reply of a degraded turn could not be stored", extra=extra)
-            return
-        else:
-            log.info("stored the reply of a degraded turn", extra=extra)
-            return
+        if self.stored is not None:
+            await self.stored.record(state, reply, complete=complete)
 
 
 async def forward(

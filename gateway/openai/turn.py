@@ -9,8 +9,13 @@ conversation, with its build queued by the write path, and the request's tokens 
 stream's reply before the client is sent its last bytes (a client that sends its next turn as
 soon as it has the answer must find the reply stored), or, if the stream is cut or the client
 leaves, with what arrived, marked incomplete. Every response of the turn carries `headers()`.
+
+A reply that cannot be stored because the database is down is not given up: once the client
+has its answer, this process tries again, backing off, for `RECORD_RETRY_SECONDS`; a reply
+still unstored then, or when the process stops, is logged as lost from memory.
 """
 
+import asyncio
 import contextlib
 import enum
 import logging
@@ -27,12 +32,14 @@ from gateway.openai.replies import StreamedReply
 from gateway.state import State
 from gateway.upstream import relayed_headers
 from memory.db import transaction
+from memory.errors import StorageUnavailable
 from memory.recall.assemble import Assembled
 from memory.write import store
 
 log = logging.getLogger(__name__)
 
 CONVERSATION_HEADER = "X-Memstrata-Conversation"
+RECORD_RETRY_SECONDS = 120.0
 
 
 class Mark(enum.Enum):
@@ -145,6 +152,8 @@ class Turn:
         began = time.perf_counter()
         try:
             await self.store_reply(state, reply, complete=complete)
+        except StorageUnavailable:
+            state.spawn(_record_when_back(state, self, dict(reply), complete=complete))
         except Exception:
             # Whatever failed, the client gets (or has) its answer: the stored copy's loss is
             # logged loudly rather than turned into an error the client would see instead.
@@ -166,3 +175,26 @@ class Turn:
                 request_tokens=(self.context_tokens or 0, self.full_tokens or 0),
             )
         state.metrics.observe_tokens(sent=self.context_tokens or 0, full=self.full_tokens or 0)
+
+
+async def _record_when_back(
+    state: State, turn: Turn, reply: dict[str, Any], *, complete: bool
+) -> None:
+    deadline = time.monotonic() + RECORD_RETRY_SECONDS
+    delay = 0.25
+    extra = {"conversation": turn.external_id}
+    while True:
+        try:
+            await turn.store_reply(state, reply, complete=complete)
+        except StorageUnavailable:
+            if time.monotonic() + delay > deadline:
+                log.error("a reply is lost from memory: the database stayed down", extra=extra)
+                return
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 10.0)
+        except Exception:
+            log.exception("a reply could not be stored", extra=extra)
+            return
+        else:
+            log.info("stored a reply once the database was back", extra=extra)
+            return
