@@ -198,14 +198,14 @@ def render(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def update_docs(section: str, path: Path = DOCS) -> None:
-    """Put `section` between the LoCoMo markers of docs/benchmarks.md (appended if absent);
-    the rest of the file is left as it is."""
-    block = f"{BEGIN}\n{section}{END}\n"
+def update_docs(section: str, path: Path = DOCS, *, begin: str = BEGIN, end: str = END) -> None:
+    """Put `section` between the markers `begin` and `end` of docs/benchmarks.md (LoCoMo's by
+    default; appended if absent); the rest of the file is left as it is."""
+    block = f"{begin}\n{section}{end}\n"
     current = path.read_text(encoding="utf-8") if path.exists() else "# Benchmarks\n\n"
-    if BEGIN in current and END in current:
-        head, rest = current.split(BEGIN, 1)
-        tail = rest.split(END, 1)[1].lstrip("\n")
+    if begin in current and end in current:
+        head, rest = current.split(begin, 1)
+        tail = rest.split(end, 1)[1].lstrip("\n")
         updated = head + block + ("\n" + tail if tail else "")
     else:
         updated = current.rstrip("\n") + "\n\n" + block

@@ -147,7 +147,7 @@ def check_admin(state: State, connection: HTTPConnection) -> None:
     """Let an admin request through, or refuse it (see the module's docstring)."""
     expected = state.settings.admin_token
     if expected is None:
-        client = client_address(connection, state.settings.trusted_proxies)
+        client = client_address(connection, state.settings.trusted_proxies or ())
         host = _host_name(connection.headers.get("host", ""))
         if client is None or not _is_loopback(client) or host not in _LOOPBACK_HOSTS:
             raise GatewayError(

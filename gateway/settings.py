@@ -79,7 +79,7 @@ class Settings(BaseSettings):
     admin_token: SecretStr | None = None
     metrics_token: SecretStr | None = None
     key_grace_seconds: float = Field(default=300.0, ge=0)
-    trusted_proxies: Annotated[tuple[IPvAnyNetwork, ...], NoDecode] = ()
+    trusted_proxies: Annotated[tuple[IPvAnyNetwork, ...] | None, NoDecode] = None
 
     # Operations
     fail_open: OnOff = "off"
