@@ -55,6 +55,7 @@ async def complete(request: Request, state: State, *, tenant_id: int) -> Respons
         degraded.forward,
         state,
         client_headers=request.headers,
+        query=request.url.query,
         body=body,
         tenant_id=tenant_id,
         model=chat.model,
@@ -100,7 +101,12 @@ async def complete(request: Request, state: State, *, tenant_id: int) -> Respons
         body if assembled.messages is body["messages"] else {**body, "messages": assembled.messages}
     )
     return await relay.forward(
-        state, turn, client_headers=request.headers, body=prompt, stream=bool(chat.stream)
+        state,
+        turn,
+        client_headers=request.headers,
+        query=request.url.query,
+        body=prompt,
+        stream=bool(chat.stream),
     )
 
 

@@ -50,6 +50,7 @@ async def forward(
     cause: StorageUnavailable,
     *,
     client_headers: Mapping[str, str],
+    query: str,
     body: dict[str, Any],
     tenant_id: int,
     external_id: str | None,
@@ -70,4 +71,6 @@ async def forward(
         started=started,
     )
     turn.overhead = time.perf_counter() - started
-    return await relay.forward(state, turn, client_headers=client_headers, body=body, stream=stream)
+    return await relay.forward(
+        state, turn, client_headers=client_headers, query=query, body=body, stream=stream
+    )

@@ -1,11 +1,15 @@
 """The assistant's reply, rebuilt from an upstream answer so that it can be stored.
 
-A non-stream answer carries the message whole (`from_completion`). A stream carries it in
-deltas: `StreamedReply.feed(bytes)` takes the raw SSE bytes as they are relayed, in whatever
-pieces the network delivers, and rebuilds content, refusal and tool calls (whose arguments
-arrive in fragments keyed by index). `complete` says whether the stream reached its end: a
-finish_reason or `[DONE]`; a stream cut before that yields a reply marked incomplete.
-Only the first choice is stored: memory follows one line of conversation.
+Every field of the message is kept (`audio`, `annotations`, `reasoning_content`, `refusal`,
+`function_call`, a provider's own): only fields without a value (null, an empty list or object)
+are left out. A non-stream answer carries the message whole (`from_completion`). A stream
+carries it in deltas: `StreamedReply.feed(bytes)` takes the raw SSE bytes as they are relayed,
+in whatever pieces the network delivers, and rebuilds the message: tool calls from fragments
+keyed by index; every other field by merging its deltas (text is concatenated, such as
+`content`, `reasoning_content`, `audio.transcript` or the deprecated `function_call.arguments`;
+lists are extended; anything else keeps its latest value). `complete` says whether the stream
+reached its end: a finish_reason or `[DONE]`; a stream cut before that yields a reply marked
+incomplete. Only the first choice is stored: memory follows one line of conversation.
 """
 
 import json
@@ -20,12 +24,30 @@ def from_completion(body: Any) -> dict[str, Any] | None:
         return None
     if not isinstance(message, dict):
         return None
-    reply: dict[str, Any] = {"role": "assistant", "content": message.get("content")}
-    if message.get("tool_calls"):
-        reply["tool_calls"] = message["tool_calls"]
-    if message.get("refusal"):
-        reply["refusal"] = message["refusal"]
-    return reply
+    return _kept({**message, "role": "assistant"})
+
+
+def _kept(message: dict[str, Any]) -> dict[str, Any]:
+    """The message without its fields that hold no value (`content` is always kept)."""
+    return {
+        key: value
+        for key, value in message.items()
+        if key == "content" or value not in (None, [], {})
+    }
+
+
+def _merge(into: dict[str, Any], delta: dict[str, Any]) -> None:
+    """Add one delta's fields to what the earlier deltas made (see the module docstring)."""
+    for key, value in delta.items():
+        previous = into.get(key)
+        if isinstance(value, str) and isinstance(previous, str):
+            into[key] = previous + value
+        elif isinstance(value, list) and isinstance(previous, list):
+            previous.extend(value)
+        elif isinstance(value, dict) and isinstance(previous, dict):
+            _merge(previous, value)
+        elif value is not None:
+            into[key] = value.copy() if isinstance(value, dict | list) else value
 
 
 class StreamedReply:
@@ -33,8 +55,7 @@ class StreamedReply:
 
     def __init__(self) -> None:
         self._buffer = b""
-        self._content: list[str] = []
-        self._refusal: list[str] = []
+        self._fields: dict[str, Any] = {}
         self._tool_calls: dict[int, dict[str, Any]] = {}
         self.finish_reason: str | None = None
         self.done = False
@@ -51,17 +72,12 @@ class StreamedReply:
 
     def message(self) -> dict[str, Any] | None:
         """The reply so far, or None if nothing of it arrived."""
-        if not (self._content or self._refusal or self._tool_calls):
-            return None
-        reply: dict[str, Any] = {
-            "role": "assistant",
-            "content": "".join(self._content) if self._content else None,
-        }
+        reply = _kept({"content": None, **self._fields, "role": "assistant"})
         if self._tool_calls:
             reply["tool_calls"] = [self._tool_calls[index] for index in sorted(self._tool_calls)]
-        if self._refusal:
-            reply["refusal"] = "".join(self._refusal)
-        return reply
+        if reply["content"] == "":
+            reply["content"] = None
+        return reply if len(reply) > 2 or reply["content"] is not None else None
 
     def _line(self, line: bytes) -> None:
         if not line.startswith(b"data:"):
@@ -78,12 +94,11 @@ class StreamedReply:
         if choice.get("index", 0) != 0:
             return
         delta = choice.get("delta") or {}
-        if delta.get("content"):
-            self._content.append(delta["content"])
-        if delta.get("refusal"):
-            self._refusal.append(delta["refusal"])
+        if not isinstance(delta, dict):
+            return
         for call in delta.get("tool_calls") or []:
             self._tool_call(call)
+        _merge(self._fields, {k: v for k, v in delta.items() if k not in ("role", "tool_calls")})
         if choice.get("finish_reason"):
             self.finish_reason = choice["finish_reason"]
 

@@ -1,13 +1,17 @@
-"""The OpenAI-compatible surface: chat completions with memory; models and embeddings relayed."""
+"""The OpenAI-compatible surface: chat completions and responses with memory; every other
+`/v1` path relayed to the upstream unchanged (`gateway.openai.passthrough`)."""
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 
 from gateway.deps import StateDep, TenantDep, UpstreamDep, get_tenant_id, read_json
-from gateway.openai import chat
-from gateway.upstream import relayed_headers
+from gateway.errors import GatewayError
+from gateway.openai import chat, passthrough
 
 router = APIRouter(prefix="/v1", tags=["openai"])
+
+# A gateway key is needed while auth is on, also for what is only relayed.
+_KEYED = [Depends(get_tenant_id)]
 
 
 @router.post("/chat/completions", summary="Chat completion with memory")
@@ -15,30 +19,24 @@ async def chat_completions(request: Request, state: StateDep, tenant_id: TenantD
     return await chat.complete(request, state, tenant_id=tenant_id)
 
 
-@router.get(
-    "/models",
-    summary="Models of the upstream, relayed",
-    dependencies=[Depends(get_tenant_id)],  # a gateway key is needed while auth is on
-)
+@router.get("/models", summary="Models of the upstream, relayed", dependencies=_KEYED)
 async def models(request: Request, upstream: UpstreamDep) -> Response:
-    return await _relay(request, upstream, "GET", "/models", body=None)
+    return await passthrough.relay(request, upstream, "/models")
 
 
-@router.post(
-    "/embeddings",
-    summary="Embeddings of the upstream, relayed",
-    dependencies=[Depends(get_tenant_id)],  # a gateway key is needed while auth is on
-)
+@router.post("/embeddings", summary="Embeddings of the upstream, relayed", dependencies=_KEYED)
 async def embeddings(request: Request, state: StateDep, upstream: UpstreamDep) -> Response:
     body = await read_json(request, max_bytes=state.settings.max_body_bytes)
-    return await _relay(request, upstream, "POST", "/embeddings", body=body)
+    if not isinstance(body, dict):
+        raise GatewayError(400, "the body must be a JSON object", code="invalid_value")
+    return await passthrough.relay(request, upstream, "/embeddings", json=body)
 
 
-async def _relay(
-    request: Request, upstream: UpstreamDep, method: str, path: str, *, body: object
-) -> Response:
-    response = await upstream.open(
-        method, path, headers=upstream.headers_for(request.headers), json=body
-    )
-    content = await upstream.read(response)
-    return Response(content, status_code=response.status_code, headers=relayed_headers(response))
+@router.api_route(
+    "/{path:path}",
+    methods=["GET", "POST", "PUT", "PATCH", "DELETE"],
+    summary="Any other path of the upstream, relayed unchanged (no memory)",
+    dependencies=_KEYED,
+)
+async def relayed(path: str, request: Request, upstream: UpstreamDep) -> Response:
+    return await passthrough.relay(request, upstream, f"/{path}")
