@@ -97,6 +97,26 @@ class ChatCompletionRequest(BaseModel):
         return value
 
 
+class ResponsesRequest(BaseModel):
+    """The body of `POST /v1/responses` (its `input` is read by `gateway.openai.translate`)."""
+
+    model_config = ConfigDict(extra="allow")
+    model: str = Field(min_length=1)
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    previous_response_id: str | None = Field(default=None, min_length=1)
+    store: StrictBool | None = None
+    stream: StrictBool | None = None
+    user: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _storable_text(cls, data: Any) -> Any:
+        if not _storable(data):
+            raise ValueError(_UNSTORABLE)
+        return data
+
+
 class ImportMessage(ChatMessage):
     """A message to import, with the time it was originally sent."""
 

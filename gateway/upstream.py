@@ -61,7 +61,8 @@ class Upstream:
 
     `forward_client_auth`: without an `api_key`, pass the client's own `Authorization` on (only
     while gateway authentication is off: with it on, the client's header holds a gateway key,
-    which must never leave the gateway)."""
+    which must never leave the gateway). `serves_responses`: whether the upstream serves the
+    Responses API, None while not known (`gateway.openai.responses` finds out)."""
 
     def __init__(
         self,
@@ -71,6 +72,7 @@ class Upstream:
         api_key: str | None,
         forward_client_auth: bool = True,
         observe: Observer | None = None,
+        serves_responses: bool | None = None,
     ) -> None:
         if not clients:
             raise ValueError("Upstream needs at least one client")
@@ -79,6 +81,8 @@ class Upstream:
         self._api_key = api_key
         self._forward_client_auth = forward_client_auth
         self._observe = observe
+        self.serves_responses = serves_responses
+        """Whether `POST /responses` is served there: None until known (learnt once)."""
 
     def headers_for(
         self, client_headers: Mapping[str, str], *, raw_body: bool = False

@@ -1,12 +1,14 @@
 """The OpenAI-compatible surface: chat completions and responses with memory; every other
 `/v1` path relayed to the upstream unchanged (`gateway.openai.passthrough`)."""
 
-from fastapi import APIRouter, Depends, Request
+from typing import Annotated, Any, Literal
+
+from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import Response
 
 from gateway.deps import StateDep, TenantDep, UpstreamDep, get_tenant_id, read_json
 from gateway.errors import GatewayError
-from gateway.openai import chat, passthrough
+from gateway.openai import chat, passthrough, responses
 
 router = APIRouter(prefix="/v1", tags=["openai"])
 
@@ -17,6 +19,30 @@ _KEYED = [Depends(get_tenant_id)]
 @router.post("/chat/completions", summary="Chat completion with memory")
 async def chat_completions(request: Request, state: StateDep, tenant_id: TenantDep) -> Response:
     return await chat.complete(request, state, tenant_id=tenant_id)
+
+
+@router.post("/responses", summary="A response (the Responses API) with memory")
+async def create_response(request: Request, state: StateDep, tenant_id: TenantDep) -> Response:
+    return await responses.create(request, state, tenant_id=tenant_id)
+
+
+@router.get("/responses/{response_id}", summary="A stored response, as the client saw it")
+async def get_response(response_id: str, state: StateDep, tenant_id: TenantDep) -> dict[str, Any]:
+    return await responses.retrieve(state, tenant_id=tenant_id, response_id=response_id)
+
+
+@router.get("/responses/{response_id}/input_items", summary="The input items of a stored response")
+async def get_input_items(
+    response_id: str,
+    state: StateDep,
+    tenant_id: TenantDep,
+    limit: Annotated[int, Query(ge=1, le=100)] = 20,
+    order: Literal["asc", "desc"] = "desc",
+    after: str | None = None,
+) -> dict[str, Any]:
+    return await responses.input_items(
+        state, tenant_id=tenant_id, response_id=response_id, limit=limit, order=order, after=after
+    )
 
 
 @router.get("/models", summary="Models of the upstream, relayed", dependencies=_KEYED)
