@@ -47,7 +47,18 @@ class ToolCall(BaseModel):
     function: ToolCallFunction
 
 
-class ChatMessage(BaseModel):
+class _Storable(BaseModel):
+    """A body or message whose every string Postgres can hold."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _storable_text(cls, data: Any) -> Any:
+        if not _storable(data):
+            raise ValueError(_UNSTORABLE)
+        return data
+
+
+class ChatMessage(_Storable):
     """One message of `messages`."""
 
     model_config = ConfigDict(extra="allow")
@@ -56,13 +67,6 @@ class ChatMessage(BaseModel):
     name: str | None = None
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
-
-    @model_validator(mode="before")
-    @classmethod
-    def _storable_text(cls, data: Any) -> Any:
-        if not _storable(data):
-            raise ValueError(_UNSTORABLE)
-        return data
 
     @model_validator(mode="after")
     def _required_parts(self) -> "ChatMessage":
@@ -97,7 +101,7 @@ class ChatCompletionRequest(BaseModel):
         return value
 
 
-class ResponsesRequest(BaseModel):
+class ResponsesRequest(_Storable):
     """The body of `POST /v1/responses` (its `input` is read by `gateway.openai.translate`)."""
 
     model_config = ConfigDict(extra="allow")
@@ -108,13 +112,6 @@ class ResponsesRequest(BaseModel):
     store: StrictBool | None = None
     stream: StrictBool | None = None
     user: str | None = None
-
-    @model_validator(mode="before")
-    @classmethod
-    def _storable_text(cls, data: Any) -> Any:
-        if not _storable(data):
-            raise ValueError(_UNSTORABLE)
-        return data
 
 
 class ImportMessage(ChatMessage):

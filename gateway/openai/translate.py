@@ -467,7 +467,10 @@ def response_object(completion: Any, body: Mapping[str, Any], *, response_id: st
         response["created_at"] = completion["created"]
     output: list[Item] = []
     if message.get("content") or message.get("refusal"):
-        output.append(message_item(_assistant_text(message), item_id=new_id("msg")))
+        item = message_item(_assistant_text(message), item_id=new_id("msg"))
+        if not message.get("content"):  # a refusal alone is a refusal part
+            item["content"] = [{"type": "refusal", "refusal": message["refusal"]}]
+        output.append(item)
     output.extend(call_item(call, item_id=new_id("fc")) for call in message.get("tool_calls") or [])
     response["output"] = output
     finished(response, choice.get("finish_reason"), completion.get("usage"))
