@@ -107,9 +107,11 @@ class Upstream:
         content: AsyncIterable[bytes] | None = None,
         query: str = "",
         stream: bool = False,
+        observed_as: str | None = None,
     ) -> httpx.Response:
         """Send a request (`json`, or the raw `content`, with the client's `query` string);
-        the caller must `aclose()` the response (its body is unread)."""
+        the caller must `aclose()` the response (its body is unread). `observed_as`: the path
+        the call is reported as (a relayed path is the client's, of any number of values)."""
         client = next(self._clients)
         request = client.build_request(
             method,
@@ -120,6 +122,7 @@ class Upstream:
             headers={**headers, "accept-encoding": "identity"} if stream else dict(headers),
         )
         started = time.perf_counter()
+        path = observed_as or path
         try:
             response = await client.send(request, stream=True)
         except httpx.TimeoutException as exc:

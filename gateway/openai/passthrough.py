@@ -26,10 +26,16 @@ _BODYLESS = ("GET", "HEAD", "DELETE", "OPTIONS")
 
 
 async def relay(
-    request: Request, upstream: Upstream, path: str, *, json: object = None
+    request: Request,
+    upstream: Upstream,
+    path: str,
+    *,
+    json: object = None,
+    observed_as: str | None = None,
 ) -> Response:
     """Send the client's request to `path` upstream and relay the answer as it comes; `json`:
-    a body the gateway has read and checked already (else the client's is streamed through)."""
+    a body the gateway has read and checked already (else the client's is streamed through);
+    `observed_as`: the path the metrics report (`path` itself by default)."""
     raw = json is None and (request.method not in _BODYLESS or "content-length" in request.headers)
     response = await upstream.open(
         request.method,
@@ -39,6 +45,7 @@ async def relay(
         content=request.stream() if raw else None,
         query=request.url.query,
         stream=True,
+        observed_as=observed_as,
     )
     return StreamingResponse(
         _chunks(response), status_code=response.status_code, headers=relayed_headers(response)

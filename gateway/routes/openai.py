@@ -58,11 +58,18 @@ async def embeddings(request: Request, state: StateDep, upstream: UpstreamDep) -
     return await passthrough.relay(request, upstream, "/embeddings", json=body)
 
 
-@router.api_route(
-    "/{path:path}",
-    methods=["GET", "POST", "PUT", "PATCH", "DELETE"],
-    summary="Any other path of the upstream, relayed unchanged (no memory)",
-    dependencies=_KEYED,
-)
 async def relayed(path: str, request: Request, upstream: UpstreamDep) -> Response:
-    return await passthrough.relay(request, upstream, f"/{path}")
+    # Reported to the metrics as one path: the client's paths are any number of values.
+    return await passthrough.relay(request, upstream, f"/{path}", observed_as="/*")
+
+
+# One route per method, so that each has its own operation in the OpenAPI document.
+for _method in ("GET", "POST", "PUT", "PATCH", "DELETE"):
+    router.add_api_route(
+        "/{path:path}",
+        relayed,
+        methods=[_method],
+        operation_id=f"relay_{_method.lower()}",
+        summary="Any other path of the upstream, relayed unchanged (no memory)",
+        dependencies=_KEYED,
+    )
