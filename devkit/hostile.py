@@ -95,7 +95,7 @@ raw = st.binary(max_size=200) | st.sampled_from(
 payloads = _plain.map(_encoded) | bodies.map(_encoded) | raw
 # Printable, not starting or ending with a space: other values cannot travel in a header at all.
 _latin1 = st.text(
-    alphabet=st.characters(codec="latin-1", exclude_categories=("Cc",)), max_size=12
+    alphabet=st.characters(codec="latin-1", exclude_categories=["Cc"]), max_size=12
 ).map(str.strip)
 header_sets = st.fixed_dictionaries(
     {},
