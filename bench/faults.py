@@ -453,7 +453,8 @@ def render(results: dict[str, Any]) -> str:
         lines += [
             f"**Soak**: {soak_['requests']:,} requests at {soak_['rate']:g}/s for "
             f"{soak_['minutes']:g} min, default `serve` (in-process worker): {soak_['errors']} "
-            f"errors {soak_['error_kinds'] or ''} (must be 0); RSS growth after the first minute {soak_['rss_growth_pct']}% "
+            f"errors {soak_['error_kinds'] or ''} (must be 0); RSS growth after the first "
+            f"minute {soak_['rss_growth_pct']}% "
             f"(goal < 10%); p95 {soak_['p95_first_ms']} ms in the first minute, "
             f"{soak_['p95_last_ms']} ms in the last (median {soak_['p95_median_ms']} ms).",
             "",
