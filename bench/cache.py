@@ -5,16 +5,19 @@ from its prompt cache, and what the input then costs, beside sending the whole h
                           [--imported 300] [--turns 60]
                           [--longmemeval ../shared/data/longmemeval_s_dev] [--haystacks 3]
                           [--lme-turns 20] [--seed 13] [--budget 8000]
-                          [--scenarios locomo,longmemeval] [--output FILE] [--report-only]
+                          [--scenarios locomo,longmemeval] [--set NAME=VALUE ...]
+                          [--output FILE] [--report-only]
 
 A client is replayed as real ones behave: it keeps its whole history and resends it with every
 new user message, with no conversation header, to a real `memstrata serve`
 (`devkit.gateway.GatewayProcess`, `MEMSTRATA_CONTEXT_BUDGET` the budget, extractive summaries,
-its in-process worker) in front of the fake upstream (`devkit.upstream`), which records every
-prompt it receives and answers with the dataset's next assistant turn (scripted per request), so
-the history the client resends is the dataset's. The start of each conversation is imported
-first through the admin bulk import, and the background queue drained; after each turn the
-queue is drained again (a person takes longer to type than the gateway to build).
+its in-process worker; `--set NAME=VALUE` adds any other `MEMSTRATA_*` setting, lower-case
+without the prefix, to compare settings) in front of the fake upstream (`devkit.upstream`),
+which records every prompt it receives and answers with the dataset's next assistant turn
+(scripted per request), so the history the client resends is the dataset's. The start of each
+conversation is imported first through the admin bulk import, and the background queue drained;
+after each turn the queue is drained again (a person takes longer to type than the gateway to
+build).
 
 Scenarios (`scenarios()`):
 * **LoCoMo** -- a conversation's first `--imported` turns (up to its next user turn) imported,
@@ -282,6 +285,9 @@ async def replay(
                 "history_tokens": len(prompts["full_history"]),
                 "history_over_budget": round(len(prompts["full_history"]) / budget, 2),
                 "latency_ms": round(elapsed * 1000, 1),
+                # The gateway's own count (messages only, no tools): what its budget bounds.
+                "gateway_message_tokens": tokens.count_messages(body["messages"], model=MODEL),
+                "memory_tools_offered": bool(body.get("tools")),
                 **{name: figures(p, previous[name]) for name, p in prompts.items()},
             }
         )
@@ -343,6 +349,11 @@ def summary(scenarios: Sequence[Scenario]) -> dict[str, Any]:
                 max(t["history_over_budget"] for s in chosen for t in s.turns),
             ],
             **{system: _means(turns, system) for system in ("gateway", "full_history")},
+            # A compaction (or any prompt rebuilt from the front) shows as a broken prefix.
+            "gateway_turns_below_half_share": sum(t["gateway"]["share"] < 0.5 for t in turns),
+            "gateway_message_tokens": round(
+                statistics.fmean(t["gateway_message_tokens"] for t in turns), 1
+            ),
             "gateway_cheaper_from": {
                 s.external_id: {k: cheaper_from(s.turns, k) for k in ("billed_10", "billed_50")}
                 for s in chosen
@@ -383,6 +394,35 @@ def plot(report: dict[str, Any], images: Path) -> None:
         plt.close(figure)
 
 
+def targets(report: dict[str, Any]) -> list[str]:
+    """Issue #13's targets, met or not."""
+    warm = [t for c in report["conversations"] for t in c["turns"][1:]]
+    past = [t for t in warm if t["history_over_budget"] > 3]
+    share = statistics.fmean(t["gateway"]["share"] for t in warm)
+    rows = [
+        ("mean cacheable share per turn", "≥ 0.85", f"{share:.2f}", share >= 0.85),
+    ]
+    for kind, part in report["summary"].items():
+        g, f = part["gateway"]["billed_50"], part["full_history"]["billed_50"]
+        rows.append(
+            (f"billed input at 50 %, {kind}", "≤ full history", f"{g:,.0f} vs {f:,.0f}", g <= f)
+        )
+    if past:
+        worse = sum(t["gateway"]["billed_10"] > t["full_history"]["billed_10"] for t in past)
+        rows.append(
+            (
+                "billed input at 10 %, turns past 3x the budget",
+                "≤ full history",
+                f"higher on {worse} of {len(past)} turns",
+                worse == 0,
+            )
+        )
+    lines = ["| target (issue #13) | wanted | measured | met |", "|---|---|---|---|"]
+    for name, wanted, measured, met in rows:
+        lines.append(f"| {name} | {wanted} | {measured} | {'yes' if met else '**no**'} |")
+    return lines
+
+
 def render(report: dict[str, Any]) -> str:
     budget = report["budget"]
     lines = [
@@ -421,6 +461,16 @@ def render(report: dict[str, Any]) -> str:
                 f"{system.replace('_', ' ')} | {m['tokens']:,.0f} | {m['cacheable']:,.0f} | "
                 f"{m['share']:.2f} | {m['billed_10']:,.0f} | {m['billed_50']:,.0f} |"
             )
+    lines += [
+        "",
+        "Prompt tokens include the memory tools' definitions the gateway adds (its `tools`, "
+        "billed as input); its own count of the messages alone (what the budget bounds) is "
+        + ", ".join(
+            f"{part['gateway_message_tokens']:,.0f} ({kind})"
+            for kind, part in report["summary"].items()
+        )
+        + ".",
+    ]
     lines += ["", "Gateway ÷ full history, billed input per turn:", ""]
     lines += ["| scenario | at 10 % | at 50 % |", "|---|---|---|"]
     for kind, part in report["summary"].items():
@@ -445,6 +495,7 @@ def render(report: dict[str, Any]) -> str:
                 for c in (cheaper["billed_10"], cheaper["billed_50"])
             ]
             lines.append(f"| {conversation} | " + " | ".join(cells) + " |")
+    lines += ["", *targets(report)]
     even = report["break_even_over_budget"]
     lines += [
         "",
@@ -480,6 +531,17 @@ def scenarios(args: argparse.Namespace) -> list[Scenario]:
     return found
 
 
+def settings(pairs: Sequence[str]) -> dict[str, str]:
+    """`["name=value", …]` as gateway settings."""
+    found = {}
+    for pair in pairs:
+        name, sep, value = pair.partition("=")
+        if not sep or not name:
+            raise SystemExit(f"--set wants NAME=VALUE, got {pair!r}")
+        found[name.strip().lower().removeprefix("memstrata_")] = value
+    return found
+
+
 async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     chosen = scenarios(args)
     started = time.perf_counter()
@@ -495,6 +557,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             summary_mode="extractive",
             context_budget=args.budget,
             data_dir=data_dir,
+            **settings(args.set),
         ) as gateway,
     ):
         async with httpx.AsyncClient(timeout=600, trust_env=False) as client:
@@ -505,6 +568,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         "measured": datetime.now(UTC).isoformat(timespec="seconds"),
         "machine": harness.machine_info(),
         "budget": args.budget,
+        "settings": settings(args.set),
         "encoding": ENCODING,
         "imported": args.imported,
         "turns_per_locomo": args.turns,
@@ -542,6 +606,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=13)
     parser.add_argument("--budget", type=int, default=8000)
     parser.add_argument("--scenarios", default="locomo,longmemeval")
+    parser.add_argument(
+        "--set", action="append", default=[], help="another gateway setting, NAME=VALUE"
+    )
     parser.add_argument("--output", type=Path, default=None)
     parser.add_argument(
         "--report-only", action="store_true", help="redraw docs/benchmarks.md from the results"
@@ -551,8 +618,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         report = json.loads(RESULTS.read_text(encoding="utf-8"))
     else:
         report = asyncio.run(main_async(args))
-        narrowed = args.scenarios != "locomo,longmemeval" or any(
-            getattr(args, key) != value for key, value in DEFAULTS.items()
+        narrowed = (
+            args.scenarios != "locomo,longmemeval"
+            or args.set
+            or any(getattr(args, key) != value for key, value in DEFAULTS.items())
         )
         output = args.output or (RESULTS.with_name("cache-quick.json") if narrowed else RESULTS)
         output.parent.mkdir(parents=True, exist_ok=True)
