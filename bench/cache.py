@@ -1,7 +1,7 @@
 """The prompt-cache benchmark: how much of each prompt the gateway sends a provider could serve
 from its prompt cache, and what the input then costs, beside sending the whole history as is.
 
-    python -m bench.cache [--locomo ../shared/data/locomo10.json] [--conversations 0]
+    python -m bench.cache [--locomo ../shared/data/locomo10.json] [--conversations 0,2]
                           [--imported 300] [--turns 60]
                           [--longmemeval ../shared/data/longmemeval_s_dev] [--haystacks 3]
                           [--lme-turns 20] [--seed 13] [--budget 8000]
@@ -83,7 +83,7 @@ RATES = (0.1, 0.5)
 MIN_PREFIX, STEP = 1024, 128
 # Framing tokens no text encodes to: a message boundary is never mistaken for shared text.
 _START, _SEP, _END = -1, -2, -3
-DEFAULTS = {"conversations": "0", "imported": 300, "turns": 60, "haystacks": 3, "lme_turns": 20}
+DEFAULTS = {"conversations": "0,2", "imported": 300, "turns": 60, "haystacks": 3, "lme_turns": 20}
 
 
 @dataclass
@@ -344,6 +344,7 @@ def summary(scenarios: Sequence[Scenario]) -> dict[str, Any]:
         found[kind] = {
             "conversations": [s.external_id for s in chosen],
             "turns": sum(len(s.turns) for s in chosen),
+            "user_messages": sum(len(e.new) for s in chosen for e in s.exchanges),
             "history_over_budget": [
                 min(t["history_over_budget"] for s in chosen for t in s.turns),
                 max(t["history_over_budget"] for s in chosen for t in s.turns),
@@ -384,6 +385,8 @@ def plot(report: dict[str, Any], images: Path) -> None:
             x = [t["turn"] for t in turns]
             for system, style in (("gateway", "-o"), ("full_history", "--")):
                 axis.plot(x, [t[system][key] for t in turns], style, markersize=3, label=system)
+            if key == "share":
+                axis.set_ylim(-0.03, 1.03)
             axis.set_title(conversation["external_id"], fontsize=9)
             axis.set_xlabel("turn")
             axis.grid(alpha=0.3)
@@ -436,8 +439,8 @@ def render(report: dict[str, Any]) -> str:
         "no conversation header, to a real `memstrata serve` (budget "
         f"{budget:,}, default settings otherwise, extractive summaries); the fake upstream "
         "records every prompt and answers with the dataset's next assistant turn. LoCoMo: "
-        f"a conversation's first {report['imported']} turns imported, then "
-        f"{report['turns_per_locomo']} requests. LongMemEval: "
+        f"each conversation's first {report['imported']} turns imported, then up to "
+        f"{report['turns_per_locomo']} requests (one per run of user turns). LongMemEval: "
         f"{len(report['summary'].get('longmemeval', {}).get('conversations', []))} haystacks, "
         "all imported but their last sessions, which are then resent turn by turn "
         f"({report['turns_per_haystack']} user turns each). Each prompt is tokenized with "
@@ -456,7 +459,8 @@ def render(report: dict[str, Any]) -> str:
         for system in ("gateway", "full_history"):
             m = part[system]
             lines.append(
-                f"| {kind} ({part['turns']} turns, history {part['history_over_budget'][0]}-"
+                f"| {kind} ({part['turns']} turns, {part['user_messages']} user messages, "
+                f"history {part['history_over_budget'][0]}-"
                 f"{part['history_over_budget'][1]}x the budget) | "
                 f"{system.replace('_', ' ')} | {m['tokens']:,.0f} | {m['cacheable']:,.0f} | "
                 f"{m['share']:.2f} | {m['billed_10']:,.0f} | {m['billed_50']:,.0f} |"

@@ -250,7 +250,7 @@ def render(report: dict[str, Any]) -> str:
         f"{report['replay_seconds']:.0f} s of it replaying and building the haystacks). "
         "Raw figures and the sampled ids: `bench/results/longmemeval.json`.",
         "",
-        "**What is measured.** As on LoCoMo (next section): each question's haystack is "
+        "**What is measured.** As on LoCoMo (the section above): each question's haystack is "
         "replayed as one conversation through the import path (sessions in order, each turn "
         "stamped with its session's date, the dataset's roles), its summary tree built "
         "(extractive summaries, local MiniLM embeddings), and the question asked as the next "
