@@ -83,6 +83,8 @@ class Replayed:
     turns: list[Turn]
     conversation_id: int = 0
     embeddings: Any = None
+    embedded: list[int] = field(default_factory=list)
+    """The seq of each row of `embeddings` (a message without text has no vector)."""
 
 
 @contextlib.asynccontextmanager
@@ -154,11 +156,18 @@ async def replay(
         final=True,
     )
     async with engine.connect() as conn:
-        rows = await conn.execute(
-            select(nodes.c.seq, nodes.c.embedding)
-            .where(nodes.c.conversation_id == replayed.conversation_id, nodes.c.level == 0)
-            .order_by(nodes.c.seq)
-        )
+        rows = (
+            await conn.execute(
+                select(nodes.c.seq, nodes.c.embedding)
+                .where(
+                    nodes.c.conversation_id == replayed.conversation_id,
+                    nodes.c.level == 0,
+                    nodes.c.embedding.is_not(None),
+                )
+                .order_by(nodes.c.seq)
+            )
+        ).all()
+        replayed.embedded = [row.seq for row in rows]
         replayed.embeddings = np.asarray([list(row.embedding) for row in rows], dtype=np.float32)
 
 
@@ -216,7 +225,7 @@ async def fulltext_ranked(engine: AsyncEngine, replayed: Replayed, question: str
 
 def embedding_ranked(replayed: Replayed, vector: Sequence[float]) -> list[Turn]:
     scores = replayed.embeddings @ np.asarray(vector, dtype=np.float32)
-    return [replayed.turns[int(i)] for i in np.argsort(-scores, kind="stable")]
+    return [replayed.turns[replayed.embedded[i]] for i in np.argsort(-scores, kind="stable")]
 
 
 # -- scoring ---------------------------------------------------------------------------------
