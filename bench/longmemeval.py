@@ -133,17 +133,20 @@ def index(folder: Path) -> dict[str, list[str]]:
 
 def sample(by_type: dict[str, list[str]], size: int, types: Sequence[str], seed: int) -> list[str]:
     """`size` ids, as many of each type in `types` as can be (the first types take the
-    remainder), each type's drawn from its own seeded shuffle."""
+    remainder), each type's drawn from its own seeded shuffle; in turn, one of each type, so
+    that a run stopped half-way has measured every type alike."""
     share, extra = divmod(size, len(types))
-    chosen: list[str] = []
+    drawn: list[list[str]] = []
     for rank, name in enumerate(types):
         ids = sorted(by_type[name])
         random.Random(f"{seed}:{name}").shuffle(ids)
-        chosen += ids[: share + (1 if rank < extra else 0)]
-    return chosen
+        drawn.append(ids[: share + (1 if rank < extra else 0)])
+    return [ids[k] for k in range(share + 1) for ids in drawn if k < len(ids)]
 
 
-async def main_async(args: argparse.Namespace) -> dict[str, Any]:
+async def main_async(args: argparse.Namespace, output: Path) -> dict[str, Any]:
+    """Measure, writing the results to `output` after every question (`complete` false until
+    the last), so that a run stopped early leaves what it measured."""
     types = args.types.split(",") if args.types else list(TYPES)
     if unknown := sorted(set(types) - set(TYPES)):
         raise SystemExit(f"unknown question types {unknown}; known: {', '.join(TYPES)}")
@@ -160,6 +163,38 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     replay_seconds = 0.0
     turns = 0
     per_question: dict[str, Any] = {}
+    report: dict[str, Any] = {}
+    # Read once (it samples every process's CPU for half a second).
+    machine = machine_info()
+
+    def results(*, complete: bool) -> dict[str, Any]:
+        return {
+            "benchmark": "longmemeval-s dev evidence recall",
+            "complete": complete,
+            "measured": datetime.now(UTC).isoformat(timespec="seconds"),
+            "load_average": round(os.getloadavg()[0], 1),
+            "machine": machine,
+            "data": args.data.name,
+            "seed": args.seed,
+            "sample_size": len(ids),
+            "types": types,
+            "dev_set_questions_by_type": {name: len(by_type[name]) for name in TYPES},
+            "abstention_questions_excluded": abstentions,
+            "question_ids": {name: [i for i in ids if i in by_type[name]] for name in types},
+            "questions_scored": len(per_question),
+            "questions_by_type": dict(Counter(q["type"] for q in per_question.values())),
+            "turns": turns,
+            "evidence_turns": sum(q["evidence_turns"] for q in per_question.values()),
+            "budgets": budgets,
+            "model_tokenizer": MODEL,
+            "replay_seconds": round(replay_seconds, 1),
+            "total_seconds": round(time.perf_counter() - started, 1),
+            "recall": scores.table("evidence", weights),
+            **scores.figures(),
+            "memory_tool_definition_tokens": tools.tool_tokens(MODEL),
+            "per_question": per_question,
+        }
+
     async with evidence.database(
         prefix="memstrata-longmemeval-", tenant="longmemeval", folder=args.data_dir
     ) as (engine, tenant):
@@ -187,36 +222,15 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
                 ],
                 "recall": scores.by_question[question_id],
             }
+            report = results(complete=number == len(ids))
+            await asyncio.to_thread(output.write_text, json.dumps(report, indent=2) + "\n")
             print(
                 f"{number}/{len(ids)} {question_id} ({haystack.question_type}, "
                 f"{len(haystack.turns)} turns) {time.perf_counter() - started:.0f}s",
                 file=sys.stderr,
                 flush=True,
             )
-    return {
-        "benchmark": "longmemeval-s dev evidence recall",
-        "measured": datetime.now(UTC).isoformat(timespec="seconds"),
-        "load_average": round(os.getloadavg()[0], 1),
-        "machine": machine_info(),
-        "data": args.data.name,
-        "seed": args.seed,
-        "sample_size": len(ids),
-        "types": types,
-        "dev_set_questions_by_type": {name: len(by_type[name]) for name in TYPES},
-        "abstention_questions_excluded": abstentions,
-        "question_ids": {name: [i for i in ids if i in by_type[name]] for name in types},
-        "questions_by_type": dict(Counter(per_question[i]["type"] for i in ids)),
-        "turns": turns,
-        "evidence_turns": sum(q["evidence_turns"] for q in per_question.values()),
-        "budgets": budgets,
-        "model_tokenizer": MODEL,
-        "replay_seconds": round(replay_seconds, 1),
-        "total_seconds": round(time.perf_counter() - started, 1),
-        "recall": scores.table("evidence", weights),
-        **scores.figures(),
-        "memory_tool_definition_tokens": tools.tool_tokens(MODEL),
-        "per_question": per_question,
-    }
+    return report
 
 
 NOTES = """**Reading it.** LongMemEval's haystacks are user ↔ AI-assistant chats: long pasted \
@@ -241,11 +255,13 @@ def render(report: dict[str, Any]) -> str:
     lines = [
         "## Memory quality (LongMemEval-S dev)",
         "",
-        f"Measured {report['measured']} on a stratified sample of {report['sample_size']} "
+        ("**Partial run**: " if not report.get("complete", True) else "")
+        + f"Measured {report['measured']} on a stratified sample of {report['sample_size']} "
         f"questions of the {sum(report['dev_set_questions_by_type'].values())} with evidence "
         f"(seed {report['seed']}, "
         + ", ".join(f"{per_type.get(name, 0)} {name}" for name in report["types"])
-        + f"), {report['turns']:,} turns replayed, {report['evidence_turns']} evidence turns; "
+        + f"; {report.get('questions_scored', report['sample_size'])} scored), "
+        f"{report['turns']:,} turns replayed, {report['evidence_turns']} evidence turns; "
         f"`python -m bench.longmemeval` ({report['total_seconds']:.0f} s here, "
         f"{report['replay_seconds']:.0f} s of it replaying and building the haystacks). "
         "Raw figures and the sampled ids: `bench/results/longmemeval.json`.",
@@ -310,7 +326,6 @@ def main(argv: Sequence[str] | None = None) -> None:
         section = render(json.loads(RESULTS.read_text(encoding="utf-8")))
         update_docs(section, begin=BEGIN, end=END)
         return
-    report = asyncio.run(main_async(args))
     partial = (
         args.sample < SAMPLE
         or args.types is not None
@@ -319,7 +334,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     output = args.output or (RESULTS.with_name("longmemeval-quick.json") if partial else RESULTS)
     output.parent.mkdir(parents=True, exist_ok=True)
-    output.write_text(json.dumps(report, indent=2) + "\n")
+    report = asyncio.run(main_async(args, output))
     if not partial and args.output is None:
         update_docs(render(report), begin=BEGIN, end=END)
     print(f"evidence recall, {report['sample_size']} questions ({report['total_seconds']:.0f}s)")
