@@ -2,16 +2,21 @@
 
 The client's messages are stored in one transaction before anything goes upstream, so an
 upstream failure never loses them; the write path queues the conversation's build in the same
-transaction (`memory.write.store`). A turn whose system prompt and new messages alone exceed
-the budget is refused (400 `context_length_exceeded`) inside that transaction, so it stores
-nothing. The prompt is then assembled by the read path (`memory.recall.assemble`), forwarded
-and relayed (`gateway.openai.relay`), which records the reply, and queues its build, when it is
-complete. When the database is down during the store or assembly step, the request is forwarded
-unchanged or refused with 503, as `gateway.openai.degraded` decides.
+transaction (`memory.write.store`). Identifying the conversation also says where the request's
+new messages start, whether its history branches off the stored one, and whether it repeats
+an earlier request (`memory.write.identity`): a retry stores nothing, still goes upstream, and
+its reply is recorded only if the first one's is not (`Turn.record`). A turn whose system
+prompt and new messages alone exceed the budget is refused (400 `context_length_exceeded`)
+inside that transaction, so it stores nothing. The prompt is then assembled by the read path
+(`memory.recall.assemble`), forwarded and relayed (`gateway.openai.relay`), which records the
+reply, and queues its build, when it is complete. When the database is down during the store
+or assembly step, the request is forwarded unchanged or refused with 503, as
+`gateway.openai.degraded` decides.
 """
 
 import functools
 import time
+from datetime import timedelta
 from typing import Any
 
 from fastapi import Request
@@ -33,6 +38,9 @@ from memory.recall.assemble import dry_run as memory_dry_run
 from memory.write import identity, store
 
 BUDGET_HEADER = "X-Memstrata-Budget"
+IDEMPOTENCY_HEADER = "Idempotency-Key"
+# The OpenAI SDKs number each attempt of a request; above 0 it is a retry.
+RETRY_COUNT_HEADER = "X-Stainless-Retry-Count"
 
 
 async def complete(request: Request, state: State, *, tenant_id: int) -> Response:
@@ -61,6 +69,12 @@ async def complete(request: Request, state: State, *, tenant_id: int) -> Respons
         stream=bool(chat.stream),
         started=started,
     )
+    # What tells a retry of this request from a new one (`identity.RequestKey`).
+    request_key = identity.RequestKey.of(
+        body=body,
+        idempotency_key=request.headers.get(IDEMPOTENCY_HEADER),
+        retry_count=request.headers.get(RETRY_COUNT_HEADER),
+    )
     try:
         async with transaction(state.engine) as conn:
             found = await identity.identify(
@@ -69,9 +83,16 @@ async def complete(request: Request, state: State, *, tenant_id: int) -> Respons
                 external_id=external_id,
                 user=chat.user,
                 messages=body["messages"],
+                request=request_key,
+                window=timedelta(seconds=state.settings.idempotency_window_seconds),
             )
             appended = await store.store_new(
-                conn, tenant_id=tenant_id, found=found, messages=body["messages"], model=model
+                conn,
+                tenant_id=tenant_id,
+                found=found,
+                messages=body["messages"],
+                model=model,
+                request_key=request_key.value,
             )
             stored = StoredTurn.of(body["messages"], appended, tenant_id=tenant_id, model=model)
             check_fits(stored, budget)  # inside the transaction: refused, nothing is stored
@@ -83,6 +104,7 @@ async def complete(request: Request, state: State, *, tenant_id: int) -> Respons
         external_id=appended.conversation.external_id,
         model=chat.model,
         started=started,
+        reply_to=appended.reply_to,
     )
     try:
         assembled = await assemble(
@@ -92,6 +114,7 @@ async def complete(request: Request, state: State, *, tenant_id: int) -> Respons
             embedder=state.embedder,
             cross_conversation=state.settings.cross_conversation == "on",
             tools_guide=tools_room > 0,
+            abandoned_branches=state.settings.recall_abandoned_branches == "on",
         )
     except StorageUnavailable as exc:
         return await unchanged(exc, external_id=turn.external_id)
@@ -139,6 +162,7 @@ async def dry_run(
         embedder=state.embedder,
         cross_conversation=state.settings.cross_conversation == "on",
         model=model,
+        abandoned_branches=state.settings.recall_abandoned_branches == "on",
     )
     return assembled.messages, assembled.tokens
 

@@ -64,6 +64,8 @@ class Turn:
     full_tokens: int | None = None
     # True when the prompt was rebuilt from memory rather than forwarded as the client sent it.
     rebuilt: bool = False
+    # Where the reply goes, as the write path said when it stored the turn.
+    reply_to: store.ReplyTo | None = None
 
     def sent(self, assembled: Assembled) -> None:
         """Take the figures of the prompt about to go upstream; the gateway's own time ends."""
@@ -154,6 +156,7 @@ class Turn:
                     model=self.model,
                     status="complete" if complete else "incomplete",
                     request_tokens=(self.context_tokens or 0, self.full_tokens or 0),
+                    reply_to=self.reply_to,
                 )
             state.metrics.observe_tokens(sent=self.context_tokens or 0, full=self.full_tokens or 0)
         except MemstrataError:
