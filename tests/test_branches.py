@@ -78,6 +78,13 @@ def chat(http: httpx.Client, messages: list[Message], **extra: Any) -> httpx.Res
     return response
 
 
+def answered(http: httpx.Client, system: str) -> list[Message]:
+    """A new conversation: `system`, a question and its answer."""
+    history = [{"role": "system", "content": system}, {"role": "user", "content": unique("q")}]
+    history.append(reply_of(chat(http, history)))
+    return history
+
+
 def reply_of(response: httpx.Response) -> Message:
     message: Message = response.json()["choices"][0]["message"]
     return {k: v for k, v in message.items() if v is not None or k == "content"}
@@ -349,11 +356,7 @@ async def test_dropping_a_failed_turn_and_rephrasing_branches(
     http: httpx.Client, engine: AsyncEngine, upstream: UpstreamServer
 ) -> None:
     system = unique("Rephrase.")
-    history: list[Message] = [
-        {"role": "system", "content": system},
-        {"role": "user", "content": unique("first")},
-    ]
-    history.append(reply_of(chat(http, history)))
+    history = answered(http, system)
     failed = [*history, {"role": "user", "content": unique("this one fails")}]
     upstream.script({"status": 500})
     assert send(http, failed).status_code == 500
@@ -370,11 +373,7 @@ async def test_going_back_to_an_abandoned_branch_restores_it(
     http: httpx.Client, engine: AsyncEngine, upstream: UpstreamServer
 ) -> None:
     system = unique("Back and forth.")
-    history: list[Message] = [
-        {"role": "system", "content": system},
-        {"role": "user", "content": unique("first")},
-    ]
-    history.append(reply_of(chat(http, history)))
+    history = answered(http, system)
     branch_a = [*history, {"role": "user", "content": unique("branch a")}]
     branch_a.append(reply_of(chat(http, branch_a)))
     branch_b = [*history, {"role": "user", "content": unique("branch b")}]

@@ -54,11 +54,11 @@ async def empty_database(database_url: str) -> AsyncIterator[str]:
         await server.close()
 
 
-def _upgrade_to(revision: str) -> Callable[[Connection], None]:
+def _upgrade_to(revision: str, *, down: bool = False) -> Callable[[Connection], None]:
     def upgrade(connection: Connection) -> None:
         config = Config(str(ALEMBIC_INI))
         config.attributes["connection"] = connection
-        command.upgrade(config, revision)
+        (command.downgrade if down else command.upgrade)(config, revision)
 
     return upgrade
 
@@ -106,15 +106,6 @@ def _migration_0008() -> ModuleType:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
-
-
-def _downgrade_to(revision: str) -> Callable[[Connection], None]:
-    def downgrade(connection: Connection) -> None:
-        config = Config(str(ALEMBIC_INI))
-        config.attributes["connection"] = connection
-        command.downgrade(config, revision)
-
-    return downgrade
 
 
 async def test_migration_0008_rehashes_chains_so_old_conversations_keep_matching(
@@ -192,7 +183,7 @@ async def test_migration_0008_rehashes_chains_so_old_conversations_keep_matching
             )
             assert (found.row.id, found.start, found.created) == (conversation, 4, False)
         async with engine.connect() as conn:
-            await conn.run_sync(_downgrade_to("0006"))
+            await conn.run_sync(_upgrade_to("0006", down=True))
             await conn.commit()
             hashes = await conn.scalars(
                 text("SELECT chain_hash FROM nodes WHERE conversation_id = :c ORDER BY seq"),

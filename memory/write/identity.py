@@ -53,7 +53,7 @@ import json
 import re
 import uuid
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from typing import Any, Final
 
@@ -530,27 +530,19 @@ async def _as_retry(
             and await _sent_with(conn, conversation_id, request.value, window) is None
         ):
             return None
-        return Found(
-            row=found.row,
-            start=count,
-            created=False,
-            parent=found.parent,
-            parent_seq=found.parent_seq,
-            whole=True,
-            retry=True,
-        )
+        return replace(found, start=count, branch=None, retry=True)
     earlier = await _sent_with(
         conn, conversation_id, request.value, window if request.explicit else None
     )
     if earlier is None or earlier.replied:
         return None  # the first stored no message of its own to answer again
-    return Found(
-        row=found.row,
+    return replace(
+        found,
         start=count,
-        created=False,
+        branch=None,
+        retry=True,
         parent=earlier.chain_hash,
         parent_seq=earlier.seq,
-        retry=True,
     )
 
 
