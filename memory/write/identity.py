@@ -222,7 +222,9 @@ class Found:
     """The conversation a history belongs to, locked until the transaction ends."""
 
     row: AnyRow
-    """The conversation's row as locked (`memory.schema.conversations`)."""
+    """The conversation's row as locked (`memory.schema.conversations`), with the request key
+    of its head message (`head_request`) and whether that is a recorded reply
+    (`head_replied`)."""
     start: int
     """Where the history's new messages start."""
     created: bool
@@ -285,7 +287,9 @@ async def lock_or_create(
             statement.on_conflict_do_update(
                 constraint="uq_conversations_tenant_external",
                 set_={"external_id": statement.excluded.external_id},
-            ).returning(*conversations.c, literal_column("xmax = 0").label("inserted"))
+            ).returning(
+                *conversations.c, *_HEAD_COLUMNS, literal_column("xmax = 0").label("inserted")
+            )
         )
     ).one()
     return Found(row=row, start=0, created=bool(row.inserted))
@@ -302,6 +306,30 @@ def _repeated_system(system_hash: str | None, messages: Sequence[Mapping[str, An
     return 1 if content_hash(first.get("content")) == system_hash else 0
 
 
+# The request and kind of the head message, read with the conversation's row (a retry is told
+# by them) in the statement that locks it.
+_HEAD_NODE = nodes.alias("head")
+
+
+def _of_head(column: Any, label: str) -> Any:
+    # The outer row named as text: SQLAlchemy does not correlate a subquery of a RETURNING.
+    return (
+        select(column)
+        .where(
+            _HEAD_NODE.c.conversation_id == literal_column("conversations.id"),
+            _HEAD_NODE.c.level == 0,
+            _HEAD_NODE.c.seq == literal_column("conversations.head_seq"),
+        )
+        .scalar_subquery()
+        .label(label)
+    )
+
+
+_HEAD_COLUMNS = (
+    _of_head(_HEAD_NODE.c.request_key, "head_request"),
+    _of_head(_HEAD_NODE.c.model.is_not(None), "head_replied"),
+)
+
 # Built once: the request path runs these on every request without a conversation id.
 _CHAIN = bindparam("chain", type_=ARRAY(Text))
 _SAME_USER = conversations.c.user_id.is_not_distinct_from(bindparam("user", type_=Text))
@@ -309,7 +337,7 @@ _SAME_USER = conversations.c.user_id.is_not_distinct_from(bindparam("user", type
 # another request extended meanwhile is read again after the lock, and skipped if its new head
 # is not in this history (the next candidate is taken).
 _LOCK_BY_HEAD = (
-    select(conversations)
+    select(conversations, *_HEAD_COLUMNS)
     .where(
         conversations.c.tenant_id == bindparam("tenant_id"),
         conversations.c.head_hash == func.any(_CHAIN),
@@ -320,7 +348,7 @@ _LOCK_BY_HEAD = (
         conversations.c.updated_at.desc(),
     )
     .limit(1)
-    .with_for_update()
+    .with_for_update(of=conversations)
 )
 # Else the conversation holding the deepest stored message of the history (a current one
 # first): the history may branch from it.
@@ -340,7 +368,11 @@ _DEEPEST = (
     )
     .limit(1)
 )
-_LOCK_BY_ID = select(conversations).where(conversations.c.id == bindparam("id")).with_for_update()
+_LOCK_BY_ID = (
+    select(conversations, *_HEAD_COLUMNS)
+    .where(conversations.c.id == bindparam("id"))
+    .with_for_update(of=conversations)
+)
 
 
 async def _match(
@@ -511,18 +543,10 @@ async def _as_retry(
     if found.whole and found.start < count:
         return None  # new messages after a resent history: not what was sent before
     if not request.explicit:
-        head = (
-            await conn.execute(
-                select(nodes.c.request_key, nodes.c.model.is_not(None).label("replied")).where(
-                    nodes.c.conversation_id == conversation_id,
-                    nodes.c.level == 0,
-                    nodes.c.seq == found.row.head_seq,
-                )
-            )
-        ).one_or_none()
-        if head is None or head.request_key != request.value:
+        row = found.row
+        if row.head_request is None or row.head_request != request.value:
             return None
-        if not found.whole and head.replied and not request.retrying:
+        if not found.whole and row.head_replied and not request.retrying:
             return None
     if found.whole:  # the resent history ends where the first request's did
         if (
