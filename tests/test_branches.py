@@ -293,6 +293,30 @@ async def test_the_openai_sdk_retries_are_stored_once(
     assert len(upstream.requests(CHAT)) == 2
 
 
+async def test_only_new_messages_sent_twice_are_a_retry_only_when_the_client_says_so(
+    http: httpx.Client, engine: AsyncEngine
+) -> None:
+    """A client that sends only its new messages may say "continue" twice on purpose; the SDK's
+    retry of an answered request says it is one (`X-Stainless-Retry-Count`)."""
+    system = unique("Only new messages.")
+    headers = {HEADER: f"new-only-{uuid.uuid4().hex}"}
+    opening = [{"role": "system", "content": system}, {"role": "user", "content": "start"}]
+    chat(http, opening, headers=headers)
+    turn = [{"role": "system", "content": system}, {"role": "user", "content": "continue"}]
+    chat(http, turn, headers=headers)
+    chat(http, turn, headers={**headers, "X-Stainless-Retry-Count": "1"})  # a retry
+    chat(http, turn, headers={**headers, "X-Stainless-Retry-Count": "0"})  # meant twice
+    [messages] = (await stored(engine, system)).values()
+    assert [(m["role"], m["content"]) for m in messages][1:] == [
+        ("user", "start"),
+        ("assistant", "echo: start"),
+        ("user", "continue"),
+        ("assistant", "echo: continue"),
+        ("user", "continue"),
+        ("assistant", "echo: continue"),
+    ]
+
+
 # -- branches --------------------------------------------------------------------------------
 
 
