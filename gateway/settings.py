@@ -69,6 +69,11 @@ class Settings(BaseSettings):
     context_window: int = Field(default=32768, ge=1024)
     output_reserve: int = Field(default=4096, ge=0)
     cross_conversation: OnOff = "on"
+    # Recall (the prompt's memory and the memory tools) also draws on messages that left
+    # their conversation's current branch (an edited message, a regenerated answer).
+    recall_abandoned_branches: OnOff = "off"
+    # How long an `Idempotency-Key` names the request that first carried it (0: not at all).
+    idempotency_window_seconds: float = Field(default=86400.0, ge=0)
 
     # Memory tools
     memory_tools: Literal["always", "auto", "never"] = "auto"

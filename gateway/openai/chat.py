@@ -2,16 +2,21 @@
 
 The client's messages are stored in one transaction before anything goes upstream, so an
 upstream failure never loses them; the write path queues the conversation's build in the same
-transaction (`memory.write.store`). A turn whose system prompt and new messages alone exceed
-the budget is refused (400 `context_length_exceeded`) inside that transaction, so it stores
-nothing. The prompt is then assembled by the read path (`memory.recall.assemble`), forwarded
-and relayed (`gateway.openai.relay`), which records the reply, and queues its build, when it is
-complete. When the database is down during the store or assembly step, the request is forwarded
-unchanged or refused with 503, as `gateway.openai.degraded` decides.
+transaction (`memory.write.store`). Identifying the conversation also says where the request's
+new messages start, whether its history branches off the stored one, and whether it repeats
+an earlier request (`memory.write.identity`): a retry stores nothing, still goes upstream, and
+its reply is recorded only if the first one's is not (`Turn.record`). A turn whose system
+prompt and new messages alone exceed the budget is refused (400 `context_length_exceeded`)
+inside that transaction, so it stores nothing. The prompt is then assembled by the read path
+(`memory.recall.assemble`), forwarded and relayed (`gateway.openai.relay`), which records the
+reply, and queues its build, when it is complete. When the database is down during the store
+or assembly step, the request is forwarded unchanged or refused with 503, as
+`gateway.openai.degraded` decides.
 """
 
 import functools
 import time
+from datetime import timedelta
 from typing import Any
 
 from fastapi import Request
@@ -42,6 +47,9 @@ from memory.recall.assemble import dry_run as memory_dry_run
 from memory.write import identity, store
 
 BUDGET_HEADER = "X-Memstrata-Budget"
+IDEMPOTENCY_HEADER = "Idempotency-Key"
+# The OpenAI SDKs number each attempt of a request; above 0 it is a retry.
+RETRY_COUNT_HEADER = "X-Stainless-Retry-Count"
 
 
 async def complete(request: Request, state: State, *, tenant_id: int) -> Response:
@@ -71,9 +79,15 @@ async def complete(request: Request, state: State, *, tenant_id: int) -> Respons
         stream=bool(chat.stream),
         started=started,
     )
+    # What tells a retry of this request from a new one (`identity.RequestKey`).
+    request_key = identity.RequestKey.of(
+        body=body,
+        idempotency_key=request.headers.get(IDEMPOTENCY_HEADER),
+        retry_count=request.headers.get(RETRY_COUNT_HEADER),
+    )
     try:
         async with transaction(state.engine) as conn:
-            stored, stored_id = await store_turn(
+            stored, appended = await store_turn(
                 conn,
                 tenant_id=tenant_id,
                 external_id=external_id,
@@ -81,15 +95,18 @@ async def complete(request: Request, state: State, *, tenant_id: int) -> Respons
                 messages=body["messages"],
                 model=model,
                 budget=budget,
+                request=request_key,
+                window=timedelta(seconds=state.settings.idempotency_window_seconds),
             )
     except StorageUnavailable as exc:
         return await unchanged(exc, external_id=external_id)
     turn = Turn(
         tenant_id=tenant_id,
         conversation_id=stored.conversation_id,
-        external_id=stored_id,
+        external_id=appended.conversation.external_id,
         model=chat.model,
         started=started,
+        reply_to=appended.reply_to,
     )
     try:
         assembled = await recall(state, stored, budget, tools_guide=tools_room > 0)
@@ -118,32 +135,47 @@ async def store_turn(
     messages: list[dict[str, Any]],
     model: str,
     budget: Budget,
-) -> tuple[StoredTurn, str]:
-    """Identify and store: the request's new `messages` stored in `conn`'s transaction, and
-    the id of the conversation they went to. A turn that cannot fit `budget` is refused here,
-    inside the transaction, so that it stores nothing."""
+    request: identity.RequestKey | None = None,
+    window: timedelta = identity.DEFAULT_WINDOW,
+) -> tuple[StoredTurn, store.Appended]:
+    """Identify and store: the request's new `messages` stored in `conn`'s transaction (none
+    for a retry of `request` within `window`), and what was stored. A turn that cannot fit
+    `budget` is refused here, inside the transaction, so that it stores nothing."""
     found = await identity.identify(
-        conn, tenant_id=tenant_id, external_id=external_id, user=user, messages=messages
+        conn,
+        tenant_id=tenant_id,
+        external_id=external_id,
+        user=user,
+        messages=messages,
+        request=request,
+        window=window,
     )
     appended = await store.store_new(
-        conn, tenant_id=tenant_id, found=found, messages=messages, model=model
+        conn,
+        tenant_id=tenant_id,
+        found=found,
+        messages=messages,
+        model=model,
+        request_key=request.value if request is not None else None,
     )
     stored = StoredTurn.of(messages, appended, tenant_id=tenant_id, model=model)
     check_fits(stored, budget)
-    return stored, appended.conversation.external_id
+    return stored, appended
 
 
 async def recall(
     state: State, stored: StoredTurn, budget: Budget, *, tools_guide: bool
 ) -> Assembled:
     """Assemble: the prompt for a stored turn, within its budget (`memory.recall.assemble`)."""
+    settings = state.settings
     return await assemble(
         state.engine,
         stored,
         budget,
         embedder=state.embedder,
-        cross_conversation=state.settings.cross_conversation == "on",
+        cross_conversation=settings.cross_conversation == "on",
         tools_guide=tools_guide,
+        abandoned_branches=settings.recall_abandoned_branches == "on",
     )
 
 
@@ -201,6 +233,7 @@ async def dry_run(
         embedder=state.embedder,
         cross_conversation=state.settings.cross_conversation == "on",
         model=model,
+        abandoned_branches=state.settings.recall_abandoned_branches == "on",
     )
     return assembled.messages, assembled.tokens
 

@@ -187,7 +187,7 @@ async def _store(
                 )
                 new = messages[len(leading_system(messages)) if leading_system(history) else 0 :]
                 messages = [*history, *new]
-        stored, turn.external_id = await chat.store_turn(
+        stored, appended = await chat.store_turn(
             conn,
             tenant_id=turn.tenant_id,
             external_id=turn.external_id or None,
@@ -197,6 +197,8 @@ async def _store(
             budget=budget,
         )
     turn.conversation_id = stored.conversation_id
+    turn.external_id = appended.conversation.external_id
+    turn.reply_to = appended.reply_to
     return stored
 
 

@@ -280,6 +280,7 @@ class ToolLoop:
                         tenant_id=self._turn.tenant_id,
                         conversation_id=self._turn.conversation_id,
                         cross_conversation=self._state.settings.cross_conversation == "on",
+                        abandoned_branches=(self._state.settings.recall_abandoned_branches == "on"),
                     )
                 result = await tools.run_tool(
                     conn,

@@ -82,6 +82,8 @@ class Turn:
     full_tokens: int | None = None
     # True when the prompt was rebuilt from memory rather than forwarded as the client sent it.
     rebuilt: bool = False
+    # Where the reply goes, as the write path said when it stored the turn.
+    reply_to: store.ReplyTo | None = None
 
     def sent(self, assembled: Assembled) -> None:
         """Take the figures of the prompt about to go upstream; the gateway's own time ends."""
@@ -196,6 +198,7 @@ class Turn:
                     model=self.model,
                     status="complete" if complete else "incomplete",
                     request_tokens=(self.context_tokens or 0, self.full_tokens or 0),
+                    reply_to=self.reply_to,
                 )
             await self.recorded(conn)
         if reply is not None:

@@ -140,6 +140,17 @@ class MessagePublic(BaseModel):
         default=False,
         description="Text Postgres cannot hold (NUL, unpaired surrogates) was stored escaped",
     )
+    follows_seq: int = Field(
+        description="The message this one follows in its branch (-1: the conversation's root); "
+        "not the one just before it where a branch starts"
+    )
+    superseded_at: datetime | None = Field(
+        description="When the message left the current branch (an edit or a regenerated "
+        "answer branched off before it); null: it is on the current branch"
+    )
+    model: str | None = Field(
+        description="The model whose reply the gateway recorded; null: the client sent it"
+    )
 
 
 class MessagesPublic(BaseModel):
@@ -179,10 +190,26 @@ class NodePublic(BaseModel):
     meta: dict[str, Any]
 
 
+class BranchRunPublic(BaseModel):
+    """Consecutive stored messages on one branch: `first_seq` follows `follows_seq` (-1: the
+    root), each later one the one before it."""
+
+    model_config = FROM_RECORD
+
+    first_seq: int
+    last_seq: int
+    follows_seq: int
+    superseded: bool
+
+
 class HierarchyPublic(BaseModel):
     conversation: str
     levels: dict[str, int]
     nodes: list[NodePublic]
+    branches: list[BranchRunPublic] = Field(
+        description="The messages (level 0) as runs on one branch each, in seq order: one run "
+        "when the conversation never branched"
+    )
 
 
 class CompactQueued(BaseModel):

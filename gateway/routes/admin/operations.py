@@ -50,7 +50,8 @@ async def search(
     limit: Annotated[int, Query(ge=1, le=100)] = 10,
 ) -> SearchResults:
     """Hybrid search (vector + full text) over messages and summaries, best first: in one
-    conversation, or in the tenant's 1,000 most recently active ones."""
+    conversation, or in the tenant's 1,000 most recently active ones; messages of abandoned
+    branches included."""
     levels = [value for value in level or [] if 0 <= value <= 32767] or None
     if level and levels is None:
         return SearchResults(query=q, data=[])
@@ -71,6 +72,7 @@ async def search(
             query_vector=vector,
             limit=limit,
             levels=levels,
+            abandoned=True,  # an operator sees every branch
         )
     return SearchResults(
         query=q,
