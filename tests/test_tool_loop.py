@@ -199,9 +199,11 @@ def test_memory_round_non_stream(
         fake_usage(second["body"], 5),
     ]
     assert completion.usage is not None
-    assert completion.usage.model_dump(exclude_none=True) == {
-        key: rounds[0][key] + rounds[1][key] for key in rounds[0]
-    }
+    usage = completion.usage.model_dump(exclude_none=True)
+    details = usage.pop("prompt_tokens_details")
+    assert usage == {key: rounds[0][key] + rounds[1][key] for key in rounds[0]}
+    # The second round repeats the first one's prompt, which the fake upstream caches.
+    assert details["cached_tokens"] >= rounds[0]["prompt_tokens"]
     # Stored: what the client saw, no memory call or result.
     assert [(m["role"], m["content"], m["tool_calls"]) for m in kept] == [
         *[(m["role"], m["content"], None) for m in messages],

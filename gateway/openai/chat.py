@@ -4,13 +4,18 @@ The client's messages are stored in one transaction before anything goes upstrea
 upstream failure never loses them; the write path queues the conversation's build in the same
 transaction (`memory.write.store`). A turn whose system prompt and new messages alone exceed
 the budget is refused (400 `context_length_exceeded`) inside that transaction, so it stores
-nothing. The prompt is then assembled by the read path (`memory.recall.assemble`), forwarded
-and relayed (`gateway.openai.relay`), which records the reply, and queues its build, when it is
-complete. When the database is down during the store or assembly step, the request is forwarded
-unchanged or refused with 503, as `gateway.openai.degraded` decides.
+nothing. The prompt is assembled by the read path (`memory.recall.assemble`) in that same
+transaction, under the conversation's row lock, so that the working context it advances is
+advanced by one request at a time whichever process serves it. The prompt is then forwarded
+(`upstream_body`: a conversation-scoped `prompt_cache_key`, and, for a stream, a request for
+the usage that the relay hides from a client that did not ask for it) and relayed
+(`gateway.openai.relay`), which records the reply, and queues its build, when it is complete.
+When the database is down during the store or assembly step, the request is forwarded unchanged
+or refused with 503, as `gateway.openai.degraded` decides.
 """
 
 import functools
+import hashlib
 import time
 from typing import Any
 
@@ -19,6 +24,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from pydantic import ValidationError
 
+from gateway import background
 from gateway.deps import read_json
 from gateway.errors import GatewayError
 from gateway.openai import degraded, relay, toolloop
@@ -28,7 +34,15 @@ from gateway.settings import Settings
 from gateway.state import State
 from memory.db import transaction
 from memory.errors import StorageUnavailable
-from memory.recall.assemble import Budget, BudgetRules, StoredTurn, assemble, check_fits
+from memory.recall.assemble import (
+    Assembled,
+    Budget,
+    BudgetRules,
+    Recall,
+    StoredTurn,
+    assemble,
+    check_fits,
+)
 from memory.recall.assemble import dry_run as memory_dry_run
 from memory.write import identity, store
 
@@ -75,6 +89,9 @@ async def complete(request: Request, state: State, *, tenant_id: int) -> Respons
             )
             stored = StoredTurn.of(body["messages"], appended, tenant_id=tenant_id, model=model)
             check_fits(stored, budget)  # inside the transaction: refused, nothing is stored
+            assembled = await assemble(
+                conn, stored, budget, recall_of(state), tools_guide=tools_room > 0
+            )
     except StorageUnavailable as exc:
         return await unchanged(exc, external_id=external_id)
     turn = Turn(
@@ -84,24 +101,34 @@ async def complete(request: Request, state: State, *, tenant_id: int) -> Respons
         model=chat.model,
         started=started,
     )
-    try:
-        assembled = await assemble(
-            state.engine,
-            stored,
-            budget,
-            embedder=state.embedder,
-            cross_conversation=state.settings.cross_conversation == "on",
-            tools_guide=tools_room > 0,
-        )
-    except StorageUnavailable as exc:
-        return await unchanged(exc, external_id=turn.external_id)
-    turn.sent(assembled)
-    prompt = (
-        body if assembled.messages is body["messages"] else {**body, "messages": assembled.messages}
-    )
+    turn.sent(assembled, state.metrics)
+    stream = bool(chat.stream)
+    prompt = upstream_body(state.settings, turn, body, assembled, stream=stream)
     return await relay.forward(
-        state, turn, client_headers=request.headers, body=prompt, stream=bool(chat.stream)
+        state, turn, client_headers=request.headers, body=prompt, stream=stream
     )
+
+
+def upstream_body(
+    settings: Settings, turn: Turn, body: dict[str, Any], assembled: Assembled, *, stream: bool
+) -> dict[str, Any]:
+    """What goes upstream: the client's body with the assembled messages; a conversation-scoped
+    `prompt_cache_key` when the settings send one and the client sent none; for a stream, a
+    request for its usage (the relay hides it from a client that did not ask: `turn`)."""
+    prompt = dict(body)
+    if assembled.messages is not body["messages"]:
+        prompt["messages"] = assembled.messages
+    if settings.sends_cache_key and "prompt_cache_key" not in body:
+        scope = f"{turn.tenant_id}:{turn.conversation_id}".encode()
+        prompt["prompt_cache_key"] = "memstrata-" + hashlib.sha256(scope).hexdigest()[:32]
+    if stream and settings.stream_usage == "on":
+        options = body.get("stream_options")
+        options = dict(options) if isinstance(options, dict) else {}
+        if not options.get("include_usage"):
+            options["include_usage"] = True
+            prompt["stream_options"] = options
+            turn.hide_usage = True
+    return prompt
 
 
 async def parse(
@@ -125,10 +152,10 @@ async def dry_run(
     query: str,
     budget: int | None,
     model: str = "gpt-4o",
-) -> tuple[list[dict[str, Any]], int]:
-    """The messages, and their tokens, that `complete` would send upstream if the stored
-    conversation `external_id` received `query` as a new user message; nothing is stored."""
-    assembled = await memory_dry_run(
+) -> Assembled:
+    """The prompt `complete` would send upstream if the stored conversation `external_id`
+    received `query` as a new user message, with what each message is; nothing is stored."""
+    return await memory_dry_run(
         state.engine,
         tenant_id=tenant_id,
         external_id=external_id,
@@ -136,11 +163,20 @@ async def dry_run(
         budget=budget,
         rules=budget_rules(state.settings),
         tools_room=toolloop.reserved_tokens(state.settings, {"model": model}),
-        embedder=state.embedder,
-        cross_conversation=state.settings.cross_conversation == "on",
+        recall=recall_of(state),
         model=model,
     )
-    return assembled.messages, assembled.tokens
+
+
+def recall_of(state: State) -> Recall:
+    """How the read path recalls under the settings."""
+    settings = state.settings
+    return Recall(
+        embedder=state.embedder,
+        cross_conversation=settings.cross_conversation == "on",
+        policy=background.policy(settings),
+        mode=settings.context_mode,
+    )
 
 
 def budget_rules(settings: Settings) -> BudgetRules:

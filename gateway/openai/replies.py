@@ -5,7 +5,8 @@ deltas: `StreamedReply.feed(bytes)` takes the raw SSE bytes as they are relayed,
 pieces the network delivers, and rebuilds content, refusal and tool calls (whose arguments
 arrive in fragments keyed by index). `complete` says whether the stream reached its end: a
 finish_reason or `[DONE]`; a stream cut before that yields a reply marked incomplete.
-Only the first choice is stored: memory follows one line of conversation.
+Only the first choice is stored: memory follows one line of conversation. A stream's `usage`
+(its last chunk's, with `stream_options.include_usage`) is kept beside it.
 """
 
 import json
@@ -38,6 +39,7 @@ class StreamedReply:
         self._tool_calls: dict[int, dict[str, Any]] = {}
         self.finish_reason: str | None = None
         self.done = False
+        self.usage: dict[str, Any] | None = None
 
     @property
     def complete(self) -> bool:
@@ -72,9 +74,14 @@ class StreamedReply:
             return
         try:
             chunk = json.loads(payload)
+        except ValueError:
+            return  # keep-alives and the like
+        if isinstance(chunk, dict) and isinstance(chunk.get("usage"), dict):
+            self.usage = chunk["usage"]
+        try:
             choice = chunk["choices"][0]
-        except (ValueError, KeyError, IndexError, TypeError):
-            return  # usage-only chunks, errors, keep-alives: nothing of the message
+        except (KeyError, IndexError, TypeError):
+            return  # usage-only chunks, errors: nothing of the message
         if choice.get("index", 0) != 0:
             return
         delta = choice.get("delta") or {}

@@ -1,9 +1,17 @@
 """The prompt for one stored turn: the read path's one entry point (SPEC §6).
 
-`assemble(engine, turn, budget, …)` returns the messages to send upstream and their figures. A
-conversation that fits its budget goes as the client sent it (or, when the client sent only its
-new messages, as stored); otherwise the prompt is rebuilt from memory by the prompt builder
-(`memory.recall.prompt`). `dry_run` is the same for a question that is not stored.
+`assemble(conn, turn, budget, recall, …)` returns the messages to send upstream and their
+figures. A conversation that fits its budget goes as the client sent it (or, when the client
+sent only its new messages, as stored). Otherwise the prompt comes from the conversation's
+working context (`memory.recall.working_context`): compacted first when the turn would pass the
+high-water mark (`memory.recall.compaction`: the compaction prepared in the background when
+there is one, else computed now), then the turn's recall note (`memory.recall.recall_note`,
+from the candidates prepared after the last reply when they cover the new message:
+`memory.recall.anticipation`) and the new messages; the context is saved with the turn, in the
+caller's transaction. With `Recall.mode` `rebuild`, the prompt is instead rebuilt for each
+turn's query by the prompt builder (`memory.recall.prompt`). Every prompt is measured against
+the previous one (`memory.recall.reuse`). `dry_run` is the same for a question that is not
+stored, and saves nothing.
 
 A `StoredTurn` is how a request's messages divide once the write path has stored them: the
 leading system prompt, the messages new to the conversation (stored from `first_seq` on) and,
@@ -14,11 +22,12 @@ a turn whose system prompt and new messages alone exceed it (`ContextOverflow`);
 runs it inside the transaction that stores the turn, so that such a turn stores nothing.
 """
 
+import asyncio
 import json
 import logging
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field, replace
+from typing import Any, Literal
 
 from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
@@ -27,7 +36,11 @@ from memory import tokens
 from memory.db import transaction
 from memory.embeddings import Embedder
 from memory.errors import ContextOverflow, ProviderError
-from memory.recall import prompt
+from memory.recall import anticipation, compaction, prompt, recall_note, reuse
+from memory.recall import working_context as wc
+from memory.recall.compaction import Fixed
+from memory.recall.recall_note import related_conversations
+from memory.recall.working_context import Policy
 from memory.schema import conversations
 from memory.write import store
 
@@ -37,7 +50,6 @@ Message = dict[str, Any]
 
 SYSTEM_ROLES = ("system", "developer")
 _QUERY_CHARS = 2000
-_RELATED_LIMIT = 20
 _SYSTEM_LOOKAHEAD = 4
 
 
@@ -100,6 +112,12 @@ class StoredTurn:
     user: str | None = None
     unstored_tokens: int = 0
     """Tokens of new messages that are not stored (a dry run's question)."""
+    next_seq: int | None = None
+    """The conversation's next seq once the turn is stored (None: after the new messages)."""
+    branched_at: int | None = None
+    """The first stored seq this turn's history superseded (an edit, a regenerate)."""
+    previous_fingerprint: Any = None
+    """The fingerprint of the conversation's last prompt (`memory.recall.reuse`)."""
 
     @classmethod
     def of(
@@ -127,18 +145,51 @@ class StoredTurn:
             whole=messages if whole else None,
             stored_tokens=appended.token_count,
             user=appended.user_id,
+            next_seq=appended.first_seq + len(appended.node_ids),
+            branched_at=appended.branched_at,
+            previous_fingerprint=appended.prompt_fingerprint,
         )
+
+
+@dataclass(frozen=True)
+class Recall:
+    """How the read path recalls: the query embedder, whether the same user's other
+    conversations count, the working context's policy, and whether prompts are built from the
+    working context (`working`) or rebuilt for each turn's query (`rebuild`)."""
+
+    embedder: Embedder
+    cross_conversation: bool = True
+    policy: Policy = field(default_factory=Policy)
+    mode: Literal["working", "rebuild"] = "working"
 
 
 @dataclass(frozen=True)
 class Assembled:
     """The prompt's messages, their tokens, the whole history's tokens, and whether the
-    prompt was rebuilt from memory rather than forwarded as the client sent it."""
+    prompt was rebuilt from memory rather than forwarded as the client sent it; what each
+    message is (`labels`: system, stable, verbatim, note, new; `memory` for a rebuilt turn's
+    memory message, `history` for a forwarded one's), the tokens that repeat the previous
+    prompt's prefix and the prompt's fingerprint (`memory.recall.reuse`), and whether the
+    working context was compacted for it and its note came from prepared candidates."""
 
     messages: list[Message]
     tokens: int
     full_tokens: int
     rebuilt: bool
+    labels: list[str] = field(default_factory=list)
+    counts: list[int] = field(default_factory=list)
+    """Tokens of each message (the prompt's `tokens` adds the reply priming)."""
+    reused: int = 0
+    fingerprint: list[Any] | None = None
+    compacted: bool = False
+    prepared_recall: bool = False
+    context_version: int | None = None
+    """The working context's version the prompt came from (None: not from one)."""
+
+    @property
+    def reuse(self) -> float:
+        """The share of the prompt's tokens that repeat the previous prompt's prefix."""
+        return self.reused / self.tokens if self.tokens else 0.0
 
 
 def check_fits(turn: StoredTurn, budget: Budget) -> None:
@@ -154,43 +205,46 @@ def check_fits(turn: StoredTurn, budget: Budget) -> None:
 
 
 async def assemble(
-    engine: AsyncEngine,
+    conn: AsyncConnection,
     turn: StoredTurn,
     budget: Budget,
+    recall: Recall,
     *,
-    embedder: Embedder,
-    cross_conversation: bool,
     tools_guide: bool,
+    persist: bool = True,
 ) -> Assembled:
-    """The prompt for `turn` within `budget` (see the module docstring).
+    """The prompt for `turn` within `budget` (see the module docstring), in the caller's
+    transaction, which holds the conversation's row lock when `persist` (the working context
+    is saved with the turn; a dry run saves nothing).
 
-    The messages and `budget.reserved` together stay within the budget. `cross_conversation`
-    lets recall draw on the same user's other conversations; `tools_guide` tells the memory
-    message to say how to use the memory tools (when they are offered)."""
+    The messages and `budget.reserved` together stay within the budget. `tools_guide` tells a
+    rebuilt memory message to say how to use the memory tools (when they are offered)."""
     stored_tokens, user = turn.stored_tokens, turn.user
     if stored_tokens is None:
-        async with transaction(engine) as conn:
-            stored_tokens, user = await _token_count_and_user(conn, turn)
+        stored_tokens, user = await _token_count_and_user(conn, turn)
     full = stored_tokens + turn.unstored_tokens + tokens.REPLY_PRIMING_TOKENS
     if full <= budget.limit * 1.25:  # stored counts may come from another model's tokenizer
         verbatim = turn.whole
         if verbatim is None:
-            async with transaction(engine) as conn:
-                kept = await _history(conn, turn, before=turn.first_seq)
+            kept = await _history(conn, turn, before=turn.first_seq)
             stored_system = leading_system(kept)
             verbatim = [
                 *(turn.system or stored_system),
                 *kept[len(stored_system) :],
                 *turn.new_messages,
             ]
-        count = tokens.count_messages(verbatim, model=turn.model)
-        if count <= budget.limit:
-            return Assembled(messages=verbatim, tokens=count, full_tokens=full, rebuilt=False)
-    async with transaction(engine) as conn:
-        related: list[int] = []
-        if cross_conversation and user is not None:
-            related = await _related(conn, turn, user)
-        system = turn.system or await _stored_system(conn, turn)
+        counts = _counts(verbatim, turn.model)
+        if sum(counts) + tokens.REPLY_PRIMING_TOKENS <= budget.limit:
+            head = len(leading_system(verbatim))
+            labels = ["system"] * head + ["history"] * (len(verbatim) - head)
+            return _measured(turn, verbatim, counts, labels, full=full, rebuilt=False)
+    related: list[int] = []
+    if recall.cross_conversation and user is not None:
+        related = await related_conversations(
+            conn, tenant_id=turn.tenant_id, conversation_id=turn.conversation_id, user=user
+        )
+    system = turn.system or await _stored_system(conn, turn)
+    if recall.mode == "rebuild":
         built = await prompt.build(
             conn,
             tenant_id=turn.tenant_id,
@@ -199,7 +253,7 @@ async def assemble(
             new_messages=turn.new_messages,
             new_from=turn.first_seq,
             query=query_of(turn.new_messages),
-            embed=lambda text: _embed(embedder, text),
+            embed=lambda text: _embed(recall.embedder, text),
             budget=budget.limit + budget.reserved,
             model=turn.model,
             reserved_tokens=budget.reserved,
@@ -208,7 +262,224 @@ async def assemble(
             stored_tokens=stored_tokens,
             tools_guide=prompt.TOOLS_GUIDE if tools_guide else None,
         )
-    return Assembled(messages=built.messages, tokens=built.tokens, full_tokens=full, rebuilt=True)
+        head = len(system)
+        labels = ["system"] * head + ["memory"] * (len(built.messages) - head)
+        counts = _counts(built.messages, turn.model)
+        return _measured(turn, built.messages, counts, labels, full=full, rebuilt=True)
+    return await _from_working_context(
+        conn, turn, budget, recall, system=system, related=related, full=full, persist=persist
+    )
+
+
+async def _from_working_context(
+    conn: AsyncConnection,
+    turn: StoredTurn,
+    budget: Budget,
+    recall: Recall,
+    *,
+    system: list[Message],
+    related: list[int],
+    full: int,
+    persist: bool,
+) -> Assembled:
+    """The prompt from the conversation's working context: compacted first when the turn would
+    pass the high-water mark, a recall note before the new messages (see
+    `memory.recall.working_context`)."""
+    policy, model, limit = recall.policy, turn.model, budget.limit
+    system = [wc.canonical(m) for m in system]
+    new = [wc.canonical(m) for m in turn.new_messages]
+    system_counts, new_counts = _counts(system, model), _counts(new, model)
+    fixed = Fixed(system=sum(system_counts), new=sum(new_counts) + tokens.REPLY_PRIMING_TOKENS)
+    query = query_of(turn.new_messages) if new and new[0].get("role") != "tool" else ""
+    vector_task = asyncio.ensure_future(_embed(recall.embedder, query)) if query else None
+    try:
+        state = await wc.load(conn, tenant_id=turn.tenant_id, conversation_id=turn.conversation_id)
+        protect = turn.first_seq
+        compacted = False
+        if state is None or _branched(state, turn):
+            state, items = await compaction.build(
+                conn,
+                tenant_id=turn.tenant_id,
+                conversation_id=turn.conversation_id,
+                end=turn.first_seq,
+                limit=limit,
+                policy=policy,
+                model=model,
+                fixed=fixed,
+                protect=protect,
+                previous=state,
+            )
+        else:
+            items = await wc.read_items(
+                conn,
+                tenant_id=turn.tenant_id,
+                conversation_id=turn.conversation_id,
+                start=state.verbatim_from,
+                end=turn.first_seq,
+                model=model,
+            )
+            protect = _calls_start(items, new, turn.first_seq)
+            context = wc.render(state, items, policy=policy, model=model)
+            if fixed.system + context.tokens + fixed.new > policy.high * limit:
+                state = await _compacted(conn, state, items, limit, policy, model, fixed, turn)
+                compacted = True
+        context = wc.render(state, items, policy=policy, model=model)
+        if fixed.system + context.tokens + fixed.new > limit:  # not even the low-water mark
+            state = state.rebuilt(stable=(), verbatim_from=turn.first_seq)
+            context = wc.render(state, items, policy=policy, model=model)
+        vector = await vector_task if vector_task is not None else None
+    finally:
+        if vector_task is not None and not vector_task.done():
+            vector_task.cancel()
+    prepared = anticipation.usable(state, first_seq=turn.first_seq, vector=vector) and not compacted
+    room = min(int(policy.note * limit), limit - fixed.system - context.tokens - fixed.new)
+    note = await recall_note.recall(
+        conn,
+        tenant_id=turn.tenant_id,
+        conversation_ids=[turn.conversation_id, *related],
+        query=query,
+        vector=vector,
+        prepared=state.recall_ids if prepared else None,
+        newest=turn.first_seq - 1,
+        exclude_from=state.verbatim_from,
+        present=state.present(),
+        participants={item.name for item in items if item.name},
+        room=room,
+        model=model,
+    )
+    note_messages = [wc.note_message(note.text)] if note is not None else []
+    messages = [*system, *context.messages, *note_messages, *new]
+    labels = ["system"] * len(system) + context.labels + ["note"] * len(note_messages)
+    labels += ["new"] * len(new)
+    counts = [
+        *system_counts,
+        *context.counts,
+        *(note.tokens for note in [note] if note),
+        *new_counts,
+    ]
+    if persist:
+        notes = tuple(kept for kept in state.notes if kept.before < turn.first_seq)
+        if note is not None and policy.keep_notes:
+            notes += (wc.Note(before=turn.first_seq, text=note.text, ids=note.ids),)
+        await wc.save(
+            conn,
+            replace(
+                state,
+                model=model,
+                budget=limit,
+                tokens=context.tokens + (note.tokens if note and policy.keep_notes else 0),
+                system_tokens=fixed.system,
+                upto=turn.next_seq if turn.next_seq is not None else turn.first_seq + len(new),
+                notes=notes,
+                compactions=state.compactions + int(compacted),
+            ),
+        )
+    marks = [
+        len(system) + index + 1 for index, label in enumerate(context.labels) if label == "stable"
+    ]
+    marks += [len(system), len(system) + len(context.messages)]
+    return _measured(
+        turn,
+        messages,
+        counts,
+        labels,
+        full=full,
+        rebuilt=True,
+        marks=marks,
+        compacted=compacted,
+        prepared_recall=prepared,
+        context_version=state.version,
+    )
+
+
+async def _compacted(
+    conn: AsyncConnection,
+    state: wc.State,
+    items: list[wc.Item],
+    limit: int,
+    policy: Policy,
+    model: str,
+    fixed: Fixed,
+    turn: StoredTurn,
+) -> wc.State:
+    """`state` compacted for `turn`: the compaction prepared in the background when there is
+    one and it is enough, else one computed now."""
+    protect = _calls_start(items, turn.new_messages, turn.first_seq)
+    swapped = compaction.swap(state)
+    if swapped is not None and swapped.verbatim_from <= protect:
+        context = wc.render(swapped, items, policy=policy, model=model)
+        if fixed.system + context.tokens + fixed.new <= policy.high * limit:
+            return swapped
+        state = replace(swapped, version=state.version)
+    return await compaction.compact(
+        conn,
+        state,
+        items,
+        limit=limit,
+        policy=policy,
+        model=model,
+        fixed=fixed,
+        end=turn.first_seq,
+        protect=protect,
+    )
+
+
+def _branched(state: wc.State, turn: StoredTurn) -> bool:
+    """Whether the turn's history branched inside what the context already holds (an edit or
+    a regenerate), or the context is ahead of the conversation: then it is rebuilt."""
+    if turn.branched_at is not None and turn.branched_at < state.upto:
+        return True
+    return state.verbatim_from > turn.first_seq
+
+
+def _calls_start(items: Sequence[wc.Item], new: Sequence[Message], first_seq: int) -> int:
+    """Where the compaction must stop: before the assistant message whose calls the new
+    messages answer (a call and its results are never split), else at the new messages."""
+    if not new or new[0].get("role") != "tool":
+        return first_seq
+    for item in reversed(items):
+        if item.role == "assistant" and item.message.get("tool_calls"):
+            return item.seq
+        if item.role != "tool":
+            break
+    return first_seq
+
+
+def _counts(messages: Sequence[Message], model: str) -> list[int]:
+    return [tokens.count_message(message, model=model) for message in messages]
+
+
+def _measured(
+    turn: StoredTurn,
+    messages: list[Message],
+    counts: Sequence[int],
+    labels: list[str],
+    *,
+    full: int,
+    rebuilt: bool,
+    marks: Sequence[int] = (),
+    compacted: bool = False,
+    prepared_recall: bool = False,
+    context_version: int | None = None,
+) -> Assembled:
+    """The prompt with its reuse of the previous prompt and its own fingerprint."""
+    system = len(leading_system(messages))
+    repeated, fingerprint = reuse.measure(
+        turn.previous_fingerprint, messages, counts, [system, *marks]
+    )
+    return Assembled(
+        messages=messages,
+        tokens=sum(counts) + tokens.REPLY_PRIMING_TOKENS,
+        full_tokens=full,
+        rebuilt=rebuilt,
+        labels=labels,
+        counts=list(counts),
+        reused=repeated,
+        fingerprint=fingerprint,
+        compacted=compacted,
+        prepared_recall=prepared_recall,
+        context_version=context_version,
+    )
 
 
 async def dry_run(
@@ -220,38 +491,43 @@ async def dry_run(
     budget: int | None,
     rules: BudgetRules,
     tools_room: int,
-    embedder: Embedder,
-    cross_conversation: bool,
+    recall: Recall,
     model: str = "gpt-4o",
 ) -> Assembled:
     """The prompt `assemble` would send if the stored conversation `external_id` received
     `query` as a new user message; nothing is stored. `tools_room` is what the memory tools'
     definitions would take (0 when they would not be offered)."""
+    question = {"role": "user", "content": query}
     async with transaction(engine) as conn:
         ref = await store.find_conversation(conn, tenant_id=tenant_id, external_id=external_id)
-        next_seq = await conn.scalar(
-            select(conversations.c.next_seq).where(conversations.c.id == ref.id)
+        row = (
+            await conn.execute(
+                select(conversations.c.next_seq, conversations.c.prompt_fingerprint).where(
+                    conversations.c.id == ref.id
+                )
+            )
+        ).one()
+        turn = StoredTurn(
+            tenant_id=tenant_id,
+            conversation_id=ref.id,
+            model=model,
+            system=[],
+            new_messages=[question],
+            first_seq=int(row.next_seq or 0),
+            whole=None,
+            unstored_tokens=tokens.count_message(question, model=model),
+            next_seq=int(row.next_seq or 0),
+            previous_fingerprint=row.prompt_fingerprint,
         )
-    question = {"role": "user", "content": query}
-    turn = StoredTurn(
-        tenant_id=tenant_id,
-        conversation_id=ref.id,
-        model=model,
-        system=[],
-        new_messages=[question],
-        first_seq=int(next_seq or 0),
-        whole=None,
-        unstored_tokens=tokens.count_message(question, model=model),
-    )
-    body = {"model": model, "messages": [question]}
-    return await assemble(
-        engine,
-        turn,
-        Budget.of(body, rules, requested=budget, tools_room=tools_room),
-        embedder=embedder,
-        cross_conversation=cross_conversation,
-        tools_guide=tools_room > 0,
-    )
+        body = {"model": model, "messages": [question]}
+        return await assemble(
+            conn,
+            turn,
+            Budget.of(body, rules, requested=budget, tools_room=tools_room),
+            recall,
+            tools_guide=tools_room > 0,
+            persist=False,
+        )
 
 
 def leading_system(messages: Sequence[Message]) -> list[Message]:
@@ -280,21 +556,6 @@ async def _token_count_and_user(conn: AsyncConnection, turn: StoredTurn) -> tupl
         )
     ).one()
     return int(row.token_count), row.user_id
-
-
-async def _related(conn: AsyncConnection, turn: StoredTurn, user: str) -> list[int]:
-    """The tenant's other conversations of the same `user`, most recent first."""
-    rows = await conn.execute(
-        select(conversations.c.id)
-        .where(
-            conversations.c.tenant_id == turn.tenant_id,
-            conversations.c.user_id == user,
-            conversations.c.id != turn.conversation_id,
-        )
-        .order_by(conversations.c.updated_at.desc())
-        .limit(_RELATED_LIMIT)
-    )
-    return [int(row.id) for row in rows]
 
 
 async def _stored_system(conn: AsyncConnection, turn: StoredTurn) -> list[Message]:

@@ -7,7 +7,10 @@ never duplicated, sequence numbers and a consistent hash chain. Callers own the 
 `store_new` and `append` do their work inside the caller's transaction, and queue the build of
 the conversation's tree there (`memory.build.tree.enqueue`, deduplicated), so that the
 background work commits or rolls back with the messages it concerns. They are the only place a
-write queues its build: no caller can store messages and forget them.
+write queues its build: no caller can store messages and forget them. A reply to a prompt built
+from the working context also queues `CONTEXT_JOB` (deduplicated, behind the build): the read
+path's preparation of the next turn (`memory.recall.anticipation`, `memory.recall.compaction`),
+whose handler `gateway.background` composes.
 
 The request path runs `store_new` and `append` on every chat request, so each keeps its round
 trips to the database few: the conversation is found and locked in one statement, and what
@@ -20,11 +23,11 @@ from datetime import UTC, datetime
 from typing import Any
 
 from sqlalchemy import Text, bindparam, func, insert, select, update
-from sqlalchemy.dialects.postgresql import aggregate_order_by
+from sqlalchemy.dialects.postgresql import JSONB, aggregate_order_by
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from memory import tokens
-from memory.build import tree
+from memory.build import jobs, tree
 from memory.db import AnyRow
 from memory.errors import NotFound
 from memory.schema import DEFAULT_TENANT, conversations, nodes, tenants
@@ -33,6 +36,10 @@ from memory.write import identity
 MESSAGE_FIELDS = ("role", "name", "content", "tool_calls", "tool_call_id")
 """Fields of an OpenAI message stored in columns; the rest are kept in `meta`."""
 _SYSTEM_ROLES = ("system", "developer")
+
+CONTEXT_JOB = "context"
+"""The job that prepares a conversation's next turn after a reply: its likely recall, and its
+next compaction when one nears (run by the read path; queued here, with the reply)."""
 
 
 @dataclass(frozen=True)
@@ -54,6 +61,31 @@ class Appended:
     token_count: int
     """Tokens of every message the conversation holds, the new ones included."""
     user_id: str | None
+    branched_at: int | None = None
+    """The first stored seq the new messages superseded (an edited or regenerated history), or
+    None when they only extend the conversation."""
+    prompt_fingerprint: Any = None
+    """The fingerprint of the conversation's last prompt (`RequestStats.fingerprint`)."""
+
+
+@dataclass(frozen=True)
+class RequestStats:
+    """What one answered request cost, counted on the conversation with its reply."""
+
+    sent: int
+    """Prompt tokens sent upstream, as the gateway counted them."""
+    full: int
+    """Tokens the whole history would have cost."""
+    reused: int = 0
+    """Prompt tokens that repeated the previous prompt's prefix."""
+    upstream_prompt: int = 0
+    upstream_cached: int = 0
+    upstream_completion: int = 0
+    """What the upstream reported in `usage` (summed over hidden tool rounds)."""
+    fingerprint: Any = None
+    """The prompt's fingerprint, kept for the next request's reuse figure (None: unchanged)."""
+    prepare_context: bool = False
+    """The prompt came from the working context: queue the preparation of the next turn."""
 
 
 @dataclass(frozen=True)
@@ -118,13 +150,12 @@ async def append(
     model: str,
     status: str = "complete",
     created_at: Sequence[datetime | None] | None = None,
-    request_tokens: tuple[int, int] | None = None,
+    request: RequestStats | None = None,
 ) -> Appended:
     """Append `messages` to a stored conversation (a reply, or a bulk import).
 
-    `request_tokens`, for a reply: the prompt tokens sent upstream for the request it answers
-    and what the whole history would have cost, counted on the conversation with the reply
-    (its statistics: requests, tokens sent, tokens full)."""
+    `request`, for a reply: what the request it answers cost, counted on the conversation with
+    the reply (its statistics: requests, tokens sent, full, reused, what the upstream reported)."""
     conv = (
         await conn.execute(_LOCK_BY_ID, {"id": conversation_id, "tenant_id": tenant_id})
     ).one_or_none()
@@ -139,7 +170,7 @@ async def append(
         model=model,
         status=status,
         created_at=created_at,
-        request_tokens=request_tokens,
+        request=request,
     )
 
 
@@ -252,9 +283,20 @@ _MOVE_HEAD = (
         requests=conversations.c.requests + bindparam("requests"),
         tokens_sent=conversations.c.tokens_sent + bindparam("sent"),
         tokens_full=conversations.c.tokens_full + bindparam("full"),
+        tokens_reused=conversations.c.tokens_reused + bindparam("reused"),
+        usage_prompt_tokens=conversations.c.usage_prompt_tokens + bindparam("upstream_prompt"),
+        usage_cached_tokens=conversations.c.usage_cached_tokens + bindparam("upstream_cached"),
+        usage_completion_tokens=(
+            conversations.c.usage_completion_tokens + bindparam("upstream_completion")
+        ),
+        prompt_fingerprint=func.coalesce(
+            bindparam("fingerprint", type_=JSONB(none_as_null=True)),
+            conversations.c.prompt_fingerprint,
+        ),
         updated_at=func.now(),
     )
 )
+_NO_REQUEST = RequestStats(sent=0, full=0)
 
 
 async def _append_locked(
@@ -267,18 +309,28 @@ async def _append_locked(
     model: str,
     status: str = "complete",
     created_at: Sequence[datetime | None] | None = None,
-    request_tokens: tuple[int, int] | None = None,
+    request: RequestStats | None = None,
 ) -> Appended:
     """Insert `messages` after the locked conversation's head and move the head."""
     ref = ConversationRef(id=conv.id, external_id=conv.external_id, created=created)
     await tree.enqueue(conn, tenant_id=tenant_id, conversation_id=conv.id)
-    if not messages and request_tokens is None:
+    if request is not None and request.prepare_context:
+        # Behind the build just queued: jobs of one conversation run in order.
+        await jobs.enqueue(
+            conn,
+            kind=CONTEXT_JOB,
+            tenant_id=tenant_id,
+            conversation_id=conv.id,
+            dedupe_key=f"{CONTEXT_JOB}:{conv.id}",
+        )
+    if not messages and request is None:
         return Appended(
             conversation=ref,
             node_ids=[],
             first_seq=conv.next_seq,
             token_count=conv.token_count,
             user_id=conv.user_id,
+            prompt_fingerprint=conv.prompt_fingerprint,
         )
     hashes = identity.chain(messages, conv.head_hash or identity.ROOT_HASH)
     now = datetime.now(UTC)
@@ -310,7 +362,7 @@ async def _append_locked(
         node_ids = [int(node_id) for node_id in result.scalars()]
     added = sum(row["token_count"] for row in rows)
     systems = [m for m in messages if m.get("role") in _SYSTEM_ROLES]
-    sent, full = request_tokens or (0, 0)
+    stats = request or _NO_REQUEST
     await conn.execute(
         _MOVE_HEAD,
         {
@@ -319,9 +371,14 @@ async def _append_locked(
             "added": added,
             "new_head": hashes[-1] if hashes else None,
             "new_system": (identity.content_hash(systems[-1].get("content")) if systems else None),
-            "requests": 0 if request_tokens is None else 1,
-            "sent": sent,
-            "full": full,
+            "requests": 0 if request is None else 1,
+            "sent": stats.sent,
+            "full": stats.full,
+            "reused": stats.reused,
+            "upstream_prompt": stats.upstream_prompt,
+            "upstream_cached": stats.upstream_cached,
+            "upstream_completion": stats.upstream_completion,
+            "fingerprint": stats.fingerprint,
         },
     )
     return Appended(
@@ -330,6 +387,7 @@ async def _append_locked(
         first_seq=conv.next_seq,
         token_count=conv.token_count + added,
         user_id=conv.user_id,
+        prompt_fingerprint=conv.prompt_fingerprint,
     )
 
 
