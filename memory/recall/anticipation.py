@@ -34,7 +34,7 @@ from memory.schema import conversations, working_contexts
 
 __all__ = ["CANDIDATES", "COVERS", "prepare", "usable"]
 
-COVERS: Final = 0.5
+COVERS: Final = 0.3
 """Cosine similarity between the new message and the exchange the candidates were prepared for
 at which the candidates cover it (all-MiniLM-L6-v2: paraphrases and follow-ups on one subject
 score above, a change of subject below)."""

@@ -36,7 +36,7 @@ from memory import tokens
 from memory.db import transaction
 from memory.embeddings import Embedder
 from memory.errors import ContextOverflow, ProviderError
-from memory.recall import anticipation, compaction, prompt, recall_note, reuse
+from memory.recall import anticipation, compaction, prompt, recall_note, retrieval, reuse
 from memory.recall import working_context as wc
 from memory.recall.compaction import Fixed
 from memory.recall.recall_note import related_conversations
@@ -294,7 +294,7 @@ async def _from_working_context(
     vector_task = asyncio.ensure_future(_embed(recall.embedder, query)) if query else None
     try:
         state = await wc.load(conn, tenant_id=turn.tenant_id, conversation_id=turn.conversation_id)
-        protect = turn.first_seq
+        answers_calls = bool(new) and new[0].get("role") == "tool"
         compacted = False
         if state is None or _branched(state, turn):
             state, items = await compaction.build(
@@ -306,7 +306,7 @@ async def _from_working_context(
                 policy=policy,
                 model=model,
                 fixed=fixed,
-                protect=protect,
+                answers_calls=answers_calls,
                 previous=state,
             )
         else:
@@ -318,21 +318,25 @@ async def _from_working_context(
                 end=turn.first_seq,
                 model=model,
             )
-            protect = _calls_start(items, new, turn.first_seq)
             context = wc.render(state, items, policy=policy, model=model)
             if fixed.system + context.tokens + fixed.new > policy.high * limit:
-                state = await _compacted(conn, state, items, limit, policy, model, fixed, turn)
+                state = await _compacted(
+                    conn, state, items, limit, policy, model, fixed, turn, answers_calls
+                )
                 compacted = True
+        protect = compaction.calls_start(items, answers_calls, turn.first_seq)
         context = wc.render(state, items, policy=policy, model=model)
         if fixed.system + context.tokens + fixed.new > limit:  # not even the low-water mark
-            state = state.rebuilt(stable=(), verbatim_from=turn.first_seq)
+            state = state.rebuilt(stable=(), verbatim_from=protect, mask_before=protect)
             context = wc.render(state, items, policy=policy, model=model)
+            compacted = True
         vector = await vector_task if vector_task is not None else None
     finally:
         if vector_task is not None and not vector_task.done():
             vector_task.cancel()
     prepared = anticipation.usable(state, first_seq=turn.first_seq, vector=vector) and not compacted
-    room = min(int(policy.note * limit), limit - fixed.system - context.tokens - fixed.new)
+    share = policy.note * (1.0 if retrieval.asks(query) else policy.statement)
+    room = min(int(share * limit), limit - fixed.system - context.tokens - fixed.new)
     note = await recall_note.recall(
         conn,
         tenant_id=turn.tenant_id,
@@ -401,10 +405,11 @@ async def _compacted(
     model: str,
     fixed: Fixed,
     turn: StoredTurn,
+    answers_calls: bool,
 ) -> wc.State:
     """`state` compacted for `turn`: the compaction prepared in the background when there is
     one and it is enough, else one computed now."""
-    protect = _calls_start(items, turn.new_messages, turn.first_seq)
+    protect = compaction.calls_start(items, answers_calls, turn.first_seq)
     swapped = compaction.swap(state)
     if swapped is not None and swapped.verbatim_from <= protect:
         context = wc.render(swapped, items, policy=policy, model=model)
@@ -430,19 +435,6 @@ def _branched(state: wc.State, turn: StoredTurn) -> bool:
     if turn.branched_at is not None and turn.branched_at < state.upto:
         return True
     return state.verbatim_from > turn.first_seq
-
-
-def _calls_start(items: Sequence[wc.Item], new: Sequence[Message], first_seq: int) -> int:
-    """Where the compaction must stop: before the assistant message whose calls the new
-    messages answer (a call and its results are never split), else at the new messages."""
-    if not new or new[0].get("role") != "tool":
-        return first_seq
-    for item in reversed(items):
-        if item.role == "assistant" and item.message.get("tool_calls"):
-            return item.seq
-        if item.role != "tool":
-            break
-    return first_seq
 
 
 def _counts(messages: Sequence[Message], model: str) -> list[int]:

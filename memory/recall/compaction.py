@@ -57,7 +57,7 @@ from memory.recall.working_context import (
 )
 from memory.schema import conversations, working_contexts
 
-__all__ = ["Fixed", "build", "compact", "prepare", "swap"]
+__all__ = ["Fixed", "build", "calls_start", "compact", "prepare", "swap"]
 
 SUMMARY_CAP: Final = prompt.BudgetSplit().summary_cap
 """Most tokens of one summary in stable memory (its `[#id]` opens the whole)."""
@@ -109,16 +109,36 @@ def _costs(items: Sequence[Item], mask_before: int, model: str) -> list[int]:
 def _point(
     items: Sequence[Item], costs: Sequence[int], *, room: int, protect: int, end: int
 ) -> int:
-    """The first seq kept verbatim so that the items from it on cost at most `room`: never
-    past `protect`, never on a tool result (its call is compacted, so are its results)."""
+    """The first seq kept verbatim so that the items from it on cost at most `room`, never past
+    `protect` and never on a tool result: past the results of a compacted call, or, when that
+    would pass `protect`, back to the call."""
     total = sum(costs)
     index = 0
     while index < len(items) and total > room and items[index].seq < protect:
         total -= costs[index]
         index += 1
-    while index < len(items) and items[index].role == "tool" and items[index].seq < protect:
-        index += 1
+    forward = index
+    while forward < len(items) and items[forward].role == "tool":
+        forward += 1
+    if (items[forward].seq if forward < len(items) else end) <= protect:
+        index = forward
+    else:
+        while index > 0 and items[index].role == "tool":
+            index -= 1
     return items[index].seq if index < len(items) else end
+
+
+def calls_start(items: Sequence[Item], answers_calls: bool, end: int) -> int:
+    """Where a compaction must stop: at the assistant message whose calls the new messages
+    answer (`answers_calls`: a call and its results are never split), else at `end`."""
+    if not answers_calls:
+        return end
+    for item in reversed(items):
+        if item.role == "assistant" and item.message.get("tool_calls"):
+            return item.seq
+        if item.role != "tool":
+            break
+    return end
 
 
 # -- compacting --------------------------------------------------------------------------------
@@ -150,9 +170,17 @@ async def compact(
         return state.rebuilt(mask_before=mask_before)
     start = state.verbatim_from
     allowance = 0 if consolidate else sum(part.tokens for part in stable)
+    ceiling = int(policy.high * limit) - fixed.system - fixed.new
+    covered = await _covered(conn, state)
     point = start
     for _ in range(_ATTEMPTS):
         point = _point(live, costs, room=target - allowance, protect=protect, end=end)
+        if point > covered > start:
+            # Compacting only what the tree has summarized loses no summary: preferred while
+            # the context stays under the high-water mark.
+            near = _point(live, costs, room=target - allowance, protect=covered, end=end)
+            if _kept(live, costs, near) + allowance <= ceiling:
+                point = near
         stable = state.stable
         if consolidate or (point > start and _wide(live, start, point, limit)):
             stable = await _consolidated(conn, state, point, limit=limit, policy=policy, enc=enc)
@@ -165,12 +193,29 @@ async def compact(
                 stable = await _consolidated(
                     conn, state, point, limit=limit, policy=policy, enc=enc
                 )
-        kept = sum(cost for item, cost in zip(live, costs, strict=True) if item.seq >= point)
-        over = kept + sum(part.tokens for part in stable) - target
+        over = _kept(live, costs, point) + sum(part.tokens for part in stable) - target
         if over <= 0 or point >= protect:
             break
         allowance += over
     return state.rebuilt(stable=stable, verbatim_from=point, mask_before=max(mask_before, point))
+
+
+def _kept(items: Sequence[Item], costs: Sequence[int], point: int) -> int:
+    return sum(cost for item, cost in zip(items, costs, strict=True) if item.seq >= point)
+
+
+_COVERED = text(
+    "SELECT span_end + 1 FROM nodes WHERE tenant_id = :tenant_id "
+    "AND conversation_id = :conversation_id AND level = 1 ORDER BY seq DESC LIMIT 1"
+)
+
+
+async def _covered(conn: AsyncConnection, state: State) -> int:
+    """The first seq no segment of the tree covers yet."""
+    found = await conn.scalar(
+        _COVERED, {"tenant_id": state.tenant_id, "conversation_id": state.conversation_id}
+    )
+    return int(found or 0)
 
 
 def _wide(items: Sequence[Item], start: int, point: int, limit: int) -> bool:
@@ -189,12 +234,13 @@ async def build(
     policy: Policy,
     model: str,
     fixed: Fixed,
-    protect: int,
+    answers_calls: bool,
     previous: State | None = None,
 ) -> tuple[State, list[Item]]:
     """A first working context for the messages before `end` (or one rebuilt from scratch, in
     place of `previous`, after a branch): the newest turns that fit the low-water mark, and
-    stable memory consolidated over the rest; with the verbatim turns read."""
+    stable memory consolidated over the rest; with the verbatim turns read. `answers_calls`:
+    the new messages are tool results, whose call must stay."""
     room = int(policy.low * limit) - fixed.system - fixed.new
     fresh = int(policy.fresh * limit)
     items: list[Item] = []
@@ -235,7 +281,7 @@ async def build(
         model=model,
         fixed=fixed,
         end=end,
-        protect=protect,
+        protect=calls_start(items, answers_calls, end),
         consolidate=start > 0,
     )
     return built, [item for item in items if item.seq >= built.verbatim_from]

@@ -5,8 +5,9 @@
 * its candidates are the messages of the conversation (and of the same user's others) outside
   the working context's verbatim turns and not quoted elsewhere in it (`present`): either the
   candidates prepared after the last reply (`memory.recall.anticipation`), when the caller
-  found that they cover the new message, scored by their similarity to it; or hybrid retrieval
-  for it (`memory.recall.retrieval`: full text, vectors, passages, fused);
+  found that they cover the new message, scored by their similarity to it, with the messages
+  holding an identifier the new message names (the full-text leg on those words alone); or
+  hybrid retrieval for it (`memory.recall.retrieval`: full text, vectors, passages, fused);
 * a message is recalled only if it bears on the new message: its text or one of its sentences
   is within `RELEVANCE` of it by cosine similarity, it holds a rare identifier the message
   names, it is among the full-text leg's first `FULLTEXT_FIRST` and has no vector yet (nothing
@@ -128,6 +129,18 @@ async def recall(
     search_text = retrieval.without_names(query, participants)
     if prepared is not None and vector is not None:
         legs = [await _prepared_leg(conn, tenant_id=tenant_id, ids=prepared, vector=vector)]
+        named = retrieval.identifiers(query)
+        if named:  # an identifier the exchange did not name is looked up (rare terms: cheap)
+            legs.append(
+                await retrieval.fulltext_candidates(
+                    conn,
+                    tenant_id=tenant_id,
+                    conversation_ids=conversation_ids,
+                    query=" ".join(named),
+                    levels=[0],
+                    exclude_from=(conversation_id, exclude_from),
+                )
+            )
     else:
         legs = await _search_legs(
             conn,

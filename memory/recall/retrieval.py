@@ -41,6 +41,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 from memory.recall.fusion import CONTIGUITY, Candidates, Key, Place, fuse, ranked
 from memory.recall.query import (
     Route,
+    asks,
     identifiers,
     participants_named,
     periods,
@@ -54,6 +55,7 @@ __all__ = [
     "Hit",
     "Route",
     "as_hit",
+    "asks",
     "candidates_of",
     "fulltext_candidates",
     "identifiers",

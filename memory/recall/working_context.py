@@ -74,7 +74,9 @@ class Policy:
     low: float = 0.45
     """A compaction rebuilds the context so that the prompt without its note takes this share."""
     note: float = 0.1
-    """Most one recall note may take (never more than the budget leaves)."""
+    """Most one recall note may take (never more than the budget leaves), for a message that
+    asks something (`memory.recall.query.asks`); a statement's note gets `statement` of it."""
+    statement: float = 0.25
     keep_notes: bool = True
     """Notes stay in the context until the next compaction (else: sent with their turn only)."""
     fresh: float = 0.15
