@@ -19,10 +19,12 @@ from typing import Any
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from pydantic import ValidationError
 
 from devkit import synthetic
 from devkit.gateway import GatewayProcess
 from devkit.upstream import UpstreamServer
+from gateway.settings import Settings
 
 CHAT = "/v1/chat/completions"
 MODEL = "gpt-4o"
@@ -106,6 +108,18 @@ def test_two_serve_processes_alternating_build_the_same_prefix(
         assert stats["memory_reuse"] > 0.5
         assert stats["tokens_cached"] > 0
         assert stats["working_context"]["compactions"] == compactions
+        # The dry run: the next prompt for a question, its parts labelled, and what it repeats.
+        dry = clients[1].post(
+            f"/admin/conversations/{conversation}/context",
+            json={"query": "What did we decide about the budget?", "budget": 3000},
+        )
+        assert dry.status_code == 200, dry.text
+        context = dry.json()
+        labels = [part["label"] for part in context["parts"]]
+        assert labels[0] == "stable" and labels[-1] == "new" and "verbatim" in labels
+        assert sum(part["messages"] for part in context["parts"]) == len(context["messages"])
+        assert context["working_context"] and not context["compacted"]
+        assert 0.5 < context["reuse"] <= 1 and context["reused_tokens"] > 0
         after = [metric(c.get("/metrics").text, "memstrata_compactions_total") for c in clients]
         assert sum(after) - sum(before) == compactions
         assert all(
@@ -115,6 +129,21 @@ def test_two_serve_processes_alternating_build_the_same_prefix(
     finally:
         for client in clients:
             client.close()
+
+
+def test_a_cache_key_by_default_only_for_openais_own_api() -> None:
+    assert Settings(_env_file=None).sends_cache_key
+    local = Settings(_env_file=None, upstream_base_url="http://localhost:8000/v1")
+    assert not local.sends_cache_key
+    assert Settings(
+        _env_file=None, upstream_base_url="http://localhost:8000/v1", prompt_cache_key="on"
+    ).sends_cache_key
+    assert not Settings(_env_file=None, prompt_cache_key="off").sends_cache_key
+
+
+def test_the_marks_must_be_in_order() -> None:
+    with pytest.raises(ValidationError, match="LOW_WATER must be below"):
+        Settings(_env_file=None, context_low_water=0.9, context_high_water=0.8)
 
 
 def test_the_clients_own_cache_key_is_kept(

@@ -191,11 +191,11 @@ def words(draw: st.DrawFn, low: int, high: int) -> str:
 
 @st.composite
 def scripts(draw: st.DrawFn) -> list[tuple[str, Any]]:
-    """Turns: ("user", text) answered by ("reply", text) or by ("calls", [(id, result)]), the
-    client then sending the results as its next turn."""
+    """Turns: ("user", text: a question or not) answered by ("reply", text) or by ("calls",
+    [(id, result)]), the client then sending the results as its next turn."""
     turns: list[tuple[str, Any]] = []
     for number in range(draw(st.integers(6, 24))):
-        turns.append(("user", words(draw, 1, 60)))
+        turns.append(("user", words(draw, 1, 60) + draw(st.sampled_from(["", "?"]))))
         if draw(st.integers(0, 3)) == 0:
             results = [
                 (f"call_{number}_{n}", words(draw, 1, 150)) for n in range(draw(st.integers(1, 2)))
@@ -288,7 +288,8 @@ async def test_compaction_keeps_the_budget_and_loses_nothing(
     history = synthetic.messages(400, seed=21)
     conversation = await Conversation.start(engine, tenant_id, history)
     await conversation.build_tree(segments)
-    recall = Recall(embedder=EMBEDDER, policy=Policy())
+    # Marks close together: a compaction every few turns.
+    recall = Recall(embedder=EMBEDDER, policy=Policy(low=0.45, high=0.6))
     compactions = 0
     asks = [m for m in synthetic.messages(200, seed=22) if m["role"] == "user"][:40]
     for number, message in enumerate(asks):
@@ -316,6 +317,27 @@ async def test_compaction_keeps_the_budget_and_loses_nothing(
     async with engine.begin() as conn:
         opened = await browsing.expand(conn, scope, node_id=nodes[-1].id)
     assert f"summarizes {len(nodes[-1].children)} nodes" in opened
+
+
+async def test_a_cache_control_breakpoint_marks_the_last_stable_message(
+    engine: AsyncEngine, tenant_id: int
+) -> None:
+    limit = 1500
+    recall = Recall(embedder=EMBEDDER, policy=Policy(cache_control=True))
+    conversation = await Conversation.start(engine, tenant_id, synthetic.messages(200, seed=4))
+    prompts = []
+    for number in range(2):
+        ask = {"role": "user", "content": f"and the budget {number}?"}
+        assembled = await conversation.turn([ask], limit=limit, recall=recall)
+        check_prompt(assembled, limit)
+        await conversation.reply({"role": "assistant", "content": "noted"}, assembled)
+        prompts.append(assembled)
+    first, second = prompts
+    last = max(i for i, label in enumerate(first.labels) if label == "stable")
+    [part] = first.messages[last]["content"]
+    assert part["cache_control"] == {"type": "ephemeral"} and part["type"] == "text"
+    assert part["text"].startswith("[Memory of this conversation")
+    assert raw(second.messages[: last + 1]) == raw(first.messages[: last + 1])
 
 
 # -- masking -----------------------------------------------------------------------------------
@@ -467,7 +489,8 @@ async def test_a_prepared_candidate_is_used_and_a_stale_one_ignored(
             )
         )[0]
     assert fact.node_id in state.recall_ids  # the exchange was about the storage unit
-    # Only the fact is left among the candidates: a note built from them holds it alone.
+    # Only the fact is left among the candidates: a note built from them holds it and the
+    # messages next to it (which it lends its relevance: an answer sits next to its question).
     async with engine.begin() as conn:
         await conn.execute(
             update(working_contexts)
@@ -476,10 +499,12 @@ async def test_a_prepared_candidate_is_used_and_a_stale_one_ignored(
         )
     follow = {"role": "user", "content": "What is the code for the storage unit door?"}
     used = await conversation.turn([follow], limit=limit, recall=recall)
-    assert used.prepared_recall
-    note = used.messages[used.labels.index("note")]["content"]
+    assert used.prepared_recall and used.labels[-2:] == ["note", "new"]
+    note = used.messages[-2]["content"]
     assert f"[#{fact.node_id} user] {FACT}" in note
-    assert len(re.findall(r"^\[#\d+ ", note, re.MULTILINE)) == 1
+    quoted = [int(node) for node in re.findall(r"^\[#(\d+) ", note, re.MULTILINE)]
+    assert fact.node_id in quoted  # imported at once: ids follow the seqs
+    assert all(abs(node - fact.node_id) <= 2 for node in quoted)
     await conversation.reply({"role": "assistant", "content": "It is 5821-KESTREL."}, used)
     # Stale: prepared before the last exchange (another turn since), so retrieval runs.
     async with engine.begin() as conn:

@@ -22,11 +22,9 @@ a turn whose system prompt and new messages alone exceed it (`ContextOverflow`);
 runs it inside the transaction that stores the turn, so that such a turn stores nothing.
 """
 
-import asyncio
 import json
-import logging
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from sqlalchemy import select
@@ -35,21 +33,16 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 from memory import tokens
 from memory.db import transaction
 from memory.embeddings import Embedder
-from memory.errors import ContextOverflow, ProviderError
-from memory.recall import anticipation, compaction, prompt, recall_note, retrieval, reuse
-from memory.recall import working_context as wc
-from memory.recall.compaction import Fixed
-from memory.recall.recall_note import related_conversations
+from memory.errors import ContextOverflow
+from memory.recall import context_prompt, prompt, reuse
+from memory.recall.recall_note import embed_query, query_of, related_conversations
 from memory.recall.working_context import Policy
 from memory.schema import conversations
 from memory.write import store
 
-log = logging.getLogger(__name__)
-
 Message = dict[str, Any]
 
 SYSTEM_ROLES = ("system", "developer")
-_QUERY_CHARS = 2000
 _SYSTEM_LOOKAHEAD = 4
 
 
@@ -233,7 +226,7 @@ async def assemble(
                 *kept[len(stored_system) :],
                 *turn.new_messages,
             ]
-        counts = _counts(verbatim, turn.model)
+        counts = tokens.count_each(verbatim, model=turn.model)
         if sum(counts) + tokens.REPLY_PRIMING_TOKENS <= budget.limit:
             head = len(leading_system(verbatim))
             labels = ["system"] * head + ["history"] * (len(verbatim) - head)
@@ -253,7 +246,7 @@ async def assemble(
             new_messages=turn.new_messages,
             new_from=turn.first_seq,
             query=query_of(turn.new_messages),
-            embed=lambda text: _embed(recall.embedder, text),
+            embed=lambda text: embed_query(recall.embedder, text),
             budget=budget.limit + budget.reserved,
             model=turn.model,
             reserved_tokens=budget.reserved,
@@ -264,181 +257,23 @@ async def assemble(
         )
         head = len(system)
         labels = ["system"] * head + ["memory"] * (len(built.messages) - head)
-        counts = _counts(built.messages, turn.model)
+        counts = tokens.count_each(built.messages, model=turn.model)
         return _measured(turn, built.messages, counts, labels, full=full, rebuilt=True)
-    return await _from_working_context(
-        conn, turn, budget, recall, system=system, related=related, full=full, persist=persist
+    context = await context_prompt.build(
+        conn, turn, budget, recall, system=system, related=related, persist=persist
     )
-
-
-async def _from_working_context(
-    conn: AsyncConnection,
-    turn: StoredTurn,
-    budget: Budget,
-    recall: Recall,
-    *,
-    system: list[Message],
-    related: list[int],
-    full: int,
-    persist: bool,
-) -> Assembled:
-    """The prompt from the conversation's working context: compacted first when the turn would
-    pass the high-water mark, a recall note before the new messages (see
-    `memory.recall.working_context`)."""
-    policy, model, limit = recall.policy, turn.model, budget.limit
-    system = [wc.canonical(m) for m in system]
-    new = [wc.canonical(m) for m in turn.new_messages]
-    system_counts, new_counts = _counts(system, model), _counts(new, model)
-    fixed = Fixed(system=sum(system_counts), new=sum(new_counts) + tokens.REPLY_PRIMING_TOKENS)
-    query = query_of(turn.new_messages) if new and new[0].get("role") != "tool" else ""
-    vector_task = asyncio.ensure_future(_embed(recall.embedder, query)) if query else None
-    try:
-        state = await wc.load(conn, tenant_id=turn.tenant_id, conversation_id=turn.conversation_id)
-        answers_calls = bool(new) and new[0].get("role") == "tool"
-        compacted = False
-        if state is None or _branched(state, turn):
-            state, items = await compaction.build(
-                conn,
-                tenant_id=turn.tenant_id,
-                conversation_id=turn.conversation_id,
-                end=turn.first_seq,
-                limit=limit,
-                policy=policy,
-                model=model,
-                fixed=fixed,
-                answers_calls=answers_calls,
-                previous=state,
-            )
-        else:
-            items = await wc.read_items(
-                conn,
-                tenant_id=turn.tenant_id,
-                conversation_id=turn.conversation_id,
-                start=state.verbatim_from,
-                end=turn.first_seq,
-                model=model,
-            )
-            context = wc.render(state, items, policy=policy, model=model)
-            if fixed.system + context.tokens + fixed.new > policy.high * limit:
-                state = await _compacted(
-                    conn, state, items, limit, policy, model, fixed, turn, answers_calls
-                )
-                compacted = True
-        protect = compaction.calls_start(items, answers_calls, turn.first_seq)
-        context = wc.render(state, items, policy=policy, model=model)
-        if fixed.system + context.tokens + fixed.new > limit:  # not even the low-water mark
-            state = state.rebuilt(stable=(), verbatim_from=protect, mask_before=protect)
-            context = wc.render(state, items, policy=policy, model=model)
-            compacted = True
-        vector = await vector_task if vector_task is not None else None
-    finally:
-        if vector_task is not None and not vector_task.done():
-            vector_task.cancel()
-    prepared = anticipation.usable(state, first_seq=turn.first_seq, vector=vector) and not compacted
-    share = policy.note * (1.0 if retrieval.asks(query) else policy.statement)
-    room = min(int(share * limit), limit - fixed.system - context.tokens - fixed.new)
-    note = await recall_note.recall(
-        conn,
-        tenant_id=turn.tenant_id,
-        conversation_ids=[turn.conversation_id, *related],
-        query=query,
-        vector=vector,
-        prepared=state.recall_ids if prepared else None,
-        newest=turn.first_seq - 1,
-        exclude_from=state.verbatim_from,
-        present=state.present(),
-        participants={item.name for item in items if item.name},
-        room=room,
-        model=model,
-    )
-    note_messages = [wc.note_message(note.text)] if note is not None else []
-    messages = [*system, *context.messages, *note_messages, *new]
-    labels = ["system"] * len(system) + context.labels + ["note"] * len(note_messages)
-    labels += ["new"] * len(new)
-    counts = [
-        *system_counts,
-        *context.counts,
-        *(note.tokens for note in [note] if note),
-        *new_counts,
-    ]
-    if persist:
-        notes = tuple(kept for kept in state.notes if kept.before < turn.first_seq)
-        if note is not None and policy.keep_notes:
-            notes += (wc.Note(before=turn.first_seq, text=note.text, ids=note.ids),)
-        await wc.save(
-            conn,
-            replace(
-                state,
-                model=model,
-                budget=limit,
-                tokens=context.tokens + (note.tokens if note and policy.keep_notes else 0),
-                system_tokens=fixed.system,
-                upto=turn.next_seq if turn.next_seq is not None else turn.first_seq + len(new),
-                notes=notes,
-                compactions=state.compactions + int(compacted),
-            ),
-        )
-    marks = [
-        len(system) + index + 1 for index, label in enumerate(context.labels) if label == "stable"
-    ]
-    marks += [len(system), len(system) + len(context.messages)]
     return _measured(
         turn,
-        messages,
-        counts,
-        labels,
+        context.messages,
+        context.counts,
+        context.labels,
         full=full,
         rebuilt=True,
-        marks=marks,
-        compacted=compacted,
-        prepared_recall=prepared,
-        context_version=state.version,
+        marks=context.marks,
+        compacted=context.compacted,
+        prepared_recall=context.prepared_recall,
+        context_version=context.version,
     )
-
-
-async def _compacted(
-    conn: AsyncConnection,
-    state: wc.State,
-    items: list[wc.Item],
-    limit: int,
-    policy: Policy,
-    model: str,
-    fixed: Fixed,
-    turn: StoredTurn,
-    answers_calls: bool,
-) -> wc.State:
-    """`state` compacted for `turn`: the compaction prepared in the background when there is
-    one and it is enough, else one computed now."""
-    protect = compaction.calls_start(items, answers_calls, turn.first_seq)
-    swapped = compaction.swap(state)
-    if swapped is not None and swapped.verbatim_from <= protect:
-        context = wc.render(swapped, items, policy=policy, model=model)
-        if fixed.system + context.tokens + fixed.new <= policy.high * limit:
-            return swapped
-        state = replace(swapped, version=state.version)
-    return await compaction.compact(
-        conn,
-        state,
-        items,
-        limit=limit,
-        policy=policy,
-        model=model,
-        fixed=fixed,
-        end=turn.first_seq,
-        protect=protect,
-    )
-
-
-def _branched(state: wc.State, turn: StoredTurn) -> bool:
-    """Whether the turn's history branched inside what the context already holds (an edit or
-    a regenerate), or the context is ahead of the conversation: then it is rebuilt."""
-    if turn.branched_at is not None and turn.branched_at < state.upto:
-        return True
-    return state.verbatim_from > turn.first_seq
-
-
-def _counts(messages: Sequence[Message], model: str) -> list[int]:
-    return [tokens.count_message(message, model=model) for message in messages]
 
 
 def _measured(
@@ -530,14 +365,6 @@ def leading_system(messages: Sequence[Message]) -> list[Message]:
     return list(messages[:count])
 
 
-def query_of(new_messages: Sequence[Mapping[str, Any]]) -> str:
-    """What retrieval looks for: the new user messages' text (else any new text)."""
-    texts = [tokens.message_text(m) for m in new_messages if m.get("role") == "user"]
-    if not any(texts):
-        texts = [tokens.message_text(m) for m in new_messages]
-    return "\n".join(t for t in texts if t)[-_QUERY_CHARS:]
-
-
 async def _token_count_and_user(conn: AsyncConnection, turn: StoredTurn) -> tuple[int, str | None]:
     row = (
         await conn.execute(
@@ -560,16 +387,6 @@ async def _history(conn: AsyncConnection, turn: StoredTurn, *, before: int) -> l
     return await store.history(
         conn, tenant_id=turn.tenant_id, conversation_id=turn.conversation_id, before_seq=before
     )
-
-
-async def _embed(embedder: Embedder, text: str) -> list[float] | None:
-    """The query's vector, or None when the embedder fails (retrieval is then full-text)."""
-    try:
-        [vector] = await embedder.embed([text])
-    except ProviderError:
-        log.warning("query embedding failed; retrieving by full text only", exc_info=True)
-        return None
-    return vector
 
 
 def _tools_cost(body: Mapping[str, Any]) -> int:

@@ -474,15 +474,18 @@ async def prepare(
             model=state.model,
         )
         context = render(state, items, policy=policy, model=state.model).tokens
-        mark = policy.low + PREPARE_AT * (policy.high - policy.low)
-        if state.system_tokens + context < mark * state.budget:
+        share = (state.system_tokens + context) / max(state.budget, 1)
+        if share < policy.low + PREPARE_AT * (policy.high - policy.low):
             return False
+        # The turn that swaps it in is near the high-water mark: take out what brings that
+        # down to the low-water mark, not what brings today's context there.
+        ahead = replace(policy, low=max(0.0, share - (policy.high - policy.low)))
         compacted = await compact(
             conn,
             replace(state, notes=()),
             items,
             limit=state.budget,
-            policy=policy,
+            policy=ahead,
             model=state.model,
             fixed=Fixed(system=state.system_tokens, new=tokens.REPLY_PRIMING_TOKENS),
             end=int(end or 0),

@@ -1,6 +1,10 @@
-"""The prompt sent upstream when a conversation no longer fits its token budget (SPEC §6).
+"""The prompt rebuilt for one turn's query (`MEMSTRATA_CONTEXT_MODE=rebuild`), and the parts
+of the summary tree the working context shares (`read_tree`, `frontier`, `summary_cap`) (SPEC §6).
 
-`build()` returns the messages, in this order:
+With the working context (the default, `memory.recall.working_context`) a conversation past its
+budget is sent a prompt that grows turn after turn; in `rebuild` mode each turn's prompt is
+rebuilt from memory for its own query instead: the most room for what the query needs, and
+nothing a provider can cache. `build()` returns the messages, in this order:
 
 1. the client's system prompt(s), as given;
 2. one memory message (role `system`) holding, under short headings: how to use the memory

@@ -20,31 +20,37 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Final
+from typing import Any, Final
 
 from sqlalchemy import select, text
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from memory import tokens
+from memory.embeddings import Embedder
+from memory.errors import ProviderError
 from memory.recall import fusion, retrieval
 from memory.recall.fusion import Candidates, Key
 from memory.recall.memory_block import MemoryBlock
 from memory.schema import conversations
 
-__all__ = ["RELEVANCE", "Recalled", "recall", "related_conversations"]
+__all__ = ["RELEVANCE", "Recalled", "embed_query", "query_of", "recall", "related_conversations"]
 
-RELEVANCE: Final = 0.3
+log = logging.getLogger(__name__)
+
+RELEVANCE: Final = 0.15
 """Cosine similarity (whole message or best sentence) to the new message a message needs to be
 recalled (all-MiniLM-L6-v2)."""
 NEIGHBOURS: Final = len(fusion.CONTIGUITY)
 """Messages this close to a relevant one are eligible too: they lent it their score."""
-FULLTEXT_FIRST: Final = 3
+FULLTEXT_FIRST: Final = 10
 """Full-text candidates this high that have no vector are judged by their rank alone."""
 MIN_ROOM: Final = 48
 """A note needs at least this many tokens to say anything."""
 RELATED_LIMIT: Final = 20
+QUERY_CHARS: Final = 2000
 HEADER: Final = (
     "[Recalled for the newest message: earlier messages not shown above, verbatim, tagged [#id] "
     "and speaker under the time they were written.]\n"
@@ -82,6 +88,24 @@ WHERE n.tenant_id = :tenant_id AND n.id = ANY(:ids) AND n.embedding IS NOT NULL
 ORDER BY similarity DESC
 """
 )
+
+
+def query_of(new_messages: Sequence[Mapping[str, Any]]) -> str:
+    """What recall looks for: the new user messages' text (else any new text), its end."""
+    texts = [tokens.message_text(m) for m in new_messages if m.get("role") == "user"]
+    if not any(texts):
+        texts = [tokens.message_text(m) for m in new_messages]
+    return "\n".join(t for t in texts if t)[-QUERY_CHARS:]
+
+
+async def embed_query(embedder: Embedder, text: str) -> list[float] | None:
+    """The query's vector, or None when the embedder fails (retrieval is then full-text)."""
+    try:
+        [vector] = await embedder.embed([text])
+    except ProviderError:
+        log.warning("query embedding failed; retrieving by full text only", exc_info=True)
+        return None
+    return vector
 
 
 async def related_conversations(

@@ -73,11 +73,10 @@ class Policy:
     this share compacts first."""
     low: float = 0.45
     """A compaction rebuilds the context so that the prompt without its note takes this share."""
-    note: float = 0.1
-    """Most one recall note may take (never more than the budget leaves), for a message that
-    asks something (`memory.recall.query.asks`); a statement's note gets `statement` of it."""
-    statement: float = 0.25
-    keep_notes: bool = True
+    note: float = 0.2
+    """Most the recall note of a message that asks something (`memory.recall.query.asks`) may
+    take, never more than the budget leaves; a statement gets none."""
+    keep_notes: bool = False
     """Notes stay in the context until the next compaction (else: sent with their turn only)."""
     fresh: float = 0.15
     """The newest turns within this share are the fresh tail: their tool results stay whole."""
