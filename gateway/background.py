@@ -1,7 +1,7 @@
 """Background workers, composed from settings: the job handlers of the summary tree (build)
 and of the working context's next turn (recall), on the job queue.
 
-`serve` runs them in-process (`MEMSTRATA_WORKERS` > 0) and `memstrata worker` runs them alone;
+`serve` runs them (`MEMSTRATA_WORKERS` > 0) and `memstrata worker` runs them alone;
 both build the same `TreeConfig` and working-context `Policy` here, so a worker process and a
 gateway process treat a job the same way. `memory.build` and `memory.recall` never import each
 other: the recall path's preparation takes plain arguments and is wrapped into a handler here.
@@ -12,7 +12,6 @@ import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
-import httpx
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from gateway.settings import Settings
@@ -21,6 +20,7 @@ from memory.build.segments import SegmentPolicy
 from memory.build.summarize import make_summarizer
 from memory.build.worker import JobObserver, Worker
 from memory.embeddings import Embedder, make_embedder
+from memory.provider import Provider
 from memory.recall import anticipation, compaction
 from memory.recall.prompt import TOOLS_GUIDE
 from memory.recall.working_context import Policy
@@ -29,29 +29,34 @@ from memory.write.store import CONTEXT_JOB
 log = logging.getLogger(__name__)
 
 
-def embedder(settings: Settings, client: httpx.AsyncClient) -> Embedder:
+def provider(settings: Settings) -> Provider:
+    """The upstream as background work calls it (embeddings, summaries), with retries; the
+    caller closes it."""
+    return Provider(
+        base_url=settings.upstream_url,
+        api_key=settings.upstream_api_key,
+        max_retries=settings.background_retries,
+        timeout=settings.upstream_timeout,
+    )
+
+
+def embedder(settings: Settings, upstream: Provider) -> Embedder:
     """The embedder the settings ask for (local ONNX by default, offline)."""
     return make_embedder(
         provider=settings.embedding_provider,
-        http_client=client,
-        base_url=settings.upstream_url,
-        api_key=settings.upstream_api_key,
+        upstream=upstream,
         model=settings.embedding_model,
         model_path=settings.embedding_model_path,
         tokenizer_path=settings.embedding_tokenizer_path,
     )
 
 
-def tree_config(settings: Settings, client: httpx.AsyncClient, embed: Embedder) -> tree.TreeConfig:
+def tree_config(settings: Settings, upstream: Provider, embed: Embedder) -> tree.TreeConfig:
     """How summary trees are built under these settings."""
     return tree.TreeConfig(
         embedder=embed,
         summarizer=make_summarizer(
-            settings.summary_mode,
-            client=client,
-            base_url=settings.upstream_url,
-            api_key=settings.upstream_api_key,
-            model=settings.summary_model,
+            settings.summary_mode, provider=upstream, model=settings.summary_model
         ),
         policy=SegmentPolicy(
             shift_threshold=settings.shift_threshold,
@@ -81,6 +86,7 @@ def context_handler(engine: AsyncEngine, settings: Settings, embed: Embedder) ->
     nears."""
     rules = policy(settings)
     cross = settings.cross_conversation == "on"
+    abandoned = settings.recall_abandoned_branches == "on"
 
     async def handle(job: jobs.Job) -> None:
         if job.tenant_id is None or job.conversation_id is None:
@@ -91,6 +97,7 @@ def context_handler(engine: AsyncEngine, settings: Settings, embed: Embedder) ->
             tenant_id=job.tenant_id,
             conversation_id=job.conversation_id,
             cross_conversation=cross,
+            abandoned=abandoned,
         )
         await compaction.prepare(
             engine, tenant_id=job.tenant_id, conversation_id=job.conversation_id, policy=rules

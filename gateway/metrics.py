@@ -25,7 +25,7 @@ No metric carries a tenant, a conversation or any content as a label.
 import contextlib
 import logging
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Final
 
 from prometheus_client import (
@@ -38,16 +38,14 @@ from prometheus_client import (
 )
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
-from sqlalchemy import func, select
 from sqlalchemy.ext.asyncio import AsyncEngine
 from starlette.routing import Mount
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway.logs import route_template
-from memory.build import jobs
+from memory.build import jobs, tree
 from memory.db import transaction
 from memory.errors import StorageUnavailable
-from memory.schema import nodes
 from memory.write.store import RequestStats
 
 log = logging.getLogger(__name__)
@@ -110,6 +108,13 @@ class Metrics:
         self.overhead = Histogram(
             "memstrata_gateway_overhead_seconds",
             "Time the gateway added to a chat request, not waiting for the upstream",
+            buckets=_FAST_BUCKETS,
+            registry=registry,
+        )
+        self.stage_seconds = Histogram(
+            "memstrata_request_stage_seconds",
+            "Time a chat request spent in each stage of the request path (`memory.stages`)",
+            ["stage"],
             buckets=_FAST_BUCKETS,
             registry=registry,
         )
@@ -188,6 +193,10 @@ class Metrics:
         self.upstream_prompt_tokens.inc(stats.upstream_prompt)
         self.upstream_cached_tokens.inc(stats.upstream_cached)
 
+    def observe_stages(self, record: Mapping[str, float]) -> None:
+        for name, seconds in record.items():
+            self.stage_seconds.labels(name).observe(seconds)
+
     def observe_job(self, kind: str, seconds: float, outcome: str) -> None:
         self.job_seconds.labels(kind, outcome).observe(seconds)
         if outcome == "failed":
@@ -204,12 +213,7 @@ class Metrics:
         try:
             async with transaction(engine) as conn:
                 depth = await jobs.depth(conn)
-                rows = await conn.execute(
-                    select(nodes.c.level, func.coalesce(nodes.c.method, "unknown"), func.count())
-                    .where(nodes.c.level >= 1)
-                    .group_by(nodes.c.level, nodes.c.method)
-                )
-                summaries = {(int(level), str(method)): int(n) for level, method, n in rows}
+                summaries = await tree.summary_counts(conn)
         except StorageUnavailable as exc:
             log.warning("metrics cannot read the database: %s", exc)
             self._figures.up = 0.0

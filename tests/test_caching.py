@@ -54,6 +54,14 @@ def gateways(
         yield first, second
 
 
+def turns(prompt: list[dict[str, Any]]) -> list[tuple[str, Any]]:
+    """The messages after the system ones (stable memory): the verbatim turns and the new."""
+    start = 0
+    while start < len(prompt) and prompt[start]["role"] == "system":
+        start += 1
+    return [(m["role"], m.get("content")) for m in prompt[start:]]
+
+
 def raw(messages: list[dict[str, Any]]) -> list[str]:
     return [json.dumps(m, ensure_ascii=False, separators=(",", ":")) for m in messages]
 
@@ -129,6 +137,55 @@ def test_two_serve_processes_alternating_build_the_same_prefix(
     finally:
         for client in clients:
             client.close()
+
+
+def test_an_edit_rebuilds_the_context_without_duplicates_a_regenerate_keeps_it(
+    gateways: tuple[GatewayProcess, GatewayProcess], upstream: UpstreamServer
+) -> None:
+    """A client that resends its whole history edits a message the working context holds
+    verbatim, then regenerates the answer: the edit rebuilds the context, whose verbatim turns
+    are the current branch's newest messages, each once, none of the abandoned ones; the
+    regenerate branches after what the context holds, which keeps its prefix."""
+    conversation = f"edit-{uuid.uuid4().hex}"
+    headers = {"X-Memstrata-Conversation": conversation, "X-Memstrata-Budget": "3000"}
+    history: list[dict[str, Any]] = synthetic.messages(300, seed=16)
+    with httpx.Client(base_url=gateways[0].root_url, timeout=60) as http:
+
+        def ask(messages: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
+            response = http.post(
+                CHAT, json={"model": MODEL, "messages": messages, **extra}, headers=headers
+            )
+            assert response.status_code == 200, response.text
+            message = response.json()["choices"][0]["message"]
+            return {"role": "assistant", "content": message["content"]}
+
+        def version() -> int:
+            stats = http.get(f"/admin/conversations/{conversation}").json()
+            return int(stats["working_context"]["version"])
+
+        imported = http.post(
+            f"/admin/conversations/{conversation}/messages",
+            json={"messages": history, "model": MODEL},
+        )
+        assert imported.status_code == 201, imported.text
+        for number in range(4):
+            history.append({"role": "user", "content": f"question {number} {uuid.uuid4().hex}"})
+            history.append(ask(history))
+        before = version()
+        # Edit the second to last question: a branch inside the verbatim turns.
+        edited = [*history[:-3], {"role": "user", "content": f"edited {uuid.uuid4().hex}"}]
+        edited.append(ask(edited))
+        prompt = upstream.requests(CHAT)[-1]["body"]["messages"]
+        assert version() == before + 1
+        assert history[-3]["content"] not in json.dumps(prompt)
+        assert turns(prompt) == turns(edited[:-1])[-len(turns(prompt)) :]
+        # Regenerate the answer just given (the same history asked again): it branches after
+        # what the context holds, so the prefix stays; the abandoned answer is not sent.
+        previous = prompt
+        ask(edited[:-1], temperature=0.9)
+        prompt = upstream.requests(CHAT)[-1]["body"]["messages"]
+        assert version() == before + 1
+        assert raw(prompt) == raw(previous)
 
 
 def test_a_cache_key_by_default_only_for_openais_own_api() -> None:

@@ -71,3 +71,23 @@ def test_the_foundations_import_no_path() -> None:
         if module.count(".") == 1
     }
     assert {module: names for module, names in roots.items() if names} == {}
+
+
+def test_the_edge_runs_no_queries_of_its_own() -> None:
+    """The gateway reaches the database through `memory` functions only: no table, no SQL (it
+    may hold an engine or a connection, to hand them to those functions)."""
+    engine_only = {
+        "sqlalchemy.ext.asyncio",
+        "sqlalchemy.ext.asyncio.AsyncEngine",
+        "sqlalchemy.ext.asyncio.AsyncConnection",
+    }
+    offending = {
+        module: sorted(
+            name
+            for name in names
+            if under(name, "memory.schema")
+            or (under(name, "sqlalchemy") and name not in engine_only)
+        )
+        for module, names in imports_of("gateway").items()
+    }
+    assert {module: names for module, names in offending.items() if names} == {}

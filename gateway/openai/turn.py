@@ -11,32 +11,38 @@ what the upstream reported and how much of the prompt repeated the previous one'
 stream's reply before the client is sent its last bytes (a client that sends its next turn as
 soon as it has the answer must find the reply stored), or, if the stream is cut or the client
 leaves, with what arrived, marked incomplete. Every response of the turn carries `headers()`.
+
+A reply that cannot be stored because the database is down is not given up: once the client
+has its answer, this process tries again, backing off, for `RECORD_RETRY_SECONDS`; a reply
+still unstored then, or when the process stops, is logged as lost from memory.
 """
 
+import asyncio
 import contextlib
 import enum
 import logging
 import time
 from collections.abc import AsyncGenerator, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar, Protocol
 
 import anyio
 import httpx
 from fastapi.responses import Response, StreamingResponse
+from sqlalchemy.ext.asyncio import AsyncConnection
 
 from gateway.metrics import Metrics
-from gateway.openai.replies import StreamedReply
 from gateway.state import State
 from gateway.upstream import relayed_headers
 from memory.db import transaction
-from memory.errors import MemstrataError
+from memory.errors import StorageUnavailable
 from memory.recall.assemble import Assembled
 from memory.write import store
 
 log = logging.getLogger(__name__)
 
 CONVERSATION_HEADER = "X-Memstrata-Conversation"
+RECORD_RETRY_SECONDS = 120.0
 
 
 class Mark(enum.Enum):
@@ -49,6 +55,18 @@ class Mark(enum.Enum):
 REPLY_COMPLETE = Mark.REPLY_COMPLETE
 
 Chunks = AsyncGenerator[bytes | Mark, None]
+
+
+class Reply(Protocol):
+    """A reply rebuilt from a stream as it is relayed (`gateway.openai.replies.StreamedReply`,
+    `gateway.openai.response_events.ResponseReply`)."""
+
+    @property
+    def complete(self) -> bool:
+        """Whether the stream reached its end."""
+
+    def message(self) -> dict[str, Any] | None:
+        """The assistant message so far, or None."""
 
 
 @dataclass
@@ -67,6 +85,8 @@ class Turn:
     full_tokens: int | None = None
     # True when the prompt was rebuilt from memory rather than forwarded as the client sent it.
     rebuilt: bool = False
+    # Where the reply goes, as the write path said when it stored the turn.
+    reply_to: store.ReplyTo | None = None
     # The prompt's tokens that repeat the previous prompt's prefix, and its fingerprint.
     reused: int = 0
     fingerprint: list[Any] | None = None
@@ -118,7 +138,7 @@ class Turn:
         )
 
     def stream(
-        self, state: State, response: httpx.Response, chunks: Chunks, reply: StreamedReply
+        self, state: State, response: httpx.Response, chunks: Chunks, reply: Reply
     ) -> StreamingResponse:
         """A stream relayed as `chunks` come; `reply` is what they add up to (see the module
         docstring for when it is recorded)."""
@@ -135,7 +155,7 @@ class Turn:
         )
 
     async def _recording(
-        self, state: State, chunks: Chunks, reply: StreamedReply
+        self, state: State, chunks: Chunks, reply: Reply
     ) -> AsyncGenerator[bytes, None]:
         recorded = False
         try:
@@ -157,13 +177,37 @@ class Turn:
         self, state: State, reply: Mapping[str, Any] | None, *, complete: bool
     ) -> None:
         """Store the assistant's reply after the conversation (the write path queues its build)
-        and count the request's tokens (the conversation's statistics and the metrics)."""
-        if reply is None:
+        and count the request's tokens (the conversation's statistics and the metrics); then,
+        in the same transaction, what a subclass keeps beside it (`recorded`)."""
+        if reply is None and not self.records_without_reply:
             return
         began = time.perf_counter()
-        stats = self.stats()
         try:
-            async with transaction(state.engine) as conn:
+            await self.store_reply(state, reply, complete=complete)
+        except StorageUnavailable:
+            held = None if reply is None else dict(reply)
+            state.spawn(_record_when_back(state, self, held, complete=complete))
+        except Exception:
+            # Whatever failed, the client gets (or has) its answer: the stored copy's loss is
+            # logged loudly rather than turned into an error the client would see instead.
+            log.exception("could not store the reply", extra={"conversation": self.external_id})
+        finally:
+            self.overhead += time.perf_counter() - began
+
+    # A turn whose answer is worth keeping even without a reply message (a response object).
+    records_without_reply: ClassVar[bool] = False
+
+    async def recorded(self, conn: AsyncConnection) -> None:
+        """What a kind of turn keeps beside its reply, in the transaction that stored it."""
+
+    async def store_reply(
+        self, state: State, reply: Mapping[str, Any] | None, *, complete: bool
+    ) -> None:
+        """`record`'s work, raising what went wrong (`StorageUnavailable` while the database
+        is down): the reply, then what the turn keeps beside it, in one transaction."""
+        stats = self.stats()
+        async with transaction(state.engine) as conn:
+            if reply is not None:
                 await store.append(
                     conn,
                     tenant_id=self.tenant_id,
@@ -172,13 +216,11 @@ class Turn:
                     model=self.model,
                     status="complete" if complete else "incomplete",
                     request=stats,
+                    reply_to=self.reply_to,
                 )
+            await self.recorded(conn)
+        if reply is not None:
             state.metrics.observe_request(stats)
-        except MemstrataError:
-            # The client already has its answer; losing the stored copy is logged loudly.
-            log.exception("could not store the reply", extra={"conversation": self.external_id})
-        finally:
-            self.overhead += time.perf_counter() - began
 
     def stats(self) -> store.RequestStats:
         """What the request cost, as the conversation's statistics count it."""
@@ -199,3 +241,26 @@ class Turn:
 
 def _count(value: Any) -> int:
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
+
+
+async def _record_when_back(
+    state: State, turn: Turn, reply: dict[str, Any] | None, *, complete: bool
+) -> None:
+    deadline = time.monotonic() + RECORD_RETRY_SECONDS
+    delay = 0.25
+    extra = {"conversation": turn.external_id}
+    while True:
+        try:
+            await turn.store_reply(state, reply, complete=complete)
+        except StorageUnavailable:
+            if time.monotonic() + delay > deadline:
+                log.error("a reply is lost from memory: the database stayed down", extra=extra)
+                return
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 10.0)
+        except Exception:
+            log.exception("a reply could not be stored", extra=extra)
+            return
+        else:
+            log.info("stored a reply once the database was back", extra=extra)
+            return

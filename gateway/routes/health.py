@@ -2,10 +2,9 @@
 
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse
-from sqlalchemy import text
 
 from gateway.deps import EngineDep
-from memory.db import transaction
+from memory.db import ping
 from memory.errors import StorageUnavailable
 
 router = APIRouter(tags=["health"])
@@ -19,8 +18,7 @@ async def healthz() -> dict[str, str]:
 @router.get("/readyz", summary="The database is reachable")
 async def readyz(engine: EngineDep) -> JSONResponse:
     try:
-        async with transaction(engine) as conn:
-            await conn.execute(text("SELECT 1"))
+        await ping(engine)
     except StorageUnavailable as exc:
         return JSONResponse({"status": "unavailable", "database": str(exc)}, status_code=503)
     return JSONResponse({"status": "ok", "database": "ok"})

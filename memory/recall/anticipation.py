@@ -38,14 +38,14 @@ COVERS: Final = 0.3
 """Cosine similarity between the new message and the exchange the candidates were prepared for
 at which the candidates cover it (all-MiniLM-L6-v2: paraphrases and follow-ups on one subject
 score above, a change of subject below)."""
-CANDIDATES: Final = 64
+CANDIDATES: Final = 200
 """Candidates kept: several times what a note holds."""
 EXCHANGE_CHARS: Final = 2000
 
 _EXCHANGE = text(
     "SELECT seq, role, content FROM nodes WHERE tenant_id = :tenant_id "
     "AND conversation_id = :conversation_id AND level = 0 AND seq < :end "
-    "ORDER BY seq DESC LIMIT 8"
+    "AND superseded_at IS NULL ORDER BY seq DESC LIMIT 8"
 )
 
 
@@ -72,6 +72,7 @@ async def prepare(
     tenant_id: int,
     conversation_id: int,
     cross_conversation: bool,
+    abandoned: bool = False,
 ) -> bool:
     """Prepare the next turn's candidates of a conversation with a working context; True if
     stored (False: no context, nothing new since the last preparation, or the embedder failed).
@@ -121,6 +122,7 @@ async def prepare(
                 query=query,
                 levels=[0],
                 exclude_from=exclude,
+                abandoned=abandoned,
             ),
             *await retrieval.vector_legs(
                 conn,
@@ -130,6 +132,7 @@ async def prepare(
                 levels=[0],
                 exclude_from=exclude,
                 messages=after + 1 if len(scope) == 1 else None,
+                abandoned=abandoned,
             ),
         ]
         scores = fusion.fuse(
@@ -139,7 +142,9 @@ async def prepare(
             primary=conversation_id,
             exclude_from=exclude,
         )
-        hits = await retrieval.load(conn, tenant_id=tenant_id, scores=scores, limit=CANDIDATES)
+        hits = await retrieval.load(
+            conn, tenant_id=tenant_id, scores=scores, limit=CANDIDATES, abandoned=abandoned
+        )
         await conn.execute(
             update(working_contexts)
             .where(working_contexts.c.conversation_id == conversation_id)

@@ -38,6 +38,7 @@ from memory.recall import context_prompt, prompt, reuse
 from memory.recall.recall_note import embed_query, query_of, related_conversations
 from memory.recall.working_context import Policy
 from memory.schema import conversations
+from memory.stages import staged
 from memory.write import store
 
 Message = dict[str, Any]
@@ -126,7 +127,6 @@ class StoredTurn:
         if new_count == 0:  # a resent history with nothing new: the last message is the question
             new_count, first_seq = 1, max(0, first_seq - 1)
         system = leading_system(messages)
-        whole = len(messages) == first_seq + new_count
         return cls(
             tenant_id=tenant_id,
             conversation_id=appended.conversation.id,
@@ -135,7 +135,7 @@ class StoredTurn:
             # The leading system prompt goes first, never again among the new messages.
             new_messages=messages[max(len(messages) - new_count, len(system)) :],
             first_seq=first_seq,
-            whole=messages if whole else None,
+            whole=messages if appended.whole else None,
             stored_tokens=appended.token_count,
             user=appended.user_id,
             next_seq=appended.first_seq + len(appended.node_ids),
@@ -147,13 +147,16 @@ class StoredTurn:
 @dataclass(frozen=True)
 class Recall:
     """How the read path recalls: the query embedder, whether the same user's other
-    conversations count, the working context's policy, and whether prompts are built from the
-    working context (`working`) or rebuilt for each turn's query (`rebuild`)."""
+    conversations count, the working context's policy, whether prompts are built from the
+    working context (`working`) or rebuilt for each turn's query (`rebuild`), and whether
+    messages off their conversation's current branch may be recalled."""
 
     embedder: Embedder
     cross_conversation: bool = True
     policy: Policy = field(default_factory=Policy)
     mode: Literal["working", "rebuild"] = "working"
+    abandoned_branches: bool = False
+    """Recall also draws on messages that left their conversation's current branch."""
 
 
 @dataclass(frozen=True)
@@ -254,6 +257,7 @@ async def assemble(
             stored_messages=turn.first_seq,
             stored_tokens=stored_tokens,
             tools_guide=prompt.TOOLS_GUIDE if tools_guide else None,
+            abandoned=recall.abandoned_branches,
         )
         head = len(system)
         labels = ["system"] * head + ["memory"] * (len(built.messages) - head)
@@ -365,6 +369,7 @@ def leading_system(messages: Sequence[Message]) -> list[Message]:
     return list(messages[:count])
 
 
+@staged("read")
 async def _token_count_and_user(conn: AsyncConnection, turn: StoredTurn) -> tuple[int, str | None]:
     row = (
         await conn.execute(
@@ -377,12 +382,14 @@ async def _token_count_and_user(conn: AsyncConnection, turn: StoredTurn) -> tupl
     return int(row.token_count), row.user_id
 
 
+@staged("read")
 async def _stored_system(conn: AsyncConnection, turn: StoredTurn) -> list[Message]:
     """The stored conversation's leading system messages (for clients that send only new
     messages without repeating their system prompt)."""
     return leading_system(await _history(conn, turn, before=_SYSTEM_LOOKAHEAD))
 
 
+@staged("read")
 async def _history(conn: AsyncConnection, turn: StoredTurn, *, before: int) -> list[Message]:
     return await store.history(
         conn, tenant_id=turn.tenant_id, conversation_id=turn.conversation_id, before_seq=before

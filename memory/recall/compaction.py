@@ -302,7 +302,8 @@ _RANGE_PINNED = text(
     "SELECT id, conversation_id, level, seq, span_start, span_end, role, name, text, "
     "created_at, token_count, tool_calls, tool_call_id FROM nodes "
     "WHERE tenant_id = :tenant_id AND conversation_id = :conversation_id AND level = 0 "
-    "AND pinned AND seq >= :start AND seq < :end ORDER BY seq DESC LIMIT 32"
+    "AND pinned AND seq >= :start AND seq < :end AND superseded_at IS NULL "
+    "ORDER BY seq DESC LIMIT 32"
 )
 
 

@@ -111,7 +111,12 @@ async def build(
     finally:
         if vector_task is not None and not vector_task.done():
             vector_task.cancel()
-    prepared = not compacted and anticipation.usable(state, first_seq=turn.first_seq, vector=vector)
+    # Candidates prepared on a branch the turn left, or before a compaction, no longer fit.
+    prepared = (
+        not compacted
+        and turn.branched_at is None
+        and anticipation.usable(state, first_seq=turn.first_seq, vector=vector)
+    )
     share = policy.note if retrieval.asks(query) else 0.0
     note = await recall_note.recall(
         conn,
@@ -126,6 +131,7 @@ async def build(
         participants={item.name for item in items if item.name},
         room=min(int(share * limit), limit - fixed.system - context.tokens - fixed.new),
         model=model,
+        abandoned=recall.abandoned_branches,
     )
     if persist:
         notes = tuple(kept for kept in state.notes if kept.before < turn.first_seq)

@@ -72,7 +72,7 @@ _SIMILARITY = text(
 SELECT n.conversation_id, n.level, n.seq, 1 - (n.embedding <=> CAST(:vector AS vector))
 FROM unnest(CAST(:conversations AS bigint[]), CAST(:seqs AS integer[])) AS w(conv, seq)
 JOIN nodes n ON n.conversation_id = w.conv AND n.level = 0 AND n.seq = w.seq
-WHERE n.tenant_id = :tenant_id
+WHERE n.tenant_id = :tenant_id AND (CAST(:abandoned AS boolean) OR n.superseded_at IS NULL)
 """
 )
 # The prepared candidates, scored by their similarity to the new message: the better of the
@@ -85,6 +85,7 @@ SELECT n.conversation_id, n.level, n.seq, n.span_end, n.name, n.created_at, fals
                           FROM passages p WHERE p.node_id = n.id), 0)) AS similarity
 FROM nodes n
 WHERE n.tenant_id = :tenant_id AND n.id = ANY(:ids) AND n.embedding IS NOT NULL
+  AND (CAST(:abandoned AS boolean) OR n.superseded_at IS NULL)
 ORDER BY similarity DESC
 """
 )
@@ -141,18 +142,24 @@ async def recall(
     participants: Collection[str],
     room: int,
     model: str,
+    abandoned: bool = False,
 ) -> Recalled | None:
     """The note for `query` in `room` tokens, or None (see the module docstring).
 
     `conversation_ids` starts with the turn's own; its messages before `newest` + 1 are
     searched, those from `exclude_from` on excluded (they are in the prompt verbatim), as are
-    the ids in `present`. `prepared` are candidate node ids that stand in for retrieval."""
+    the ids in `present`. `prepared` are candidate node ids that stand in for retrieval;
+    `abandoned` lets messages off their conversation's current branch be recalled."""
     if room < MIN_ROOM or not query:
         return None
     conversation_id = conversation_ids[0]
     search_text = retrieval.without_names(query, participants)
     if prepared is not None and vector is not None:
-        legs = [await _prepared_leg(conn, tenant_id=tenant_id, ids=prepared, vector=vector)]
+        legs = [
+            await _prepared_leg(
+                conn, tenant_id=tenant_id, ids=prepared, vector=vector, abandoned=abandoned
+            )
+        ]
         named = retrieval.identifiers(query)
         if named:  # an identifier the exchange did not name is looked up (rare terms: cheap)
             legs.append(
@@ -163,6 +170,7 @@ async def recall(
                     query=" ".join(named),
                     levels=[0],
                     exclude_from=(conversation_id, exclude_from),
+                    abandoned=abandoned,
                 )
             )
     else:
@@ -174,6 +182,7 @@ async def recall(
             vector=vector,
             exclude=(conversation_id, exclude_from),
             newest=newest,
+            abandoned=abandoned,
         )
     scores = fusion.fuse(
         legs,
@@ -185,10 +194,14 @@ async def recall(
         within=retrieval.periods(query),
     )
     unjudged = _unjudged(legs, searched=prepared is None or vector is None)
-    similar = await _similarities(conn, tenant_id=tenant_id, keys=unjudged, vector=vector)
+    similar = await _similarities(
+        conn, tenant_id=tenant_id, keys=unjudged, vector=vector, abandoned=abandoned
+    )
     eligible = _eligible(legs, scores, similar)
     scores = {key: score for key, score in scores.items() if key in eligible}
-    hits = await retrieval.load(conn, tenant_id=tenant_id, scores=scores, limit=room // 20 + 20)
+    hits = await retrieval.load(
+        conn, tenant_id=tenant_id, scores=scores, limit=room // 20 + 20, abandoned=abandoned
+    )
     enc = tokens.get_encoding(tokens.encoding_name_for_model(model))
     block = MemoryBlock(enc=enc, primary=conversation_id)
     left = room - tokens.count_message({"role": "system", "content": HEADER}, model=model)
@@ -208,11 +221,21 @@ async def recall(
 
 
 async def _prepared_leg(
-    conn: AsyncConnection, *, tenant_id: int, ids: Sequence[int], vector: Sequence[float]
+    conn: AsyncConnection,
+    *,
+    tenant_id: int,
+    ids: Sequence[int],
+    vector: Sequence[float],
+    abandoned: bool,
 ) -> Candidates:
     rows = await conn.execute(
         _PREPARED,
-        {"tenant_id": tenant_id, "ids": list(ids), "vector": retrieval.vector_literal(vector)},
+        {
+            "tenant_id": tenant_id,
+            "ids": list(ids),
+            "vector": retrieval.vector_literal(vector),
+            "abandoned": abandoned,
+        },
     )
     return retrieval.candidates_of(rows)
 
@@ -226,6 +249,7 @@ async def _search_legs(
     vector: Sequence[float] | None,
     exclude: tuple[int, int],
     newest: int,
+    abandoned: bool,
 ) -> list[Candidates]:
     """Hybrid retrieval's legs over messages, enough candidates that a note is chosen among
     several times more."""
@@ -237,6 +261,7 @@ async def _search_legs(
             query=query,
             levels=[0],
             exclude_from=exclude,
+            abandoned=abandoned,
         )
     ]
     if vector is not None:
@@ -248,6 +273,7 @@ async def _search_legs(
             levels=[0],
             exclude_from=exclude,
             messages=newest + 1 if len(conversation_ids) == 1 else None,
+            abandoned=abandoned,
         )
     return legs
 
@@ -262,7 +288,12 @@ def _unjudged(legs: Sequence[Candidates], *, searched: bool) -> list[Key]:
 
 
 async def _similarities(
-    conn: AsyncConnection, *, tenant_id: int, keys: Sequence[Key], vector: Sequence[float] | None
+    conn: AsyncConnection,
+    *,
+    tenant_id: int,
+    keys: Sequence[Key],
+    vector: Sequence[float] | None,
+    abandoned: bool,
 ) -> dict[Key, float | None]:
     """The similarity to the query of the messages at `keys` (None: no vector yet)."""
     if not keys:
@@ -276,6 +307,7 @@ async def _similarities(
             "vector": retrieval.vector_literal(vector),
             "conversations": [key[0] for key in keys],
             "seqs": [key[2] for key in keys],
+            "abandoned": abandoned,
         },
     )
     return {(conv, level, seq): sim for conv, level, seq, sim in rows}

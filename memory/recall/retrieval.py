@@ -23,7 +23,9 @@
 * callers strip participants' names from the text they embed (`without_names`): inside a
   conversation they say nothing about the topic.
 
-System and developer messages are never returned (they are the client's prompt, not memory).
+System and developer messages are never returned (they are the client's prompt, not memory),
+nor, unless a caller asks (`abandoned`), messages that left their conversation's current branch
+(an edited message, a regenerated answer: `memory.write.branches`).
 `search()` costs one SQL round trip per leg plus one to load the hits; the full-text leg does
 not need the vector, so callers may run it (`fulltext_candidates`) while the query is embedded.
 """
@@ -49,6 +51,7 @@ from memory.recall.query import (
     websearch_query,
     without_names,
 )
+from memory.stages import staged
 
 __all__ = [
     "Candidates",
@@ -110,6 +113,7 @@ _SCOPE = """
     AND n.conversation_id = ANY(:conversation_ids)
     AND (n.level > 0 OR n.role IS NULL OR n.role NOT IN ('system', 'developer'))
     AND (CAST(:levels AS smallint[]) IS NULL OR n.level = ANY(CAST(:levels AS smallint[])))
+    AND (CAST(:abandoned AS boolean) OR n.superseded_at IS NULL)
     AND (CAST(:exclude_conversation AS bigint) IS NULL
          OR n.conversation_id <> CAST(:exclude_conversation AS bigint)
          OR n.span_start < CAST(:exclude_from AS integer))
@@ -214,6 +218,7 @@ FROM unnest(CAST(:conversations AS bigint[]), CAST(:levels AS smallint[]),
 JOIN nodes n ON n.conversation_id = w.conv AND n.level = w.level AND n.seq = w.seq
 WHERE n.tenant_id = :tenant_id
   AND (n.level > 0 OR n.role IS NULL OR n.role NOT IN ('system', 'developer'))
+  AND (CAST(:abandoned AS boolean) OR n.superseded_at IS NULL)
 """
 )
 
@@ -224,9 +229,11 @@ def _scope_params(
     conversation_ids: Sequence[int],
     levels: Sequence[int] | None,
     exclude_from: tuple[int, int] | None,
+    abandoned: bool,
 ) -> dict[str, Any]:
     return {
         "tenant_id": tenant_id,
+        "abandoned": abandoned,
         "conversation_ids": list(conversation_ids),
         "levels": list(levels) if levels is not None else None,
         "exclude_conversation": exclude_from[0] if exclude_from else None,
@@ -234,6 +241,7 @@ def _scope_params(
     }
 
 
+@staged("fulltext")
 async def fulltext_candidates(
     conn: AsyncConnection,
     *,
@@ -243,6 +251,7 @@ async def fulltext_candidates(
     limit: int = CANDIDATES,
     levels: Sequence[int] | None = None,
     exclude_from: tuple[int, int] | None = None,
+    abandoned: bool = False,
 ) -> Candidates:
     """The full-text leg: nodes matching any query word, best BM25-like score first."""
     websearch = websearch_query(query)
@@ -256,6 +265,7 @@ async def fulltext_candidates(
                 conversation_ids=conversation_ids,
                 levels=levels,
                 exclude_from=exclude_from,
+                abandoned=abandoned,
             ),
             "query": query,
             "websearch": websearch,
@@ -266,6 +276,7 @@ async def fulltext_candidates(
     return candidates_of(rows)
 
 
+@staged("vector")
 async def vector_candidates(
     conn: AsyncConnection,
     *,
@@ -276,6 +287,7 @@ async def vector_candidates(
     levels: Sequence[int] | None = None,
     exclude_from: tuple[int, int] | None = None,
     messages: int | None = None,
+    abandoned: bool = False,
 ) -> Candidates:
     """The vector leg: embedded nodes by cosine distance to `query_vector`, nearest first.
 
@@ -294,6 +306,7 @@ async def vector_candidates(
             conversation_ids=conversation_ids,
             levels=levels,
             exclude_from=exclude_from,
+            abandoned=abandoned,
         ),
         "vector": vector_literal(query_vector),
         "limit": limit,
@@ -318,6 +331,7 @@ async def vector_candidates(
     return found
 
 
+@staged("passages")
 async def passage_candidates(
     conn: AsyncConnection, *, tenant_id: int, query_vector: Sequence[float], whole: Candidates
 ) -> Candidates:
@@ -364,6 +378,7 @@ async def vector_legs(
     levels: Sequence[int] | None = None,
     exclude_from: tuple[int, int] | None = None,
     messages: int | None = None,
+    abandoned: bool = False,
 ) -> list[Candidates]:
     """The legs that need the query's vector: the vector leg and, when messages are searched,
     the passage leg."""
@@ -376,6 +391,7 @@ async def vector_legs(
         levels=levels,
         exclude_from=exclude_from,
         messages=messages,
+        abandoned=abandoned,
     )
     if levels is not None and 0 not in levels:
         return [whole]
@@ -436,13 +452,15 @@ async def search(
     candidates: int = CANDIDATES,
     participants: Collection[str] = (),
     fulltext: Candidates | None = None,
+    abandoned: bool = False,
 ) -> list[Hit]:
     """The `limit` best nodes for `query`, best first (see the module docstring).
 
     `exclude_from=(conversation_id, seq)` leaves out that conversation's nodes that start at or
     after `seq` (the recent turns a prompt already holds verbatim). `which` overrides routing.
     `participants` are the conversation's speaker names (see `fuse`). `fulltext` passes a
-    full-text leg already run with the same scope."""
+    full-text leg already run with the same scope. `abandoned` also searches messages that
+    left their conversation's current branch (`memory.write.branches`)."""
     if limit <= 0 or not conversation_ids:
         return []
     which = which or route(query)
@@ -457,6 +475,7 @@ async def search(
             limit=pool,
             levels=levels,
             exclude_from=exclude_from,
+            abandoned=abandoned,
         )
     legs.append(fulltext)
     newest = await _newest(conn, tenant_id=tenant_id, conversation_ids=conversation_ids)
@@ -470,6 +489,7 @@ async def search(
             levels=levels,
             exclude_from=exclude_from,
             messages=sum(last + 1 for last in newest.values()),
+            abandoned=abandoned,
         )
     scores = fuse(
         legs,
@@ -481,14 +501,23 @@ async def search(
         kernel=CONTIGUITY if levels is None or 0 in levels else (),
         within=periods(query),
     )
-    return (await load(conn, tenant_id=tenant_id, scores=scores, limit=limit))[:limit]
+    return (await load(conn, tenant_id=tenant_id, scores=scores, limit=limit, abandoned=abandoned))[
+        :limit
+    ]
 
 
+@staged("load")
 async def load(
-    conn: AsyncConnection, *, tenant_id: int, scores: Mapping[Key, float], limit: int
+    conn: AsyncConnection,
+    *,
+    tenant_id: int,
+    scores: Mapping[Key, float],
+    limit: int,
+    abandoned: bool = False,
 ) -> list[Hit]:
-    """The `limit` best-scored places that exist (and are not system prompts), as hits in
-    descending score order."""
+    """The `limit` best-scored places that exist (and are not system prompts, nor, unless
+    `abandoned`, messages off their conversation's current branch), as hits in descending score
+    order."""
     best = ranked(scores, limit)
     if not best:
         return []
@@ -496,6 +525,7 @@ async def load(
         _LOAD,
         {
             "tenant_id": tenant_id,
+            "abandoned": abandoned,
             "conversations": [key[0] for key in best],
             "levels": [key[1] for key in best],
             "seqs": [key[2] for key in best],
@@ -505,6 +535,7 @@ async def load(
     return sorted(hits, key=lambda hit: (-hit.score, -hit.seq, hit.node_id))
 
 
+@staged("load")
 async def load_nodes(conn: AsyncConnection, *, tenant_id: int, ids: Sequence[int]) -> list[Hit]:
     """Nodes by id (of this tenant), scored 0."""
     if not ids:

@@ -258,15 +258,16 @@ def render(state: State, items: Sequence[Item], *, policy: Policy, model: str) -
 _ITEMS = text(
     "SELECT id, seq, role, name, content, tool_calls, tool_call_id, meta FROM nodes "
     "WHERE tenant_id = :tenant_id AND conversation_id = :conversation_id AND level = 0 "
-    "AND seq >= :start AND seq < :end ORDER BY seq"
+    "AND seq >= :start AND seq < :end AND superseded_at IS NULL ORDER BY seq"
 )
 
 
 async def read_items(
     conn: AsyncConnection, *, tenant_id: int, conversation_id: int, start: int, end: int, model: str
 ) -> list[Item]:
-    """The stored messages from seq `start` to `end - 1` as verbatim turns (the client's system
-    messages left out), each counted in `model`'s encoding."""
+    """The current branch's messages from seq `start` to `end - 1` as verbatim turns, as a
+    prompt carries them (`store.prompt_message`; the client's system messages left out), each
+    counted in `model`'s encoding."""
     if end <= start:
         return []
     rows = await conn.execute(
@@ -277,7 +278,7 @@ async def read_items(
     for row in rows:
         if row.role in SYSTEM_ROLES:
             continue
-        message = canonical(store.openai_message(row))
+        message = canonical(store.prompt_message(row))
         items.append(
             Item(
                 node_id=row.id,

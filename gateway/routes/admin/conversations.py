@@ -20,6 +20,7 @@ from gateway.errors import GatewayError
 from gateway.openai import chat
 from gateway.routes.admin.models import (
     TEXT_PATTERN,
+    BranchRunPublic,
     CompactQueued,
     ContextPart,
     ContextPublic,
@@ -38,8 +39,7 @@ from gateway.routes.admin.scope import ConversationPath, ScopeDep, id_path
 from gateway.schemas import ImportRequest
 from memory.build import tree
 from memory.db import transaction
-from memory.schema import conversations as conversations_table
-from memory.write import conversations, identity, store
+from memory.write import branches, conversations, identity, store
 
 router = APIRouter()
 
@@ -258,15 +258,18 @@ def _jsonl(message: dict[str, Any]) -> bytes:
 async def conversation_hierarchy(
     conversation: ConversationPath, engine: EngineDep, tenant_id: ScopeDep
 ) -> HierarchyPublic:
-    """Node counts per level, and every summary with its span, children and method."""
+    """Node counts per level, every summary with its span, children and method, and how the
+    messages branch."""
     async with transaction(engine) as conn:
         ref = await store.find_conversation(conn, tenant_id=tenant_id, external_id=conversation)
         counts = await store.level_counts(conn, tenant_id=tenant_id, conversation_id=ref.id)
         summaries = await store.list_nodes(conn, tenant_id=tenant_id, conversation_id=ref.id)
+        runs = await branches.runs(conn, tenant_id=tenant_id, conversation_id=ref.id)
     return HierarchyPublic(
         conversation=conversation,
         levels={str(level): count for level, count in counts.items()},
         nodes=[node_public(record, conversation) for record in summaries],
+        branches=[BranchRunPublic.model_validate(run) for run in runs],
     )
 
 
@@ -328,12 +331,10 @@ async def node(
     """A message or a summary, with its parent and children."""
     async with transaction(engine) as conn:
         record = await store.get_node(conn, tenant_id=tenant_id, node_id=node_id)
-        external_id = await conn.scalar(
-            conversations_table.select()
-            .with_only_columns(conversations_table.c.external_id)
-            .where(conversations_table.c.id == record.conversation_id)
+        external_id = await store.external_id(
+            conn, tenant_id=tenant_id, conversation_id=record.conversation_id
         )
-    return node_public(record, str(external_id))
+    return node_public(record, external_id)
 
 
 def node_public(record: store.NodeRecord, conversation: str) -> NodePublic:

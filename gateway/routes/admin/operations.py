@@ -5,10 +5,10 @@ import logging
 from typing import Annotated
 
 from fastapi import APIRouter, Query
-from sqlalchemy import select
 
 from gateway.deps import EngineDep, StateDep
 from gateway.routes.admin.models import (
+    CONVERSATION_MAX,
     CONVERSATION_PATTERN,
     TEXT_PATTERN,
     HitPublic,
@@ -22,7 +22,7 @@ from memory.build import jobs
 from memory.db import transaction
 from memory.errors import ProviderError
 from memory.recall import retrieval
-from memory.schema import conversations
+from memory.write import conversations
 
 log = logging.getLogger(__name__)
 router = APIRouter()
@@ -37,7 +37,12 @@ async def search(
     tenant_id: ScopeDep,
     q: Annotated[str, Query(min_length=1, max_length=2000, pattern=TEXT_PATTERN)],
     conversation: Annotated[
-        str | None, Query(pattern=CONVERSATION_PATTERN, description="Only this conversation")
+        str | None,
+        Query(
+            pattern=CONVERSATION_PATTERN,
+            max_length=CONVERSATION_MAX,
+            description="Only this conversation",
+        ),
     ] = None,
     level: Annotated[
         list[int] | None, Query(description="Only these levels (0: messages); repeatable")
@@ -45,7 +50,8 @@ async def search(
     limit: Annotated[int, Query(ge=1, le=100)] = 10,
 ) -> SearchResults:
     """Hybrid search (vector + full text) over messages and summaries, best first: in one
-    conversation, or in the tenant's 1,000 most recently active ones."""
+    conversation, or in the tenant's 1,000 most recently active ones; messages of abandoned
+    branches included."""
     levels = [value for value in level or [] if 0 <= value <= 32767] or None
     if level and levels is None:
         return SearchResults(query=q, data=[])
@@ -55,17 +61,9 @@ async def search(
         log.warning("query embedding failed; searching by full text only")
         vector = None
     async with transaction(state.engine) as conn:
-        scope = select(conversations.c.id, conversations.c.external_id).where(
-            conversations.c.tenant_id == tenant_id
+        names = await conversations.recent(
+            conn, tenant_id=tenant_id, external_id=conversation, limit=SEARCH_SCOPE
         )
-        if conversation is not None:
-            scope = scope.where(conversations.c.external_id == conversation)
-        rows = (
-            await conn.execute(
-                scope.order_by(conversations.c.updated_at.desc()).limit(SEARCH_SCOPE)
-            )
-        ).all()
-        names = {int(row.id): str(row.external_id) for row in rows}
         hits = await retrieval.search(
             conn,
             tenant_id=tenant_id,
@@ -74,6 +72,7 @@ async def search(
             query_vector=vector,
             limit=limit,
             levels=levels,
+            abandoned=True,  # an operator sees every branch
         )
     return SearchResults(
         query=q,

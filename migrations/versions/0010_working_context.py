@@ -9,8 +9,8 @@ the next turn (`recall_*`). New columns of `conversations` count what the upstre
 (`usage_*`, cached tokens included), the prompt tokens that repeated the previous prompt's
 prefix (`tokens_reused`), and keep that prompt's fingerprint.
 
-Revision ID: 0007
-Revises: 0006
+Revision ID: 0010
+Revises: 0009
 Create Date: 2026-11-24 09:00:00.000000
 """
 
@@ -21,8 +21,8 @@ from alembic import op
 from pgvector.sqlalchemy import Vector
 from sqlalchemy.dialects import postgresql
 
-revision: str = "0007"
-down_revision: str | None = "0006"
+revision: str = "0010"
+down_revision: str | None = "0009"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 
