@@ -32,7 +32,7 @@ from memory.recall.recall_note import related_conversations
 from memory.recall.working_context import State, load
 from memory.schema import conversations, working_contexts
 
-__all__ = ["CANDIDATES", "COVERS", "prepare", "usable"]
+__all__ = ["CANDIDATES", "COVERS", "fresh", "prepare", "usable"]
 
 COVERS: Final = 0.3
 """Cosine similarity between the new message and the exchange the candidates were prepared for
@@ -49,15 +49,20 @@ _EXCHANGE = text(
 )
 
 
+def fresh(state: State, *, first_seq: int) -> bool:
+    """Whether candidates were prepared from the exchange just before a turn whose new messages
+    start at `first_seq` (anything stored since makes them stale)."""
+    return (
+        state.recall_vector is not None
+        and bool(state.recall_ids)
+        and state.recall_after == first_seq - 1
+    )
+
+
 def usable(state: State, *, first_seq: int, vector: Sequence[float] | None) -> bool:
     """Whether the candidates prepared for `state` cover a turn whose new messages start at
     `first_seq` and whose query embeds to `vector` (see the module docstring)."""
-    if (
-        vector is None
-        or state.recall_vector is None
-        or not state.recall_ids
-        or state.recall_after != first_seq - 1
-    ):
+    if vector is None or state.recall_vector is None or not fresh(state, first_seq=first_seq):
         return False
     a = np.asarray(vector, dtype=np.float32)
     b = np.asarray(state.recall_vector, dtype=np.float32)

@@ -12,10 +12,12 @@ cheapest step first:
    point moves forward, never between a tool call and its results, and a new stable-memory
    message (`StablePart`) lists, for the messages it took out, the coarsest summaries whose
    span lies within them and the segments that straddle its edges, each tagged `[#id]`, with
-   the milestones among them verbatim. Every compacted message is under a summary of the
-   prompt, or, while the tree has not summarized it yet (or a consolidation had no room for
-   its summary), in a range the message names ("memory_browse … reads them"): nothing is lost,
-   and every summary can be expanded.
+   the milestones among them verbatim. The point stops where the tree's segments end, when
+   that still leaves the context under the high-water mark, rather than compact messages no
+   summary covers yet. Every compacted message is under a summary of the prompt, or, while
+   the tree has not summarized it yet (or a consolidation had no room for its summary), in a
+   range the message names ("memory_browse … reads them"): nothing is lost, and every
+   summary can be expanded.
 3. **Consolidation.** When stable memory passes `Policy.stable` of the budget (or on a first
    build), it becomes one message: a frontier of the summary tree over everything before the
    compaction point, coarse for the oldest history and finer near the present, with the newest
@@ -26,8 +28,9 @@ turn still repeats the prefix up to them; only a consolidation rebuilds the pref
 system prompt. Recall notes are dropped at every compaction.
 
 `prepare()` is the background half: once a context passes halfway from the low- to the
-high-water mark, it computes the next compaction ahead of time and stores it beside the state
-(`State.prepared`), so that the turn that needs it only swaps it in (`swap()`).
+high-water mark, it computes the next compaction ahead of time, aimed at what the turn that
+reaches the high-water mark will need, and stores it beside the state (`State.prepared`), so
+that that turn only swaps it in (`swap()`).
 """
 
 from __future__ import annotations

@@ -80,8 +80,10 @@ async def build(
     fixed = Fixed(system=sum(system_counts), new=sum(new_counts) + tokens.REPLY_PRIMING_TOKENS)
     answers_calls = bool(new) and new[0].get("role") == "tool"
     query = "" if answers_calls else recall_note.query_of(new)
+    # Only a message that asks something gets a note: only its query is embedded.
+    share = policy.note if query and retrieval.asks(query) else 0.0
     vector_task = (
-        asyncio.ensure_future(recall_note.embed_query(recall.embedder, query)) if query else None
+        asyncio.ensure_future(recall_note.embed_query(recall.embedder, query)) if share else None
     )
     try:
         state, items, compacted = await _advance(
@@ -107,31 +109,47 @@ async def build(
             context = wc.render(state, items, policy=policy, model=model)
             if fixed.system + context.tokens + fixed.new > limit:
                 context = wc.render(replace(state, stable=()), items, policy=policy, model=model)
+        scope = [turn.conversation_id, *related]
+        participants = {item.name for item in items if item.name}
+        room = min(int(share * limit), limit - fixed.system - context.tokens - fixed.new)
+        # Candidates prepared on a branch the turn left, or before a compaction, no longer fit.
+        fresh = (
+            not compacted
+            and turn.branched_at is None
+            and anticipation.fresh(state, first_seq=turn.first_seq)
+        )
+        fulltext = None
+        if vector_task is not None and room >= recall_note.MIN_ROOM and not fresh:
+            # Retrieval will run: its full-text leg goes while the query is embedded.
+            fulltext = await recall_note.fulltext_leg(
+                conn,
+                tenant_id=turn.tenant_id,
+                conversation_ids=scope,
+                query=query,
+                participants=participants,
+                exclude_from=state.verbatim_from,
+                abandoned=recall.abandoned_branches,
+            )
         vector = await vector_task if vector_task is not None else None
     finally:
         if vector_task is not None and not vector_task.done():
             vector_task.cancel()
-    # Candidates prepared on a branch the turn left, or before a compaction, no longer fit.
-    prepared = (
-        not compacted
-        and turn.branched_at is None
-        and anticipation.usable(state, first_seq=turn.first_seq, vector=vector)
-    )
-    share = policy.note if retrieval.asks(query) else 0.0
+    prepared = fresh and anticipation.usable(state, first_seq=turn.first_seq, vector=vector)
     note = await recall_note.recall(
         conn,
         tenant_id=turn.tenant_id,
-        conversation_ids=[turn.conversation_id, *related],
+        conversation_ids=scope,
         query=query,
         vector=vector,
         prepared=state.recall_ids if prepared else None,
         newest=turn.first_seq - 1,
         exclude_from=state.verbatim_from,
         present=state.present(),
-        participants={item.name for item in items if item.name},
-        room=min(int(share * limit), limit - fixed.system - context.tokens - fixed.new),
+        participants=participants,
+        room=room,
         model=model,
         abandoned=recall.abandoned_branches,
+        fulltext=fulltext,
     )
     if persist:
         notes = tuple(kept for kept in state.notes if kept.before < turn.first_seq)

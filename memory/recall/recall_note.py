@@ -36,7 +36,15 @@ from memory.recall.fusion import Candidates, Key
 from memory.recall.memory_block import MemoryBlock
 from memory.schema import conversations
 
-__all__ = ["RELEVANCE", "Recalled", "embed_query", "query_of", "recall", "related_conversations"]
+__all__ = [
+    "RELEVANCE",
+    "Recalled",
+    "embed_query",
+    "fulltext_leg",
+    "query_of",
+    "recall",
+    "related_conversations",
+]
 
 log = logging.getLogger(__name__)
 
@@ -143,13 +151,15 @@ async def recall(
     room: int,
     model: str,
     abandoned: bool = False,
+    fulltext: Candidates | None = None,
 ) -> Recalled | None:
     """The note for `query` in `room` tokens, or None (see the module docstring).
 
     `conversation_ids` starts with the turn's own; its messages before `newest` + 1 are
     searched, those from `exclude_from` on excluded (they are in the prompt verbatim), as are
     the ids in `present`. `prepared` are candidate node ids that stand in for retrieval;
-    `abandoned` lets messages off their conversation's current branch be recalled."""
+    `abandoned` lets messages off their conversation's current branch be recalled. `fulltext`
+    is the full-text leg already run (`fulltext_leg`) for the same turn."""
     if room < MIN_ROOM or not query:
         return None
     conversation_id = conversation_ids[0]
@@ -183,6 +193,7 @@ async def recall(
             exclude=(conversation_id, exclude_from),
             newest=newest,
             abandoned=abandoned,
+            fulltext=fulltext,
         )
     scores = fusion.fuse(
         legs,
@@ -220,6 +231,28 @@ async def recall(
     return None
 
 
+async def fulltext_leg(
+    conn: AsyncConnection,
+    *,
+    tenant_id: int,
+    conversation_ids: Sequence[int],
+    query: str,
+    participants: Collection[str],
+    exclude_from: int,
+    abandoned: bool = False,
+) -> Candidates:
+    """The full-text leg of `recall`'s retrieval, to run before the query's vector is known."""
+    return await retrieval.fulltext_candidates(
+        conn,
+        tenant_id=tenant_id,
+        conversation_ids=conversation_ids,
+        query=retrieval.without_names(query, participants),
+        levels=[0],
+        exclude_from=(conversation_ids[0], exclude_from),
+        abandoned=abandoned,
+    )
+
+
 async def _prepared_leg(
     conn: AsyncConnection,
     *,
@@ -250,11 +283,12 @@ async def _search_legs(
     exclude: tuple[int, int],
     newest: int,
     abandoned: bool,
+    fulltext: Candidates | None,
 ) -> list[Candidates]:
     """Hybrid retrieval's legs over messages, enough candidates that a note is chosen among
     several times more."""
-    legs = [
-        await retrieval.fulltext_candidates(
+    if fulltext is None:
+        fulltext = await retrieval.fulltext_candidates(
             conn,
             tenant_id=tenant_id,
             conversation_ids=conversation_ids,
@@ -263,7 +297,7 @@ async def _search_legs(
             exclude_from=exclude,
             abandoned=abandoned,
         )
-    ]
+    legs = [fulltext]
     if vector is not None:
         legs += await retrieval.vector_legs(
             conn,
