@@ -25,7 +25,7 @@ from __future__ import annotations
 import contextlib
 import statistics
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import AsyncIterator, Collection, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -38,7 +38,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from devkit.postgres import throwaway_postgres
 from devkit.stats import percentile
-from gateway import importer
+from gateway import background, importer
 from gateway.openai import chat
 from gateway.settings import Settings
 from gateway.state import State
@@ -48,6 +48,7 @@ from memory.build.summarize import ExtractiveSummarizer
 from memory.db import connect, migrate
 from memory.embeddings import LocalEmbedder
 from memory.recall import retrieval, tools
+from memory.recall.assemble import Assembled
 from memory.schema import nodes, tenants
 
 MODEL = "gpt-4o"
@@ -145,7 +146,12 @@ async def replay(
                 {"t": tenant, "e": replayed.external_id},
             )
         )
-    config = tree.TreeConfig(embedder=embedder, summarizer=ExtractiveSummarizer())
+    # MEMSTRATA_GRAPH=off builds no concept graph: relational questions then go flat.
+    config = tree.TreeConfig(
+        embedder=embedder,
+        summarizer=ExtractiveSummarizer(),
+        graph=background.graph_config(Settings(_env_file=None), embedder),
+    )
     await tree.build(
         engine,
         tenant_id=tenant,
@@ -254,6 +260,8 @@ class Scores:
     by_question: dict[str, dict[str, dict[str, float]]] = field(
         default_factory=lambda: defaultdict(dict)
     )
+    # Questions per group by the route retrieval took (`Assembled.route`) at the first budget.
+    routes: dict[str, Counter[str]] = field(default_factory=lambda: defaultdict(Counter))
 
     async def measure(
         self,
@@ -273,11 +281,16 @@ class Scores:
         tools_reserved = tools.tool_tokens(MODEL)
         for budget in self.budgets:
             began = time.perf_counter()
-            built, count = await self._dry(plain, replayed, question, budget)
+            assembled = await self._dry(plain, replayed, question, budget)
             self.latency[budget].append((time.perf_counter() - began) * 1000)
-            prompts = {"memstrata": built}
+            count = assembled.tokens
+            if budget == self.budgets[0]:
+                self.routes[group][assembled.route or "verbatim"] += 1
+            prompts = {"memstrata": assembled.messages}
             if "memstrata_tools" in self.systems:
-                prompts["memstrata_tools"], _ = await self._dry(offered, replayed, question, budget)
+                prompts["memstrata_tools"] = (
+                    await self._dry(offered, replayed, question, budget)
+                ).messages
             if "newest" in self.systems:
                 prompts["newest"] = newest(replayed.turns, question, budget)
             if "flat_embedding" in self.systems:
@@ -301,9 +314,7 @@ class Scores:
                         self.by_question[key].setdefault(method, {})[str(budget)] = recall
 
     @staticmethod
-    async def _dry(
-        state: State, replayed: Replayed, question: str, budget: int
-    ) -> tuple[list[dict[str, Any]], int]:
+    async def _dry(state: State, replayed: Replayed, question: str, budget: int) -> Assembled:
         return await chat.dry_run(
             state,
             tenant_id=state.default_tenant_id,
@@ -336,8 +347,10 @@ class Scores:
         return table
 
     def figures(self) -> dict[str, Any]:
-        """Mean prompt tokens per method and budget, and the dry run's latency."""
+        """Mean prompt tokens per method and budget, the dry run's latency, and the routes
+        taken per group."""
         return {
+            "routes": {group: dict(counted) for group, counted in sorted(self.routes.items())},
             "prompt_tokens_mean": {
                 method: {str(b): round(statistics.fmean(v), 1) for b, v in per.items()}
                 for method, per in self.prompt_tokens.items()

@@ -1,4 +1,6 @@
-"""Background workers, composed from settings: the summary tree's job handler on the job queue.
+"""Background work, composed from settings: the summary tree's job handler (with the concept
+graph's consolidation) and the tier sweeper's, on the job queue; and the recorder of memory
+accesses (`recording`), which writes what requests only counted in memory.
 
 `serve` runs them in-process (`MEMSTRATA_WORKERS` > 0) and `memstrata worker` runs them alone;
 both build the same `TreeConfig` here, so a worker process and a gateway process treat a job
@@ -6,6 +8,7 @@ the same way.
 """
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -14,11 +17,14 @@ import httpx
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from gateway.settings import Settings
-from memory.build import tree
+from memory import tiers
+from memory.build import graph, sweeper, tree
 from memory.build.segments import SegmentPolicy
 from memory.build.summarize import make_summarizer
 from memory.build.worker import JobObserver, Worker
+from memory.db import transaction
 from memory.embeddings import Embedder, make_embedder
+from memory.errors import StorageUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +61,15 @@ def tree_config(settings: Settings, client: httpx.AsyncClient, embed: Embedder) 
         fanout=settings.fanout,
         summary_tokens=settings.summary_tokens,
         passages=settings.passages == "on",
+        graph=graph_config(settings, embed),
     )
+
+
+def graph_config(settings: Settings, embed: Embedder) -> graph.GraphConfig | None:
+    """How closed segments are consolidated into the concept graph (None: not at all)."""
+    if settings.graph != "on":
+        return None
+    return graph.GraphConfig(embedder=embed, merge_similarity=settings.concept_merge_similarity)
 
 
 def worker(
@@ -69,7 +83,10 @@ def worker(
     """A job worker with every handler memstrata has; `observe` is told each job's outcome."""
     return Worker(
         engine,
-        {tree.JOB_KIND: tree.handler(engine, config)},
+        {
+            tree.JOB_KIND: tree.handler(engine, config),
+            sweeper.JOB_KIND: sweeper.handler(engine, every=settings.tier_sweep_seconds),
+        },
         lease_seconds=settings.job_lease_seconds,
         concurrency=concurrency,
         observe=observe,
@@ -77,10 +94,13 @@ def worker(
 
 
 @asynccontextmanager
-async def running(runner: Worker, *, grace: float = 10.0) -> AsyncIterator[None]:
-    """Run `runner` in the background for the duration of the block; on exit let it finish
-    the jobs in hand for up to `grace` seconds (an unfinished job's lease expires and another
-    worker takes it over)."""
+async def running(
+    runner: Worker, engine: AsyncEngine, *, grace: float = 10.0
+) -> AsyncIterator[None]:
+    """Run `runner` in the background for the duration of the block, the tier sweep scheduled
+    first (`memory.build.sweeper`); on exit let it finish the jobs in hand for up to `grace`
+    seconds (an unfinished job's lease expires and another worker takes it over)."""
+    await sweeper.schedule(engine)
     stop = asyncio.Event()
     task = asyncio.create_task(runner.run(stop))
     try:
@@ -91,3 +111,36 @@ async def running(runner: Worker, *, grace: float = 10.0) -> AsyncIterator[None]
             await asyncio.wait_for(task, grace)
         except TimeoutError:
             log.warning("background worker did not stop within %.0fs", grace)
+
+
+async def flush(engine: AsyncEngine, accesses: tiers.Accesses) -> None:
+    """Record the accesses pending (`memory.tiers`): one statement per tenant. With the
+    database down they are dropped: accesses rank, they are not memory."""
+    for tenant_id, accessed in accesses.take().items():
+        try:
+            async with transaction(engine) as conn:
+                await tiers.record(conn, tenant_id=tenant_id, accessed=accessed)
+        except StorageUnavailable:
+            log.warning("%d node accesses not recorded: the database is unavailable", len(accessed))
+
+
+@asynccontextmanager
+async def recording(
+    engine: AsyncEngine, accesses: tiers.Accesses, *, every: float = 1.0
+) -> AsyncIterator[None]:
+    """Record `accesses` every `every` seconds for the duration of the block, and what is
+    left on exit: requests only add to the buffer, never write."""
+    stop = asyncio.Event()
+
+    async def loop() -> None:
+        while not stop.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), every)
+            await flush(engine, accesses)
+
+    task = asyncio.create_task(loop(), name="access-recorder")
+    try:
+        yield
+    finally:
+        stop.set()
+        await task

@@ -13,12 +13,13 @@ from gateway.metrics import Metrics
 from gateway.settings import Settings
 from gateway.upstream import Upstream
 from memory.embeddings import Embedder
+from memory.tiers import Accesses
 
 
 @dataclass
 class State:
     """The settings, the database engine, the upstream clients and the query embedder, with
-    this process's metrics and recently verified keys."""
+    this process's metrics, recently verified keys and memory accesses not yet recorded."""
 
     settings: Settings
     engine: AsyncEngine
@@ -27,3 +28,4 @@ class State:
     default_tenant_id: int
     metrics: Metrics = field(default_factory=Metrics)
     key_grace: KeyGrace = field(default_factory=lambda: KeyGrace(seconds=0))
+    accesses: Accesses = field(default_factory=Accesses)

@@ -387,9 +387,11 @@ async def test_dry_run_of_a_conversation_that_fits_is_the_history(engine: AsyncE
             conn, tenant_id=tenant_id, external_id="fits", user=None, messages=history
         )
         await store.store_new(conn, tenant_id=tenant_id, found=found, messages=history, model=MODEL)
-    messages, count = await chat.dry_run(
+    assembled = await chat.dry_run(
         state_for(engine), tenant_id=tenant_id, external_id="fits", query="and now?", budget=None
     )
+    messages, count = assembled.messages, assembled.tokens
+    assert assembled.route is None
     assert messages == [*history, {"role": "user", "content": "and now?"}]
     assert count == tokens.count_messages(messages, model=MODEL)
 
@@ -403,13 +405,15 @@ async def test_dry_run_rebuilds_when_the_history_does_not_fit(
             text("SELECT external_id FROM conversations WHERE id = :i"),
             {"i": conversation_id},
         )
-    messages, count = await chat.dry_run(
+    assembled = await chat.dry_run(
         state_for(engine),
         tenant_id=tenant_id,
         external_id=str(external_id),
         query="what is the storage unit door code",
         budget=1500,
     )
+    messages, count = assembled.messages, assembled.tokens
+    assert assembled.route == "flat"
     assert count == tokens.count_messages(messages, model=MODEL) <= 1500
     assert messages[-1] == {"role": "user", "content": "what is the storage unit door code"}
     assert f"[#{node_ids[150]} user] {FACT}" in messages[0]["content"]

@@ -27,7 +27,14 @@ from devkit.upstream import UpstreamServer
 from memory.write import tenants
 
 HEADER = "X-Memstrata-Conversation"
-TOOL_NAMES = ["memory_expand", "memory_search", "memory_browse", "memory_find", "memory_stats"]
+TOOL_NAMES = [
+    "memory_expand",
+    "memory_search",
+    "memory_browse",
+    "memory_find",
+    "memory_related",
+    "memory_stats",
+]
 
 
 @pytest.fixture(scope="module")

@@ -133,12 +133,17 @@ class StoredTurn:
 @dataclass(frozen=True)
 class Assembled:
     """The prompt's messages, their tokens, the whole history's tokens, and whether the
-    prompt was rebuilt from memory rather than forwarded as the client sent it."""
+    prompt was rebuilt from memory rather than forwarded as the client sent it; for a rebuilt
+    one, the route its retrieval took (`memory.recall.query.Route`: flat, sequential, or
+    relational with the concept graph) and the memory nodes it holds (its accesses,
+    `memory.tiers`)."""
 
     messages: list[Message]
     tokens: int
     full_tokens: int
     rebuilt: bool
+    route: str | None = None
+    accessed: tuple[int, ...] = ()
 
 
 def check_fits(turn: StoredTurn, budget: Budget) -> None:
@@ -208,7 +213,14 @@ async def assemble(
             stored_tokens=stored_tokens,
             tools_guide=prompt.TOOLS_GUIDE if tools_guide else None,
         )
-    return Assembled(messages=built.messages, tokens=built.tokens, full_tokens=full, rebuilt=True)
+    return Assembled(
+        messages=built.messages,
+        tokens=built.tokens,
+        full_tokens=full,
+        rebuilt=True,
+        route=built.route,
+        accessed=(*built.retrieved, *built.summaries, *built.milestones),
+    )
 
 
 async def dry_run(

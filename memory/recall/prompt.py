@@ -38,7 +38,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 
 from memory import tokens
 from memory.errors import ContextOverflow
-from memory.recall import fusion, retrieval
+from memory.recall import fusion, graph, retrieval
 from memory.recall.memory_block import MemoryBlock
 from memory.write import store
 
@@ -302,6 +302,17 @@ async def build(
             exclude_from=exclude,
             messages=first_kept if len(scope_ids) == 1 else None,
         )
+    graph_legs, which = await graph.leg(
+        conn,
+        tenant_id=tenant_id,
+        conversation_ids=scope_ids,
+        query=search_text,
+        query_vector=vector,
+        which=which,
+        limit=pool,
+        exclude_from=exclude,
+    )
+    legs += graph_legs
     scores = fusion.fuse(
         legs,
         which=which,

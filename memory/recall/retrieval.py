@@ -15,9 +15,15 @@
   - passages (`memory.build.passages`): the vector leg's messages ranked again by the better of
     their own similarity and their best sentence's, so that a message whose one relevant
     sentence is diluted by small talk rises to where that sentence alone would rank;
+  - for relational queries, the concept graph (`memory.recall.graph.leg`): the nodes
+    mentioning the concepts a walk from the query's own reaches; when the graph knows none of
+    the query's concepts, retrieval falls back to the flat route;
 * messages that have no embedding yet are found by the full-text leg alone: nothing just written
   is invisible;
 * collapsed tree: summaries of every level are searched beside messages (`levels` restricts);
+* tiers (`memory.tiers`): hot nodes gain a small boost; over a scope of more than
+  `memory.recall.tiered.TIERED_SCOPE` messages, `search()` answers from the hot and warm nodes
+  alone when enough of them match well, and searches everything otherwise;
 * query routing (`route()`): sequential questions ("last time", "earlier", "before",
   "recently") weight recency heavily, relational ones ("how", "why", "relate") raise summaries;
 * callers strip participants' names from the text they embed (`without_names`): inside a
@@ -31,13 +37,15 @@ not need the vector, so callers may run it (`fulltext_candidates`) while the que
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime
 from typing import Any, Final
 
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncConnection
 
+from memory import tiers
+from memory.recall import graph, tiered
 from memory.recall.fusion import CONTIGUITY, Candidates, Key, Place, fuse, ranked
 from memory.recall.query import (
     Route,
@@ -440,30 +448,50 @@ async def search(
         return []
     which = which or route(query)
     pool = max(candidates, limit)
-    legs: list[Candidates] = []
-    if fulltext is None:
-        fulltext = await fulltext_candidates(
+    newest = await _newest(conn, tenant_id=tenant_id, conversation_ids=conversation_ids)
+    messages = sum(last + 1 for last in newest.values())
+    warm = None
+    if query_vector is not None and fulltext is None and exclude_from is None:
+        warm = await tiered.warm_leg(
             conn,
             tenant_id=tenant_id,
             conversation_ids=conversation_ids,
             query=query,
-            limit=pool,
+            query_vector=query_vector,
+            messages=messages,
+            limit=limit,
+            pool=pool,
             levels=levels,
-            exclude_from=exclude_from,
         )
-    legs.append(fulltext)
-    newest = await _newest(conn, tenant_id=tenant_id, conversation_ids=conversation_ids)
-    if query_vector is not None:
-        legs += await vector_legs(
+    legs = (
+        [warm]
+        if warm is not None
+        else await _legs(
             conn,
             tenant_id=tenant_id,
             conversation_ids=conversation_ids,
+            query=query,
             query_vector=query_vector,
+            pool=pool,
+            levels=levels,
+            exclude_from=exclude_from,
+            fulltext=fulltext,
+            messages=messages,
+        )
+    )
+    if warm is None:
+        graph_legs, which = await graph.leg(
+            conn,
+            tenant_id=tenant_id,
+            conversation_ids=conversation_ids,
+            query=query,
+            query_vector=query_vector,
+            which=which,
             limit=pool,
             levels=levels,
             exclude_from=exclude_from,
-            messages=sum(last + 1 for last in newest.values()),
         )
+        legs += graph_legs
     scores = fuse(
         legs,
         which=which,
@@ -477,11 +505,50 @@ async def search(
     return (await load(conn, tenant_id=tenant_id, scores=scores, limit=limit))[:limit]
 
 
+async def _legs(
+    conn: AsyncConnection,
+    *,
+    tenant_id: int,
+    conversation_ids: Sequence[int],
+    query: str,
+    query_vector: Sequence[float] | None,
+    pool: int,
+    levels: Sequence[int] | None,
+    exclude_from: tuple[int, int] | None,
+    fulltext: Candidates | None,
+    messages: int,
+) -> list[Candidates]:
+    """The full-text leg (unless given) and, with a vector, the vector legs."""
+    if fulltext is None:
+        fulltext = await fulltext_candidates(
+            conn,
+            tenant_id=tenant_id,
+            conversation_ids=conversation_ids,
+            query=query,
+            limit=pool,
+            levels=levels,
+            exclude_from=exclude_from,
+        )
+    legs = [fulltext]
+    if query_vector is not None:
+        legs += await vector_legs(
+            conn,
+            tenant_id=tenant_id,
+            conversation_ids=conversation_ids,
+            query_vector=query_vector,
+            limit=pool,
+            levels=levels,
+            exclude_from=exclude_from,
+            messages=messages,
+        )
+    return legs
+
+
 async def load(
     conn: AsyncConnection, *, tenant_id: int, scores: Mapping[Key, float], limit: int
 ) -> list[Hit]:
     """The `limit` best-scored places that exist (and are not system prompts), as hits in
-    descending score order."""
+    descending score order, hot nodes (`memory.tiers`) raised by `tiers.HOT_BOOST`."""
     best = ranked(scores, limit)
     if not best:
         return []
@@ -495,6 +562,8 @@ async def load(
         },
     )
     hits = [as_hit(row, scores[(row[1], row[2], row[3])]) for row in rows]
+    hot = await tiers.hot_among(conn, tenant_id=tenant_id, node_ids=[h.node_id for h in hits])
+    hits = [replace(h, score=h.score * tiers.HOT_BOOST) if h.node_id in hot else h for h in hits]
     return sorted(hits, key=lambda hit: (-hit.score, -hit.seq, hit.node_id))
 
 

@@ -20,6 +20,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 from memory.db import AnyRow, transaction
 from memory.errors import InvalidInput, NotFound
 from memory.schema import conversations, jobs, nodes
+from memory.tiers import tier_counts
 from memory.write import store
 
 
@@ -57,6 +58,8 @@ class ConversationStats:
     level_tokens: dict[int, int]
     # Jobs of the conversation not yet done, by status.
     pending_jobs: dict[str, int]
+    # Nodes per lifecycle tier (`memory.tiers`: hot, warm, cold).
+    tiers: dict[str, int]
 
     @property
     def compression_ratio(self) -> float | None:
@@ -166,7 +169,8 @@ async def get_conversation(
 
 
 async def stats(conn: AsyncConnection, *, tenant_id: int, external_id: str) -> ConversationStats:
-    """Counts, tokens per level, request counters and pending jobs of one conversation."""
+    """Counts, tokens per level, request counters, pending jobs and nodes per tier of one
+    conversation."""
     summary = await get_conversation(conn, tenant_id=tenant_id, external_id=external_id)
     levels: dict[int, int] = {}
     level_tokens: dict[int, int] = {}
@@ -193,6 +197,7 @@ async def stats(conn: AsyncConnection, *, tenant_id: int, external_id: str) -> C
         levels=levels,
         level_tokens=level_tokens,
         pending_jobs={str(status): int(count) for status, count in pending},
+        tiers=await tier_counts(conn, tenant_id=tenant_id, conversation_id=summary.id),
     )
 
 

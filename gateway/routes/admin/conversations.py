@@ -1,5 +1,5 @@
 """Admin routes of conversations: list, statistics, messages, bulk import, the summary tree,
-one node, export, deletion, forced compaction and a dry run of the context.
+the concept graph, one node, export, deletion, forced compaction and a dry run of the context.
 
 Everything acts within one tenant (`?tenant=`, see `scope`); a conversation or node of another
 tenant is 404, exactly like one that does not exist.
@@ -21,12 +21,15 @@ from gateway.openai import chat
 from gateway.routes.admin.models import (
     TEXT_PATTERN,
     CompactQueued,
+    ConceptPublic,
     ContextPublic,
     ContextRequest,
     ConversationDeleted,
     ConversationList,
     ConversationPublic,
     ConversationStats,
+    EdgePublic,
+    GraphPublic,
     HierarchyPublic,
     ImportResult,
     MessagePublic,
@@ -37,6 +40,7 @@ from gateway.routes.admin.scope import ConversationPath, ScopeDep, id_path
 from gateway.schemas import ImportRequest
 from memory.build import tree
 from memory.db import transaction
+from memory.recall import graph
 from memory.write import conversations, identity, store
 
 router = APIRouter()
@@ -126,7 +130,7 @@ async def conversation_stats(
     conversation: ConversationPath, engine: EngineDep, tenant_id: ScopeDep
 ) -> ConversationStats:
     """Messages, nodes and tokens per level, tokens stored vs sent, compression ratio, last
-    activity and pending jobs."""
+    activity, pending jobs and nodes per lifecycle tier."""
     async with transaction(engine) as conn:
         found = await conversations.stats(conn, tenant_id=tenant_id, external_id=conversation)
     return ConversationStats(
@@ -135,6 +139,7 @@ async def conversation_stats(
         level_tokens={str(level): count for level, count in found.level_tokens.items()},
         compression_ratio=found.compression_ratio,
         pending_jobs=found.pending_jobs,
+        tiers=found.tiers,
     )
 
 
@@ -261,6 +266,30 @@ async def conversation_hierarchy(
     )
 
 
+@router.get("/conversations/{conversation}/graph", summary="The concept graph")
+async def conversation_graph(
+    conversation: ConversationPath,
+    engine: EngineDep,
+    tenant_id: ScopeDep,
+    limit: Annotated[int, Query(ge=1, le=1000)] = 200,
+) -> GraphPublic:
+    """The concepts the conversation mentions (most frequent first, at most `limit`), with
+    their frequency and whether they are schematic, the edges between them, and the version of
+    the graph they belong to (the conversation's `user`, else the conversation alone)."""
+    async with transaction(engine) as conn:
+        ref = await store.find_conversation(conn, tenant_id=tenant_id, external_id=conversation)
+        found = await graph.conversation_graph(
+            conn, tenant_id=tenant_id, conversation_id=ref.id, limit=limit
+        )
+    return GraphPublic(
+        conversation=conversation,
+        scope=found.scope,
+        version=found.version,
+        concepts=[ConceptPublic.model_validate(concept) for concept in found.concepts],
+        edges=[EdgePublic.model_validate(edge) for edge in found.edges],
+    )
+
+
 @router.post(
     "/conversations/{conversation}/compact",
     summary="Compact now",
@@ -282,7 +311,7 @@ async def context_dry_run(
 ) -> ContextPublic:
     """The prompt the gateway would send upstream if the conversation received `query` now,
     and its tokens; nothing is stored or sent."""
-    messages, count = await chat.dry_run(
+    assembled = await chat.dry_run(
         state,
         tenant_id=tenant_id,
         external_id=conversation,
@@ -290,7 +319,12 @@ async def context_dry_run(
         budget=body.budget,
         model=body.model,
     )
-    return ContextPublic(conversation=conversation, tokens=count, messages=messages)
+    return ContextPublic(
+        conversation=conversation,
+        tokens=assembled.tokens,
+        messages=assembled.messages,
+        route=assembled.route,
+    )
 
 
 @router.get("/nodes/{node_id}", summary="One node")

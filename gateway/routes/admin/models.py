@@ -102,6 +102,9 @@ class ConversationStats(ConversationPublic):
         description="tokens_full / tokens_sent (null before the first answered request)"
     )
     pending_jobs: dict[str, int] = Field(description="Jobs not done yet, by status")
+    tiers: dict[str, int] = Field(
+        description="Nodes per lifecycle tier: hot (3+ accesses in 7 days), warm (1+), cold"
+    )
 
 
 class ConversationDeleted(BaseModel):
@@ -191,6 +194,50 @@ class ContextPublic(BaseModel):
     conversation: str
     tokens: int
     messages: list[dict[str, Any]]
+    route: str | None = Field(
+        description="The route retrieval took (flat, sequential, relational: with the concept "
+        "graph); null when the history fits and is sent as it is"
+    )
+
+
+class ConceptPublic(BaseModel):
+    """A concept of the graph (`memory.recall.graph`)."""
+
+    model_config = FROM_RECORD
+
+    id: int
+    name: str
+    scope: str = Field(
+        description="`user:NAME` (the conversation's OpenAI user) or `conversation:ID`"
+    )
+    frequency: int = Field(description="Segments it was found in")
+    schematic: bool = Field(description="A core concept: frequency 5 or more")
+    mentions: int = Field(default=0, description="Nodes of the conversation that mention it")
+
+
+class EdgePublic(BaseModel):
+    model_config = FROM_RECORD
+
+    source: int
+    target: int
+    kind: Literal["co_occurs", "precedes"]
+    weight: int
+
+
+class GraphPublic(BaseModel):
+    """The concepts a conversation mentions, the edges between them, its graph's version."""
+
+    conversation: str
+    scope: str
+    version: int = Field(description="Raised by every consolidation (one per closed segment)")
+    concepts: list[ConceptPublic]
+    edges: list[EdgePublic]
+
+
+class ConceptList(BaseModel):
+    object: Literal["list"] = "list"
+    query: str
+    data: list[ConceptPublic]
 
 
 # -- search and jobs -------------------------------------------------------------------------

@@ -1,4 +1,5 @@
-"""Admin routes across a tenant's conversations: search, and the background jobs (queue depth,
+"""Admin routes across a tenant's conversations: search (its results count as accesses of their
+nodes, `memory.tiers`), the concept graph's concepts, and the background jobs (queue depth,
 failures, dead letters, retrying one)."""
 
 import logging
@@ -10,6 +11,8 @@ from gateway.deps import EngineDep, StateDep
 from gateway.routes.admin.models import (
     CONVERSATION_PATTERN,
     TEXT_PATTERN,
+    ConceptList,
+    ConceptPublic,
     HitPublic,
     JobPublic,
     JobRetried,
@@ -20,7 +23,7 @@ from gateway.routes.admin.scope import ScopeDep, id_path
 from memory.build import jobs
 from memory.db import transaction
 from memory.errors import ProviderError
-from memory.recall import retrieval
+from memory.recall import graph, retrieval
 from memory.write import conversations
 
 log = logging.getLogger(__name__)
@@ -66,6 +69,7 @@ async def search(
             limit=limit,
             levels=levels,
         )
+    state.accesses.add(tenant_id, [hit.node_id for hit in hits])
     return SearchResults(
         query=q,
         data=[
@@ -84,6 +88,20 @@ async def search(
             if hit.conversation_id in names
         ],
     )
+
+
+@router.get("/concepts", summary="Search a tenant's concepts")
+async def concepts(
+    engine: EngineDep,
+    tenant_id: ScopeDep,
+    q: Annotated[str, Query(min_length=1, max_length=200, pattern=TEXT_PATTERN)],
+    limit: Annotated[int, Query(ge=1, le=200)] = 20,
+) -> ConceptList:
+    """The tenant's concepts (every scope) whose name holds `q` (case aside), most frequent
+    first."""
+    async with transaction(engine) as conn:
+        found = await graph.find_concepts(conn, tenant_id=tenant_id, query=q, limit=limit)
+    return ConceptList(query=q, data=[ConceptPublic.model_validate(c) for c in found])
 
 
 @router.get("/jobs", summary="Background jobs: queue depth, failures, dead letters")
