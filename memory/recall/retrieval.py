@@ -437,13 +437,15 @@ async def search(
     candidates: int = CANDIDATES,
     participants: Collection[str] = (),
     fulltext: Candidates | None = None,
+    tiered_from: int = tiered.TIERED_SCOPE,
 ) -> list[Hit]:
     """The `limit` best nodes for `query`, best first (see the module docstring).
 
     `exclude_from=(conversation_id, seq)` leaves out that conversation's nodes that start at or
     after `seq` (the recent turns a prompt already holds verbatim). `which` overrides routing.
     `participants` are the conversation's speaker names (see `fuse`). `fulltext` passes a
-    full-text leg already run with the same scope."""
+    full-text leg already run with the same scope. Over more than `tiered_from` messages,
+    the hot and warm nodes are searched first (`memory.recall.tiered`)."""
     if limit <= 0 or not conversation_ids:
         return []
     which = which or route(query)
@@ -462,6 +464,7 @@ async def search(
             limit=limit,
             pool=pool,
             levels=levels,
+            tiered_from=tiered_from,
         )
     legs = (
         [warm]

@@ -56,11 +56,13 @@ async def warm_leg(
     limit: int,
     pool: int,
     levels: Sequence[int] | None = None,
+    tiered_from: int = TIERED_SCOPE,
 ) -> Candidates | None:
     """The scope's hot and warm nodes nearest the query (at most `pool`), or None when the
-    scope (`messages`) is small, the query asks for old things, or fewer than `limit` of them
-    are within `ENOUGH` of it (see the module docstring)."""
-    if messages <= TIERED_SCOPE or asks_for_old(query):
+    scope (`messages`) holds no more than `tiered_from` messages, the query asks for old
+    things, or fewer than `limit` of them are within `ENOUGH` of it (see the module
+    docstring)."""
+    if messages <= tiered_from or asks_for_old(query):
         return None
     rows = await conn.execute(
         _WARM,
