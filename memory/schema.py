@@ -44,6 +44,15 @@ def _created_at() -> Column[object]:
     return Column("created_at", DateTime(timezone=True), nullable=False, server_default=func.now())
 
 
+def _conversation_id() -> Column[int]:
+    return Column(
+        "conversation_id",
+        BigInteger,
+        ForeignKey("conversations.id", ondelete="CASCADE"),
+        nullable=False,
+    )
+
+
 tenants = Table(
     "tenants",
     metadata,
@@ -212,12 +221,7 @@ concept_mentions = Table(
     ),
     Column("node_id", BigInteger, ForeignKey("nodes.id", ondelete="CASCADE"), primary_key=True),
     Column("tenant_id", BigInteger, ForeignKey("tenants.id", ondelete="CASCADE"), nullable=False),
-    Column(
-        "conversation_id",
-        BigInteger,
-        ForeignKey("conversations.id", ondelete="CASCADE"),
-        nullable=False,
-    ),
+    _conversation_id(),
     # Times the node names the concept (a summary: in the whole segment).
     Column("weight", SmallInteger, nullable=False, server_default="1"),
     Index("ix_concept_mentions_node", "node_id"),
@@ -241,12 +245,7 @@ node_access = Table(
     metadata,
     Column("node_id", BigInteger, ForeignKey("nodes.id", ondelete="CASCADE"), primary_key=True),
     Column("tenant_id", BigInteger, ForeignKey("tenants.id", ondelete="CASCADE"), nullable=False),
-    Column(
-        "conversation_id",
-        BigInteger,
-        ForeignKey("conversations.id", ondelete="CASCADE"),
-        nullable=False,
-    ),
+    _conversation_id(),
     Column("accesses", Integer, nullable=False, server_default="0"),
     # Accesses since `window_start` (a window lasts `memory.tiers.WINDOW`).
     Column("recent", Integer, nullable=False, server_default="0"),

@@ -12,7 +12,6 @@ from __future__ import annotations
 import math
 import uuid
 from collections.abc import AsyncIterator, Mapping, Sequence
-from datetime import UTC, datetime, timedelta
 
 import httpx
 import pytest
@@ -28,10 +27,9 @@ from memory.concepts import SCHEMATIC, scope_key
 from memory.errors import NotFound
 from memory.recall import graph, retrieval, tools
 from memory.recall.query import Route, route
-from memory.write import store
 from tests.inprocess import App, running_app
+from tests.stored import MODEL, built_conversation
 
-MODEL = "gpt-4o-mini"
 THRESHOLD = 0.85
 
 
@@ -83,32 +81,8 @@ async def conversation(
     user: str | None = None,
     built: tree.TreeConfig | None = None,
 ) -> tuple[int, str, list[int]]:
-    """A conversation of `texts` (user and assistant in turn), built into one segment."""
-    external_id = f"graph-{uuid.uuid4().hex[:12]}"
-    start = datetime(2025, 3, 1, 9, tzinfo=UTC)
-    async with engine.begin() as conn:
-        ref, _ = await store.open_conversation(
-            conn, tenant_id=tenant_id, external_id=external_id, user=user
-        )
-        appended = await store.append(
-            conn,
-            tenant_id=tenant_id,
-            conversation_id=ref.id,
-            messages=[
-                {"role": "user" if i % 2 == 0 else "assistant", "content": body}
-                for i, body in enumerate(texts)
-            ],
-            model=MODEL,
-            created_at=[start + timedelta(minutes=i) for i in range(len(texts))],
-        )
-    await tree.build(
-        engine,
-        tenant_id=tenant_id,
-        conversation_id=ref.id,
-        config=built or config(),
-        final=True,
-    )
-    return ref.id, external_id, appended.node_ids
+    """A conversation of `texts`, built (one segment, or a few) with the graph."""
+    return await built_conversation(engine, tenant_id, texts, config=built or config(), user=user)
 
 
 async def concepts_of(engine: AsyncEngine, tenant_id: int) -> dict[str, tuple[str, int]]:

@@ -7,61 +7,31 @@ from __future__ import annotations
 import uuid
 from collections import Counter
 from collections.abc import AsyncIterator, Sequence
-from datetime import UTC, datetime, timedelta
+from datetime import timedelta
 
 import pytest
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from devkit.upstream_script import embedding_vector
 from gateway import background
 from gateway.settings import Settings
 from memory import tiers
 from memory.build import sweeper, tree
 from memory.build.summarize import ExtractiveSummarizer
 from memory.build.worker import Worker
-from memory.embeddings import LocalEmbedder
+from memory.embeddings import Embedder, LocalEmbedder
 from memory.recall import retrieval
-from memory.write import store
 from tests.inprocess import App, running_app
-
-MODEL = "gpt-4o-mini"
-
-
-class HashEmbedder:
-    name = "hash"
-    dim = 384
-
-    async def embed(self, texts: Sequence[str]) -> list[list[float]]:
-        return [embedding_vector(t, self.dim) for t in texts]
+from tests.stored import MODEL, HashEmbedder, built_conversation
 
 
 async def conversation(
-    engine: AsyncEngine, tenant_id: int, texts: Sequence[str], *, embedder: object = None
+    engine: AsyncEngine, tenant_id: int, texts: Sequence[str], *, embedder: Embedder | None = None
 ) -> tuple[int, str, list[int]]:
-    external_id = f"tiers-{uuid.uuid4().hex[:12]}"
-    start = datetime(2025, 3, 1, 9, tzinfo=UTC)
-    async with engine.begin() as conn:
-        ref, _ = await store.open_conversation(conn, tenant_id=tenant_id, external_id=external_id)
-        appended = await store.append(
-            conn,
-            tenant_id=tenant_id,
-            conversation_id=ref.id,
-            messages=[{"role": "user", "content": body} for body in texts],
-            model=MODEL,
-            created_at=[start + timedelta(minutes=i) for i in range(len(texts))],
-        )
-    await tree.build(
-        engine,
-        tenant_id=tenant_id,
-        conversation_id=ref.id,
-        config=tree.TreeConfig(
-            embedder=embedder or HashEmbedder(),  # type: ignore[arg-type]
-            summarizer=ExtractiveSummarizer(MODEL),
-        ),
-        final=True,
+    config = tree.TreeConfig(
+        embedder=embedder or HashEmbedder(), summarizer=ExtractiveSummarizer(MODEL)
     )
-    return ref.id, external_id, appended.node_ids
+    return await built_conversation(engine, tenant_id, texts, config=config, replies=False)
 
 
 async def tier_of(engine: AsyncEngine, node_ids: Sequence[int]) -> list[str]:

@@ -8,7 +8,7 @@ whichever worker that is. `schedule()` queues the first (a no-op while one is qu
 import logging
 from typing import Final
 
-from sqlalchemy.ext.asyncio import AsyncEngine
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from memory import tiers
 from memory.build import jobs
@@ -21,17 +21,21 @@ JOB_KIND: Final = "tier_sweep"
 _DEDUPE: Final = "tier_sweep"
 
 
-async def schedule(engine: AsyncEngine, *, delay_seconds: float = 0) -> None:
-    """Queue a sweep unless one is queued already."""
+async def schedule(engine: AsyncEngine) -> None:
+    """Queue a sweep now, unless one is queued already."""
     async with transaction(engine) as conn:
-        await jobs.enqueue(
-            conn,
-            kind=JOB_KIND,
-            tenant_id=None,
-            conversation_id=None,
-            dedupe_key=_DEDUPE,
-            delay_seconds=delay_seconds,
-        )
+        await _enqueue(conn, delay_seconds=0)
+
+
+async def _enqueue(conn: AsyncConnection, *, delay_seconds: float) -> None:
+    await jobs.enqueue(
+        conn,
+        kind=JOB_KIND,
+        tenant_id=None,
+        conversation_id=None,
+        dedupe_key=_DEDUPE,
+        delay_seconds=delay_seconds,
+    )
 
 
 def handler(engine: AsyncEngine, *, every: float) -> jobs.Handler:
@@ -40,14 +44,7 @@ def handler(engine: AsyncEngine, *, every: float) -> jobs.Handler:
     async def handle(job: Job) -> None:
         async with transaction(engine) as conn:
             demoted = await tiers.sweep(conn)
-            await jobs.enqueue(
-                conn,
-                kind=JOB_KIND,
-                tenant_id=None,
-                conversation_id=None,
-                dedupe_key=_DEDUPE,
-                delay_seconds=every,
-            )
+            await _enqueue(conn, delay_seconds=every)
         if demoted:
             log.info("tiers swept", extra={"demoted": demoted})
 

@@ -204,13 +204,9 @@ async def search(
     )
     if not hits:
         return f"nothing found for {query!r}"
-    elsewhere = await _external_ids(conn, scope, {h.conversation_id for h in hits})
-    lines = [f"{len(hits)} results for {query!r}, best first:"]
-    for hit in hits:
-        node = _Node.from_hit(hit)
-        body = _clip(node.text, SNIPPET_CHARS)
-        lines.append(_line(node, body, origin=elsewhere.get(hit.conversation_id)))
-    return _fit(lines, limits, more="use fewer results")
+    head = f"{len(hits)} results for {query!r}, best first:"
+    found = await _snippets(conn, scope, [_Node.from_hit(hit) for hit in hits])
+    return _fit([head, *found], limits, more="use fewer results")
 
 
 async def related(
@@ -242,12 +238,17 @@ async def related(
     messages.sort(key=lambda node: order[node.id])
     if messages:
         lines.append("messages that mention them, most first:")
-        elsewhere = await _external_ids(conn, scope, {node.conversation_id for node in messages})
-        lines += [
-            _line(node, _clip(node.text, SNIPPET_CHARS), origin=elsewhere.get(node.conversation_id))
-            for node in messages
-        ]
+        lines += await _snippets(conn, scope, messages)
     return _fit(lines, limits, more="ask for fewer")
+
+
+async def _snippets(conn: AsyncConnection, scope: Scope, found: Sequence[_Node]) -> list[str]:
+    """One line per node, its text clipped, naming its conversation when not the scope's own."""
+    elsewhere = await _external_ids(conn, scope, {node.conversation_id for node in found})
+    return [
+        _line(node, _clip(node.text, SNIPPET_CHARS), origin=elsewhere.get(node.conversation_id))
+        for node in found
+    ]
 
 
 def _concept(item: graph.Neighbour) -> str:

@@ -28,13 +28,18 @@ depends_on: str | Sequence[str] | None = None
 _DIM = 384  # memory.schema.EMBEDDING_DIM when this revision was written
 
 
-def _tenant() -> sa.Column[int]:
+def _reference(name: str, table: str, *, primary_key: bool = False) -> sa.Column[int]:
     return sa.Column(
-        "tenant_id",
+        name,
         sa.BigInteger(),
-        sa.ForeignKey("tenants.id", ondelete="CASCADE"),
+        sa.ForeignKey(f"{table}.id", ondelete="CASCADE"),
         nullable=False,
+        primary_key=primary_key,
     )
+
+
+def _tenant() -> sa.Column[int]:
+    return _reference("tenant_id", "tenants")
 
 
 def _now(name: str) -> sa.Column[object]:
@@ -57,18 +62,8 @@ def upgrade() -> None:
     )
     op.create_table(
         "concept_edges",
-        sa.Column(
-            "source_id",
-            sa.BigInteger(),
-            sa.ForeignKey("concepts.id", ondelete="CASCADE"),
-            primary_key=True,
-        ),
-        sa.Column(
-            "target_id",
-            sa.BigInteger(),
-            sa.ForeignKey("concepts.id", ondelete="CASCADE"),
-            primary_key=True,
-        ),
+        _reference("source_id", "concepts", primary_key=True),
+        _reference("target_id", "concepts", primary_key=True),
         sa.Column("kind", sa.Text(), primary_key=True),
         _tenant(),
         sa.Column("weight", sa.Integer(), nullable=False, server_default="1"),
@@ -76,25 +71,10 @@ def upgrade() -> None:
     op.create_index("ix_concept_edges_target", "concept_edges", ["target_id"])
     op.create_table(
         "concept_mentions",
-        sa.Column(
-            "concept_id",
-            sa.BigInteger(),
-            sa.ForeignKey("concepts.id", ondelete="CASCADE"),
-            primary_key=True,
-        ),
-        sa.Column(
-            "node_id",
-            sa.BigInteger(),
-            sa.ForeignKey("nodes.id", ondelete="CASCADE"),
-            primary_key=True,
-        ),
+        _reference("concept_id", "concepts", primary_key=True),
+        _reference("node_id", "nodes", primary_key=True),
         _tenant(),
-        sa.Column(
-            "conversation_id",
-            sa.BigInteger(),
-            sa.ForeignKey("conversations.id", ondelete="CASCADE"),
-            nullable=False,
-        ),
+        _reference("conversation_id", "conversations"),
         sa.Column("weight", sa.SmallInteger(), nullable=False, server_default="1"),
     )
     op.create_index("ix_concept_mentions_node", "concept_mentions", ["node_id"])
@@ -108,19 +88,9 @@ def upgrade() -> None:
     )
     op.create_table(
         "node_access",
-        sa.Column(
-            "node_id",
-            sa.BigInteger(),
-            sa.ForeignKey("nodes.id", ondelete="CASCADE"),
-            primary_key=True,
-        ),
+        _reference("node_id", "nodes", primary_key=True),
         _tenant(),
-        sa.Column(
-            "conversation_id",
-            sa.BigInteger(),
-            sa.ForeignKey("conversations.id", ondelete="CASCADE"),
-            nullable=False,
-        ),
+        _reference("conversation_id", "conversations"),
         sa.Column("accesses", sa.Integer(), nullable=False, server_default="0"),
         sa.Column("recent", sa.Integer(), nullable=False, server_default="0"),
         _now("window_start"),
