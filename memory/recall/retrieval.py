@@ -461,7 +461,6 @@ async def search(
             query=query,
             query_vector=query_vector,
             messages=messages,
-            limit=limit,
             pool=pool,
             levels=levels,
             tiered_from=tiered_from,

@@ -3,11 +3,13 @@
 `warm_leg()` is what `memory.recall.retrieval.search` runs before its legs when the scope
 holds more than `TIERED_SCOPE` messages and the query does not ask for old things
 (`memory.recall.query.asks_for_old`): the scope's hot and warm nodes (those accessed within
-`memory.tiers.WINDOW`, a few per cent of a long history) ranked by cosine similarity to the
-query, every distance computed (they are few). When at least `limit` of them are within
-`ENOUGH` of the query, they are the answer and the cold history is not read; otherwise
-(`None`) retrieval searches everything, cold included, as it would without tiers. A tier
-therefore never hides a node: a question nothing warm answers reaches the cold history.
+`memory.tiers.WINDOW`, a few per cent of a long history), those holding one of the query's
+identifiers first (`memory.recall.query.identifiers`: a ticket, a reference), then by cosine
+similarity to the query, every distance computed (they are few). When one of them holds such an
+identifier or is within `ENOUGH` of the query, they are the answer and the cold history is not
+read; otherwise (`None`: they come up short) retrieval searches everything, cold included, as
+it would without tiers. A tier therefore never hides a node: a question nothing warm answers
+reaches the cold history.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 
 from memory.embeddings import vector_literal
 from memory.recall.fusion import Candidates, Place
-from memory.recall.query import asks_for_old
+from memory.recall.query import asks_for_old, identifiers
 
 __all__ = ["ENOUGH", "TIERED_SCOPE", "warm_leg"]
 
@@ -31,7 +33,8 @@ ENOUGH: Final = 0.5
 
 _WARM = text(
     """
-SELECT n.conversation_id, n.level, n.seq, n.span_end, n.name, n.created_at, false AS exact,
+SELECT n.conversation_id, n.level, n.seq, n.span_end, n.name, n.created_at,
+       coalesce(n.text ILIKE ANY(CAST(:patterns AS text[])), false) AS exact,
        1 - (n.embedding <=> CAST(:vector AS vector)) AS similarity
 FROM node_access a
 JOIN nodes n ON n.id = a.node_id
@@ -39,7 +42,7 @@ WHERE a.tenant_id = :tenant_id AND a.conversation_id = ANY(:conversation_ids)
   AND a.tier <> 'cold' AND n.tenant_id = :tenant_id AND n.embedding IS NOT NULL
   AND (n.level > 0 OR n.role IS NULL OR n.role NOT IN ('system', 'developer'))
   AND (CAST(:levels AS smallint[]) IS NULL OR n.level = ANY(CAST(:levels AS smallint[])))
-ORDER BY (n.embedding <=> CAST(:vector AS vector)) + 0
+ORDER BY exact DESC, (n.embedding <=> CAST(:vector AS vector)) + 0
 LIMIT :limit
 """
 )
@@ -53,15 +56,14 @@ async def warm_leg(
     query: str,
     query_vector: Sequence[float],
     messages: int,
-    limit: int,
     pool: int,
     levels: Sequence[int] | None = None,
     tiered_from: int = TIERED_SCOPE,
 ) -> Candidates | None:
-    """The scope's hot and warm nodes nearest the query (at most `pool`), or None when the
-    scope (`messages`) holds no more than `tiered_from` messages, the query asks for old
-    things, or fewer than `limit` of them are within `ENOUGH` of it (see the module
-    docstring)."""
+    """The scope's hot and warm nodes for the query (at most `pool`, those holding one of its
+    identifiers first, then the nearest), or None when the scope (`messages`) holds no more
+    than `tiered_from` messages, the query asks for old things, or none of them holds one of
+    its identifiers or is within `ENOUGH` of it (see the module docstring)."""
     if messages <= tiered_from or asks_for_old(query):
         return None
     rows = await conn.execute(
@@ -71,6 +73,7 @@ async def warm_leg(
             "conversation_ids": list(conversation_ids),
             "vector": vector_literal(query_vector),
             "levels": list(levels) if levels is not None else None,
+            "patterns": [f"%{_escaped(word)}%" for word in identifiers(query)],
             "limit": pool,
         },
     )
@@ -79,11 +82,17 @@ async def warm_leg(
             key=(conv, level, seq),
             span_end=span_end,
             name=name,
+            exact=bool(exact),
             similarity=float(similarity),
             created_at=created_at,
         )
-        for conv, level, seq, span_end, name, created_at, _, similarity in rows
+        for conv, level, seq, span_end, name, created_at, exact, similarity in rows
     ]
-    if sum(1 for place in ranked if (place.similarity or 0.0) >= ENOUGH) < limit:
+    if not any(place.exact or (place.similarity or 0.0) >= ENOUGH for place in ranked):
         return None
     return Candidates(ranked)
+
+
+def _escaped(word: str) -> str:
+    """`word` as a literal inside an ILIKE pattern."""
+    return word.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
