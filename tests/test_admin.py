@@ -146,11 +146,13 @@ ADMIN_OPERATIONS = {
     ("get", "/admin/conversations/{conversation}/messages"),
     ("post", "/admin/conversations/{conversation}/messages"),
     ("get", "/admin/conversations/{conversation}/hierarchy"),
+    ("get", "/admin/conversations/{conversation}/graph"),
     ("get", "/admin/conversations/{conversation}/export"),
     ("post", "/admin/conversations/{conversation}/compact"),
     ("post", "/admin/conversations/{conversation}/context"),
     ("get", "/admin/nodes/{node_id}"),
     ("get", "/admin/search"),
+    ("get", "/admin/concepts"),
     ("get", "/admin/jobs"),
     ("post", "/admin/jobs/{job_id}/retry"),
 }
