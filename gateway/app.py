@@ -13,7 +13,7 @@ from contextlib import AsyncExitStack, asynccontextmanager
 
 from fastapi import FastAPI
 
-from gateway import background, mcp
+from gateway import background, mcp, ui
 from gateway.errors import install_handlers
 from gateway.key_grace import KeyGrace
 from gateway.logs import RequestIdMiddleware
@@ -108,6 +108,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(health.router)
     app.include_router(metrics.router)
     app.include_router(mcp_endpoint.router)
+    app.include_router(ui.router)
     # Added last is outermost: every request gets its id before it is counted.
     app.add_middleware(MetricsMiddleware, metrics=app_metrics, routes=app.router)
     app.add_middleware(RequestIdMiddleware)

@@ -28,7 +28,14 @@ from gateway.settings import Settings
 from gateway.state import State
 from memory.db import transaction
 from memory.errors import StorageUnavailable
-from memory.recall.assemble import Budget, BudgetRules, StoredTurn, assemble, check_fits
+from memory.recall.assemble import (
+    Assembled,
+    Budget,
+    BudgetRules,
+    StoredTurn,
+    assemble,
+    check_fits,
+)
 from memory.recall.assemble import dry_run as memory_dry_run
 from memory.write import identity, store
 
@@ -125,10 +132,10 @@ async def dry_run(
     query: str,
     budget: int | None,
     model: str = "gpt-4o",
-) -> tuple[list[dict[str, Any]], int]:
-    """The messages, and their tokens, that `complete` would send upstream if the stored
-    conversation `external_id` received `query` as a new user message; nothing is stored."""
-    assembled = await memory_dry_run(
+) -> Assembled:
+    """The prompt `complete` would send upstream if the stored conversation `external_id`
+    received `query` as a new user message, with what each message is; nothing is stored."""
+    return await memory_dry_run(
         state.engine,
         tenant_id=tenant_id,
         external_id=external_id,
@@ -140,7 +147,6 @@ async def dry_run(
         cross_conversation=state.settings.cross_conversation == "on",
         model=model,
     )
-    return assembled.messages, assembled.tokens
 
 
 def budget_rules(settings: Settings) -> BudgetRules:

@@ -17,7 +17,7 @@ runs it inside the transaction that stores the turn, so that such a turn stores 
 import json
 import logging
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from sqlalchemy import select
@@ -27,7 +27,7 @@ from memory import tokens
 from memory.db import transaction
 from memory.embeddings import Embedder
 from memory.errors import ContextOverflow, ProviderError
-from memory.recall import prompt
+from memory.recall import explain, prompt
 from memory.schema import conversations
 from memory.write import store
 
@@ -133,12 +133,18 @@ class StoredTurn:
 @dataclass(frozen=True)
 class Assembled:
     """The prompt's messages, their tokens, the whole history's tokens, and whether the
-    prompt was rebuilt from memory rather than forwarded as the client sent it."""
+    prompt was rebuilt from memory rather than forwarded as the client sent it; what each
+    message is (`labels`: system, memory, verbatim, new; `history` for a forwarded turn's
+    stored messages); a dry run adds the tokens of each message (`counts`; the prompt's
+    `tokens` adds the reply priming) and why each recalled message was picked (`why`)."""
 
     messages: list[Message]
     tokens: int
     full_tokens: int
     rebuilt: bool
+    labels: list[str] = field(default_factory=list)
+    counts: list[int] = field(default_factory=list)
+    why: list[explain.Why] = field(default_factory=list)
 
 
 def check_fits(turn: StoredTurn, budget: Budget) -> None:
@@ -161,12 +167,14 @@ async def assemble(
     embedder: Embedder,
     cross_conversation: bool,
     tools_guide: bool,
+    explained: bool = False,
 ) -> Assembled:
     """The prompt for `turn` within `budget` (see the module docstring).
 
     The messages and `budget.reserved` together stay within the budget. `cross_conversation`
     lets recall draw on the same user's other conversations; `tools_guide` tells the memory
-    message to say how to use the memory tools (when they are offered)."""
+    message to say how to use the memory tools (when they are offered); `explained` says why
+    each recalled message was picked."""
     stored_tokens, user = turn.stored_tokens, turn.user
     if stored_tokens is None:
         async with transaction(engine) as conn:
@@ -185,7 +193,11 @@ async def assemble(
             ]
         count = tokens.count_messages(verbatim, model=turn.model)
         if count <= budget.limit:
-            return Assembled(messages=verbatim, tokens=count, full_tokens=full, rebuilt=False)
+            head, new = len(leading_system(verbatim)), len(turn.new_messages)
+            labels = ["system"] * head + ["history"] * (len(verbatim) - head - new) + ["new"] * new
+            return Assembled(
+                messages=verbatim, tokens=count, full_tokens=full, rebuilt=False, labels=labels
+            )
     async with transaction(engine) as conn:
         related: list[int] = []
         if cross_conversation and user is not None:
@@ -207,8 +219,16 @@ async def assemble(
             stored_messages=turn.first_seq,
             stored_tokens=stored_tokens,
             tools_guide=prompt.TOOLS_GUIDE if tools_guide else None,
+            explained=explained,
         )
-    return Assembled(messages=built.messages, tokens=built.tokens, full_tokens=full, rebuilt=True)
+    return Assembled(
+        messages=built.messages,
+        tokens=built.tokens,
+        full_tokens=full,
+        rebuilt=True,
+        labels=built.labels,
+        why=built.why,
+    )
 
 
 async def dry_run(
@@ -225,8 +245,9 @@ async def dry_run(
     model: str = "gpt-4o",
 ) -> Assembled:
     """The prompt `assemble` would send if the stored conversation `external_id` received
-    `query` as a new user message; nothing is stored. `tools_room` is what the memory tools'
-    definitions would take (0 when they would not be offered)."""
+    `query` as a new user message, with the tokens of each message and why each recalled
+    message was picked; nothing is stored. `tools_room` is what the memory tools' definitions
+    would take (0 when they would not be offered)."""
     async with transaction(engine) as conn:
         ref = await store.find_conversation(conn, tenant_id=tenant_id, external_id=external_id)
         next_seq = await conn.scalar(
@@ -244,14 +265,17 @@ async def dry_run(
         unstored_tokens=tokens.count_message(question, model=model),
     )
     body = {"model": model, "messages": [question]}
-    return await assemble(
+    assembled = await assemble(
         engine,
         turn,
         Budget.of(body, rules, requested=budget, tools_room=tools_room),
         embedder=embedder,
         cross_conversation=cross_conversation,
         tools_guide=tools_room > 0,
+        explained=True,
     )
+    counts = [tokens.count_message(message, model=model) for message in assembled.messages]
+    return replace(assembled, counts=counts)
 
 
 def leading_system(messages: Sequence[Message]) -> list[Message]:

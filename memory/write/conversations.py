@@ -9,7 +9,7 @@ embeddings and jobs go with it by the schema's cascades, and a job of that conve
 running fails on its next write (the foreign key is gone) instead of bringing rows back.
 """
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Collection
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -145,6 +145,20 @@ async def recent(
     if external_id is not None:
         query = query.where(conversations.c.external_id == external_id)
     rows = await conn.execute(query.order_by(conversations.c.updated_at.desc()).limit(limit))
+    return {int(row.id): str(row.external_id) for row in rows}
+
+
+async def external_ids(
+    conn: AsyncConnection, *, tenant_id: int, ids: Collection[int]
+) -> dict[int, str]:
+    """The external ids of the tenant's conversations among `ids` (others are left out)."""
+    if not ids:
+        return {}
+    rows = await conn.execute(
+        select(conversations.c.id, conversations.c.external_id).where(
+            conversations.c.tenant_id == tenant_id, conversations.c.id.in_(list(ids))
+        )
+    )
     return {int(row.id): str(row.external_id) for row in rows}
 
 

@@ -19,14 +19,14 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from sqlalchemy import Text, bindparam, func, insert, select, update
+from sqlalchemy import Text, bindparam, exists, func, insert, select, update
 from sqlalchemy.dialects.postgresql import aggregate_order_by
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from memory import tokens
 from memory.build import tree
 from memory.db import AnyRow
-from memory.errors import NotFound
+from memory.errors import InvalidInput, NotFound
 from memory.schema import DEFAULT_TENANT, conversations, nodes, tenants
 from memory.write import identity
 
@@ -389,6 +389,9 @@ class NodeRecord:
     role: str | None
     text: str
     content: Any
+    name: str | None
+    tool_calls: list[dict[str, Any]] | None
+    tool_call_id: str | None
     facts: dict[str, list[str]] | None
     method: str | None
     model: str | None
@@ -448,6 +451,59 @@ async def get_node(conn: AsyncConnection, *, tenant_id: int, node_id: int) -> No
     return _node_record(row)
 
 
+@dataclass(frozen=True)
+class TreePage:
+    """Consecutive siblings of the tree, in time order, and whether more lie on either side."""
+
+    nodes: list[NodeRecord]
+    more_before: bool
+    more_after: bool
+
+
+async def tree_page(
+    conn: AsyncConnection,
+    *,
+    tenant_id: int,
+    conversation_id: int,
+    parent_id: int | None,
+    after_span: int | None = None,
+    before_span: int | None = None,
+    limit: int = 50,
+) -> TreePage:
+    """Up to `limit` nodes directly under `parent_id` (None: the roots, what no summary covers
+    yet), by the first message they cover: those starting after message `after_span`, else
+    those just before message `before_span`, else the first ones.
+
+    Siblings cover disjoint runs of messages, so the first message they cover orders them and
+    pages them: one page costs one indexed read however large the conversation (its tree is
+    never read whole)."""
+    if not 1 <= limit <= 1000:
+        raise InvalidInput("limit must be between 1 and 1000", param="limit")
+    under = nodes.c.parent_id.is_(None) if parent_id is None else nodes.c.parent_id == parent_id
+    siblings = [nodes.c.tenant_id == tenant_id, nodes.c.conversation_id == conversation_id, under]
+    backwards = after_span is None and before_span is not None
+    if backwards:
+        edge = nodes.c.span_start < before_span
+        beyond = nodes.c.span_start >= before_span
+        order = nodes.c.span_start.desc()
+    else:
+        start = -1 if after_span is None else after_span
+        edge = nodes.c.span_start > start
+        beyond = nodes.c.span_start <= start
+        order = nodes.c.span_start.asc()
+    rows = (
+        await conn.execute(
+            select(nodes, *_node_extras()).where(*siblings, edge).order_by(order).limit(limit + 1)
+        )
+    ).all()
+    found = [_node_record(row) for row in rows[:limit]]
+    more = len(rows) > limit
+    behind = bool(await conn.scalar(select(exists().where(*siblings, beyond))))
+    if backwards:
+        return TreePage(nodes=found[::-1], more_before=more, more_after=behind)
+    return TreePage(nodes=found, more_before=behind, more_after=more)
+
+
 def _node_extras() -> list[Any]:
     child = nodes.alias("child")
     children = (
@@ -472,6 +528,9 @@ def _node_record(row: AnyRow) -> NodeRecord:
         role=row.role,
         text=row.text,
         content=row.content,
+        name=row.name,
+        tool_calls=row.tool_calls,
+        tool_call_id=row.tool_call_id,
         facts=row.facts,
         method=row.method,
         model=row.model,

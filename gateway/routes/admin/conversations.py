@@ -19,8 +19,10 @@ from gateway.deps import EngineDep, StateDep
 from gateway.errors import GatewayError
 from gateway.openai import chat
 from gateway.routes.admin.models import (
+    MAX_ID,
     TEXT_PATTERN,
     CompactQueued,
+    ContextPart,
     ContextPublic,
     ContextRequest,
     ConversationDeleted,
@@ -32,11 +34,14 @@ from gateway.routes.admin.models import (
     MessagePublic,
     MessagesPublic,
     NodePublic,
+    RecalledPublic,
+    TreePagePublic,
 )
 from gateway.routes.admin.scope import ConversationPath, ScopeDep, id_path
 from gateway.schemas import ImportRequest
 from memory.build import tree
 from memory.db import transaction
+from memory.errors import NotFound
 from memory.write import conversations, identity, store
 
 router = APIRouter()
@@ -261,6 +266,52 @@ async def conversation_hierarchy(
     )
 
 
+@router.get("/conversations/{conversation}/tree", summary="One page of the summary tree")
+async def conversation_tree(
+    conversation: ConversationPath,
+    engine: EngineDep,
+    tenant_id: ScopeDep,
+    parent: Annotated[
+        int | None,
+        Query(ge=1, le=MAX_ID, description="The summary whose children to list; none: the roots"),
+    ] = None,
+    after: Annotated[
+        int | None,
+        Query(ge=-1, le=2**31 - 1, description="Only nodes covering messages after this seq"),
+    ] = None,
+    before: Annotated[
+        int | None,
+        Query(ge=0, le=2**31 - 1, description="The nodes just before message seq `before`"),
+    ] = None,
+    limit: Annotated[int, Query(ge=1, le=200)] = 50,
+) -> TreePagePublic:
+    """The nodes directly under `parent` (the roots without it: what no summary covers yet), in
+    time order, `limit` at a time: the tree is read one level of one node at a time, so a page
+    costs the same at 10 or 100,000 messages."""
+    async with transaction(engine) as conn:
+        ref = await store.find_conversation(conn, tenant_id=tenant_id, external_id=conversation)
+        if parent is not None:
+            above = await store.get_node(conn, tenant_id=tenant_id, node_id=parent)
+            if above.conversation_id != ref.id:
+                raise NotFound(f"node {parent} is not in conversation {conversation!r}")
+        page = await store.tree_page(
+            conn,
+            tenant_id=tenant_id,
+            conversation_id=ref.id,
+            parent_id=parent,
+            after_span=after,
+            before_span=before,
+            limit=limit,
+        )
+    return TreePagePublic(
+        conversation=conversation,
+        parent=parent,
+        nodes=[node_public(record, conversation) for record in page.nodes],
+        more_before=page.more_before,
+        more_after=page.more_after,
+    )
+
+
 @router.post(
     "/conversations/{conversation}/compact",
     summary="Compact now",
@@ -281,8 +332,9 @@ async def context_dry_run(
     conversation: ConversationPath, body: ContextRequest, state: StateDep, tenant_id: ScopeDep
 ) -> ContextPublic:
     """The prompt the gateway would send upstream if the conversation received `query` now,
-    and its tokens; nothing is stored or sent."""
-    messages, count = await chat.dry_run(
+    its tokens, each part labelled with its tokens, and why each recalled message was picked
+    (its rank once fused, and its rank in each retrieval leg); nothing is stored or sent."""
+    assembled = await chat.dry_run(
         state,
         tenant_id=tenant_id,
         external_id=conversation,
@@ -290,7 +342,20 @@ async def context_dry_run(
         budget=body.budget,
         model=body.model,
     )
-    return ContextPublic(conversation=conversation, tokens=count, messages=messages)
+    parts: list[ContextPart] = []
+    for index, (label, count) in enumerate(zip(assembled.labels, assembled.counts, strict=True)):
+        if parts and parts[-1].label == label:
+            parts[-1].messages += 1
+            parts[-1].tokens += count
+        else:
+            parts.append(ContextPart(label=label, start=index, messages=1, tokens=count))
+    return ContextPublic(
+        conversation=conversation,
+        tokens=assembled.tokens,
+        messages=assembled.messages,
+        parts=parts,
+        recalled=[RecalledPublic.model_validate(why) for why in assembled.why],
+    )
 
 
 @router.get("/nodes/{node_id}", summary="One node")
@@ -318,6 +383,9 @@ def node_public(record: store.NodeRecord, conversation: str) -> NodePublic:
         role=record.role,
         text=record.text,
         content=record.content,
+        name=record.name,
+        tool_calls=record.tool_calls,
+        tool_call_id=record.tool_call_id,
         facts=record.facts,
         method=record.method,
         model=record.model,

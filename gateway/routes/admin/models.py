@@ -154,6 +154,9 @@ class NodePublic(BaseModel):
     role: str | None
     text: str
     content: Any = None
+    name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
     facts: dict[str, list[str]] | None
     method: str | None
     model: str | None
@@ -172,6 +175,20 @@ class HierarchyPublic(BaseModel):
     nodes: list[NodePublic]
 
 
+class TreePagePublic(BaseModel):
+    """Consecutive siblings of the summary tree, in time order."""
+
+    conversation: str
+    parent: int | None = Field(description="Their parent; null: the roots")
+    nodes: list[NodePublic]
+    more_before: bool = Field(
+        description="Earlier siblings exist: pass `before` = the first's span start"
+    )
+    more_after: bool = Field(
+        description="Later siblings exist: pass `after` = the last's span start"
+    )
+
+
 class CompactQueued(BaseModel):
     conversation: str
     queued: Literal[True] = Field(
@@ -187,10 +204,52 @@ class ContextRequest(BaseModel):
     model: str = Field(default="gpt-4o", min_length=1, max_length=200, pattern=TEXT_PATTERN)
 
 
+class ContextPart(BaseModel):
+    """A run of the prompt's messages of one kind."""
+
+    label: Literal["system", "stable", "verbatim", "note", "new", "history", "memory"] = Field(
+        description="system: the client's system prompt; memory: the memory message (summaries, "
+        "milestones and recalled messages); verbatim: the recent turns as stored; new: the new "
+        "message; history: a conversation that fits, as stored; stable and note: the working "
+        "context's stable memory and recall note"
+    )
+    start: int = Field(description="Index of its first message in `messages`")
+    messages: int
+    tokens: int
+
+
+class LegRankPublic(BaseModel):
+    model_config = FROM_RECORD
+
+    leg: str = Field(description="`full text`, `vector` or `passages`")
+    rank: int = Field(description="Its place in that leg's candidates, 1: the best")
+    similarity: float | None = Field(description="Cosine similarity to the query (vector legs)")
+
+
+class RecalledPublic(BaseModel):
+    """Why a recalled message was picked."""
+
+    model_config = FROM_RECORD
+
+    node_id: int
+    level: int
+    seq: int
+    rank: int = Field(description="Its place among every candidate once fused, 1: the best")
+    score: float
+    legs: list[LegRankPublic] = Field(description="The retrieval legs that found it")
+    exact: bool = Field(description="It holds a rare identifier of the query")
+    standout: bool = Field(description="Its similarity stands far above the rest of its leg")
+    lent: bool = Field(description="No leg found it: a neighbour lent it part of its score")
+
+
 class ContextPublic(BaseModel):
     conversation: str
-    tokens: int
+    tokens: int = Field(description="The prompt's tokens: its parts' and the reply priming")
     messages: list[dict[str, Any]]
+    parts: list[ContextPart] = Field(description="The messages, in runs of one kind")
+    recalled: list[RecalledPublic] = Field(
+        description="Why each message recalled into the memory message was picked, best first"
+    )
 
 
 # -- search and jobs -------------------------------------------------------------------------
@@ -223,6 +282,7 @@ class JobPublic(BaseModel):
     attempts: int
     max_attempts: int
     conversation_id: int | None
+    conversation: str | None = Field(default=None, description="The conversation's id, if any")
     last_error: str | None
     run_after: datetime
     created_at: datetime
