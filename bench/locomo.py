@@ -285,7 +285,7 @@ async def replay(engine: AsyncEngine, tenant: int, sample: Sample, embedder: Loc
 async def dry(
     state: State, sample: Sample, question: Question, budget: int
 ) -> tuple[list[dict[str, Any]], int]:
-    return await chat.dry_run(
+    assembled = await chat.dry_run(
         state,
         tenant_id=state.default_tenant_id,
         external_id=sample.external_id,
@@ -293,6 +293,7 @@ async def dry(
         budget=budget,
         model=MODEL,
     )
+    return assembled.messages, assembled.tokens
 
 
 async def evaluate(
@@ -327,14 +328,7 @@ async def evaluate(
             by_fulltext = await fulltext_ranked(state.engine, sample, question.question)
             for budget in budgets:
                 began = time.perf_counter()
-                built, count = await chat.dry_run(
-                    state,
-                    tenant_id=tenant,
-                    external_id=sample.external_id,
-                    query=question.question,
-                    budget=budget,
-                    model=MODEL,
-                )
+                built, count = await dry(state, sample, question, budget)
                 latency[budget].append((time.perf_counter() - began) * 1000)
                 prompts = {"memstrata": built}
                 if with_tools is not None and "memstrata_tools" in systems:

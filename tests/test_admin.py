@@ -146,6 +146,7 @@ ADMIN_OPERATIONS = {
     ("get", "/admin/conversations/{conversation}/messages"),
     ("post", "/admin/conversations/{conversation}/messages"),
     ("get", "/admin/conversations/{conversation}/hierarchy"),
+    ("get", "/admin/conversations/{conversation}/tree"),
     ("get", "/admin/conversations/{conversation}/export"),
     ("post", "/admin/conversations/{conversation}/compact"),
     ("post", "/admin/conversations/{conversation}/context"),

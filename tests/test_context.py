@@ -387,11 +387,13 @@ async def test_dry_run_of_a_conversation_that_fits_is_the_history(engine: AsyncE
             conn, tenant_id=tenant_id, external_id="fits", user=None, messages=history
         )
         await store.store_new(conn, tenant_id=tenant_id, found=found, messages=history, model=MODEL)
-    messages, count = await chat.dry_run(
+    assembled = await chat.dry_run(
         state_for(engine), tenant_id=tenant_id, external_id="fits", query="and now?", budget=None
     )
-    assert messages == [*history, {"role": "user", "content": "and now?"}]
-    assert count == tokens.count_messages(messages, model=MODEL)
+    assert assembled.messages == [*history, {"role": "user", "content": "and now?"}]
+    assert assembled.tokens == tokens.count_messages(assembled.messages, model=MODEL)
+    assert assembled.labels == ["system", "history", "history", "history"]
+    assert assembled.why == []
 
 
 async def test_dry_run_rebuilds_when_the_history_does_not_fit(
@@ -403,15 +405,27 @@ async def test_dry_run_rebuilds_when_the_history_does_not_fit(
             text("SELECT external_id FROM conversations WHERE id = :i"),
             {"i": conversation_id},
         )
-    messages, count = await chat.dry_run(
+    assembled = await chat.dry_run(
         state_for(engine),
         tenant_id=tenant_id,
         external_id=str(external_id),
         query="what is the storage unit door code",
         budget=1500,
     )
-    assert count == tokens.count_messages(messages, model=MODEL) <= 1500
+    messages = assembled.messages
+    assert assembled.tokens == tokens.count_messages(messages, model=MODEL) <= 1500
     assert messages[-1] == {"role": "user", "content": "what is the storage unit door code"}
+    # Each message labelled and counted: the parts add up to the prompt, less the priming.
+    assert assembled.labels[0] == "memory" and assembled.labels[-1] == "new"
+    assert set(assembled.labels[1:-1]) == {"verbatim"}
+    assert sum(assembled.counts) + tokens.REPLY_PRIMING_TOKENS == assembled.tokens
+    # Why the planted fact is there: a pinned milestone ("remember that") that the legs found
+    # too, ranked first; every message explained is one the memory message quotes.
+    why = {one.node_id: one for one in assembled.why}
+    fact = why[node_ids[150]]
+    assert fact.pinned and fact.legs and not fact.lent and fact.rank == 1
+    assert all(f"[#{node_id} " in messages[0]["content"] for node_id in why)
+    assert [one.rank for one in assembled.why] == sorted(one.rank for one in assembled.why)
     assert f"[#{node_ids[150]} user] {FACT}" in messages[0]["content"]
 
 

@@ -53,19 +53,19 @@ async def require_ui(request: Request, state: StateDep) -> None:
 router = APIRouter(prefix="/ui", include_in_schema=False, dependencies=[Depends(require_ui)])
 
 
-@router.get("")
+@router.api_route("", methods=["GET", "HEAD"])
 async def bare() -> RedirectResponse:
     """`/ui` → `/ui/`, so that the page's relative links resolve under `/ui/`."""
     return RedirectResponse("ui/", status_code=308)
 
 
-@router.get("/")
+@router.api_route("/", methods=["GET", "HEAD"])
 async def page() -> Response:
     """The page: its scripts draw every view (conversations, one conversation, jobs, tenants)."""
     return _file("index.html")
 
 
-@router.get("/static/{name}")
+@router.api_route("/static/{name}", methods=["GET", "HEAD"])
 async def static(name: str) -> Response:
     """One of the page's own files."""
     return _file(name)

@@ -134,8 +134,8 @@ class StoredTurn:
 class Assembled:
     """The prompt's messages, their tokens, the whole history's tokens, and whether the
     prompt was rebuilt from memory rather than forwarded as the client sent it; what each
-    message is (`labels`: system, memory, verbatim, new; `history` for a forwarded turn's
-    stored messages); a dry run adds the tokens of each message (`counts`; the prompt's
+    message is (`labels`: system, memory, verbatim, new; `history` for a forwarded turn's); a
+    dry run adds the tokens of each message (`counts`; the prompt's
     `tokens` adds the reply priming) and why each recalled message was picked (`why`)."""
 
     messages: list[Message]
@@ -193,8 +193,8 @@ async def assemble(
             ]
         count = tokens.count_messages(verbatim, model=turn.model)
         if count <= budget.limit:
-            head, new = len(leading_system(verbatim)), len(turn.new_messages)
-            labels = ["system"] * head + ["history"] * (len(verbatim) - head - new) + ["new"] * new
+            head = len(leading_system(verbatim))
+            labels = ["system"] * head + ["history"] * (len(verbatim) - head)
             return Assembled(
                 messages=verbatim, tokens=count, full_tokens=full, rebuilt=False, labels=labels
             )

@@ -9,7 +9,9 @@ first, and the fused score of every place, `memory.recall.fusion`) and says, for
 * `exact`: it holds a rare identifier of the query (a bonus in every leg); `standout`: its
   similarity stands far above the rest of its vector leg (`fusion.standouts`);
 * `lent`: no leg found it; it is there because a neighbour found by a leg lent it part of its
-  score (temporal contiguity), such as the answer right after a matching question.
+  score (temporal contiguity), such as the answer right after a matching question;
+* `pinned`: a milestone, in the prompt whatever the query (its legs and rank, if any, say how
+  much it bears on this one).
 
 Pure function over plain data, run only where a caller asks for an explanation (the admin
 dry run): the request path never pays for it.
@@ -18,7 +20,7 @@ dry run): the request path never pays for it.
 from __future__ import annotations
 
 import bisect
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Final
 
@@ -53,13 +55,18 @@ class Why:
     exact: bool
     standout: bool
     lent: bool
+    pinned: bool
 
 
 def explain(
-    legs: Sequence[Candidates], scores: Mapping[Key, float], hits: Sequence[Hit]
+    legs: Sequence[Candidates],
+    scores: Mapping[Key, float],
+    hits: Sequence[Hit],
+    *,
+    pinned: Collection[int] = (),
 ) -> list[Why]:
-    """Why each of `hits` was found, in their order (see the module docstring). `legs` are in
-    `LEGS` order; `scores` is what fusion made of them."""
+    """Why each of `hits` was found, best rank first (see the module docstring). `legs` are in
+    `LEGS` order; `scores` is what fusion made of them; `pinned` are the milestones' ids."""
     places: list[dict[Key, tuple[int, float | None]]] = []
     exact: set[Key] = set()
     for leg in legs:
@@ -91,7 +98,8 @@ def explain(
                 legs=tuple(found),
                 exact=key in exact,
                 standout=key in clear,
-                lent=not found,
+                lent=not found and key in scores,
+                pinned=hit.node_id in pinned,
             )
         )
-    return explained
+    return sorted(explained, key=lambda why: (why.rank, why.node_id))

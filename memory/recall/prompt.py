@@ -106,7 +106,7 @@ class BuiltPrompt:
     route: str = "flat"
     # What each message is: system, memory (the memory message), verbatim (stored turns), new.
     labels: list[str] = field(default_factory=list)
-    # Why each retrieved message was recalled, when `build` was asked to explain.
+    # Why each message the memory message quotes was recalled (or pinned), when asked.
     why: list[explain.Why] = field(default_factory=list)
 
 
@@ -355,7 +355,8 @@ async def build(
         between = []
     why: list[explain.Why] = []
     if explained and between:
-        why = explain.explain(legs, scores, sorted(block.messages, key=lambda hit: -hit.score))
+        quoted = [*block.milestones, *block.messages]
+        why = explain.explain(legs, scores, quoted, pinned=[h.node_id for h in block.milestones])
     labels = (
         ["system"] * len(head) + between + ["verbatim"] * len(must) + ["new"] * len(new_messages)
     )

@@ -1,5 +1,6 @@
-"""Admin routes of conversations: list, statistics, messages, bulk import, the summary tree,
-one node, export, deletion, forced compaction and a dry run of the context.
+"""Admin routes of conversations: list, statistics, messages, bulk import, the summary tree
+(whole, or a page of one node's children), one node, export, deletion, forced compaction and a
+dry run of the context with its parts and why each quoted message was picked.
 
 Everything acts within one tenant (`?tenant=`, see `scope`); a conversation or node of another
 tenant is 404, exactly like one that does not exist.

@@ -227,7 +227,7 @@ class LegRankPublic(BaseModel):
 
 
 class RecalledPublic(BaseModel):
-    """Why a recalled message was picked."""
+    """Why a message the memory message quotes was picked."""
 
     model_config = FROM_RECORD
 
@@ -240,6 +240,7 @@ class RecalledPublic(BaseModel):
     exact: bool = Field(description="It holds a rare identifier of the query")
     standout: bool = Field(description="Its similarity stands far above the rest of its leg")
     lent: bool = Field(description="No leg found it: a neighbour lent it part of its score")
+    pinned: bool = Field(description="A milestone, in every prompt whatever the query")
 
 
 class ContextPublic(BaseModel):
@@ -248,7 +249,7 @@ class ContextPublic(BaseModel):
     messages: list[dict[str, Any]]
     parts: list[ContextPart] = Field(description="The messages, in runs of one kind")
     recalled: list[RecalledPublic] = Field(
-        description="Why each message recalled into the memory message was picked, best first"
+        description="Why each message the memory message quotes was picked, best rank first"
     )
 
 

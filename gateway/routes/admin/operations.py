@@ -1,5 +1,5 @@
 """Admin routes across a tenant's conversations: search, and the background jobs (queue depth,
-failures, dead letters, retrying one)."""
+failures, dead letters, each job with the conversation it works on, retrying one)."""
 
 import logging
 from typing import Annotated
@@ -116,15 +116,11 @@ async def list_jobs(
             tenant_id=tenant_id,
             ids={job.conversation_id for job in records if job.conversation_id is not None},
         )
-    return JobsPublic(
-        depth=depth,
-        jobs=[
-            JobPublic.model_validate(job).model_copy(
-                update={"conversation": names.get(job.conversation_id or 0)}
-            )
-            for job in records
-        ],
-    )
+    listed = [JobPublic.model_validate(job) for job in records]
+    for job in listed:
+        if job.conversation_id is not None:
+            job.conversation = names.get(job.conversation_id)
+    return JobsPublic(depth=depth, jobs=listed)
 
 
 @router.post("/jobs/{job_id}/retry", summary="Retry a job now")

@@ -106,11 +106,11 @@ function text(message) {
 
 function recalled(why, id) {
   if (!Array.isArray(why)) return null;
-  const heading = h("h2", {}, "Why each recalled message was picked");
+  const heading = h("h2", {}, "Why each quoted message was picked");
   if (!why.length) return h("section", { class: "why" }, heading, empty("No past message was recalled for this question (the conversation fits, or nothing bore on it)."));
   return h(
     "section", { class: "why" }, heading,
-    h("p", { class: "muted" }, "Rank once the legs are fused (1: the best of every candidate), then each leg that found it. A message no leg found was lent part of a neighbour's score."),
+    h("p", { class: "muted" }, "Rank once the legs are fused (1: the best of every candidate), then each leg that found it. A message no leg found was lent part of a neighbour's score; a pinned milestone is in every prompt."),
     h("ol", { class: "why-list" }, why.map((one) => h(
       "li", { dataset: { nodeId: one.node_id } },
       h("a", { href: link(["c", id, "tree"], { node: one.node_id }) }, `message ${one.seq}`),
@@ -121,6 +121,7 @@ function recalled(why, id) {
       one.exact ? h("span", { class: "mark" }, "exact identifier") : null,
       one.standout ? h("span", { class: "mark" }, "standout") : null,
       one.lent ? h("span", { class: "mark" }, "lent by a neighbour") : null,
+      one.pinned ? h("span", { class: "mark pinned" }, "pinned milestone") : null,
     ))),
   );
 }
