@@ -27,19 +27,6 @@ RUN = uuid.uuid4().hex[:8]
 TOKEN = "browse-admin-token-0123456789"
 
 
-@pytest.fixture(scope="module")
-async def app(database_url: str, upstream: UpstreamServer) -> AsyncIterator[App]:
-    settings = Settings(database_url=database_url, upstream_base_url=upstream.url, workers=0)
-    async with running_app(settings) as running:
-        yield running
-
-
-@pytest.fixture
-async def admin(app: App) -> AsyncIterator[httpx.AsyncClient]:
-    async with app.client() as client:
-        yield client
-
-
 @pytest.fixture(scope="module", autouse=True)
 async def _delete_tenants_afterwards(app: App) -> AsyncIterator[None]:
     yield
@@ -125,6 +112,15 @@ async def test_the_roots_and_children_cover_every_message_once(
         first = await page(admin, tenant, conversation, parent=first["nodes"][0]["id"])
     assert first["nodes"][0]["text"] == messages[0]["content"]
     assert first["nodes"][0]["role"] == messages[0]["role"]
+    # A node's path: the summaries above it, the root first, each the parent of the next.
+    message = first["nodes"][0]
+    path = (await admin.get(f"/admin/nodes/{message['id']}/path", params={"tenant": tenant})).json()
+    assert path["conversation"] == conversation
+    assert path["path"][0]["id"] == roots["nodes"][0]["id"] and path["path"][-1] == message
+    for above, below in zip(path["path"], path["path"][1:], strict=False):
+        assert below["parent_id"] == above["id"] and below["level"] == above["level"] - 1
+    elsewhere = await admin.get(f"/admin/nodes/{message['id']}/path", params={"tenant": "default"})
+    assert elsewhere.status_code == 404
 
 
 async def test_pages_go_forwards_and_backwards_by_the_messages_they_cover(

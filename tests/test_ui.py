@@ -293,6 +293,56 @@ async def test_a_dry_run_shows_the_prompt_parts_with_the_apis_token_counts(
         await expect(item.locator(".rank")).to_have_text(f"rank {recalled['rank']}")
 
 
+async def test_the_graph_says_there_is_none_until_the_gateway_builds_one(
+    page: Page, gateway: GatewayProcess, data: Data
+) -> None:
+    await open_ui(page, gateway.root_url, data.tenant, f"#/c/{data.trip}/graph")
+    await expect(page.locator(".tab-panel .empty")).to_contain_text("No graph yet")
+
+
+async def test_a_graph_draws_its_concepts_and_lists_the_messages_of_one(
+    page: Page, gateway: GatewayProcess, data: Data, http: httpx.AsyncClient
+) -> None:
+    """`GET /admin/conversations/{id}/graph` comes with the concept graph (issue #14): until
+    then the browser stands in for it, answering with the shape the issue names (concepts with
+    their frequency and `schematic`, edges, a version); the messages a concept lists are real."""
+    fact = next(f for f in data.generated.facts if f.kind == "name")
+    graph = {
+        "version": 3,
+        "concepts": [
+            {"id": 1, "name": fact.value, "frequency": 7, "schematic": True},
+            {"id": 2, "name": "refund", "frequency": 2, "schematic": False},
+            {"id": 3, "name": "garden", "frequency": 1, "schematic": False},
+        ],
+        "edges": [{"source": 1, "target": 2, "kind": "co-occurs"}, {"source": 2, "target": 3}],
+    }
+    await page.route(f"**/admin/conversations/{data.trip}/graph*", lambda r: r.fulfill(json=graph))
+    await open_ui(page, gateway.root_url, data.tenant, f"#/c/{data.trip}/graph")
+    concepts = page.locator("svg.graph-drawing g.concept")
+    await expect(concepts).to_have_count(3)
+    await expect(page.locator("svg.graph-drawing line")).to_have_count(2)
+    await expect(page.locator("g.concept.schematic")).to_have_count(1)
+    await expect(page.locator("g.concept.schematic text")).to_have_text(fact.value)
+    await page.locator("g.concept.schematic").focus()
+    await page.keyboard.press("Enter")
+    mentions = page.locator(".concept-detail ul.mentions > li")
+    await expect(mentions.first).to_be_visible()
+    found = await http.get(
+        "/admin/search",
+        params={
+            "q": fact.value,
+            "conversation": data.trip,
+            "level": 0,
+            "limit": 50,
+            "tenant": data.tenant,
+        },
+    )
+    naming = [hit for hit in found.json()["data"] if fact.value.lower() in hit["text"].lower()]
+    assert await mentions.count() == len(naming) > 0
+    await mentions.first.locator("a").click()
+    await expect(page.locator("li.target")).to_contain_text(fact.value)
+
+
 async def test_a_dead_job_is_retried_from_the_page(
     page: Page, gateway: GatewayProcess, data: Data, http: httpx.AsyncClient
 ) -> None:

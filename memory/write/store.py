@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from sqlalchemy import Text, bindparam, exists, func, insert, select, update
+from sqlalchemy import Text, bindparam, exists, func, insert, literal, select, update
 from sqlalchemy.dialects.postgresql import aggregate_order_by
 from sqlalchemy.ext.asyncio import AsyncConnection
 
@@ -449,6 +449,28 @@ async def get_node(conn: AsyncConnection, *, tenant_id: int, node_id: int) -> No
     if row is None:
         raise NotFound(f"node {node_id} does not exist")
     return _node_record(row)
+
+
+async def node_path(conn: AsyncConnection, *, tenant_id: int, node_id: int) -> list[NodeRecord]:
+    """The node and the summaries above it, the root first; `NotFound` for a node that does not
+    exist for this tenant. One recursive query up the parent links, however deep the tree."""
+    up = (
+        select(nodes.c.id, nodes.c.parent_id, literal(0).label("depth"))
+        .where(nodes.c.id == node_id, nodes.c.tenant_id == tenant_id)
+        .cte("up", recursive=True)
+    )
+    up = up.union_all(
+        select(nodes.c.id, nodes.c.parent_id, (up.c.depth + 1).label("depth")).where(
+            nodes.c.id == up.c.parent_id, nodes.c.tenant_id == tenant_id
+        )
+    )
+    rows = await conn.execute(
+        select(nodes, *_node_extras()).join(up, up.c.id == nodes.c.id).order_by(up.c.depth.desc())
+    )
+    path = [_node_record(row) for row in rows]
+    if not path:
+        raise NotFound(f"node {node_id} does not exist")
+    return path
 
 
 @dataclass(frozen=True)

@@ -34,6 +34,7 @@ from gateway.routes.admin.models import (
     ImportResult,
     MessagePublic,
     MessagesPublic,
+    NodePathPublic,
     NodePublic,
     RecalledPublic,
     TreePagePublic,
@@ -370,6 +371,22 @@ async def node(
             conn, tenant_id=tenant_id, conversation_id=record.conversation_id
         )
     return node_public(record, external_id)
+
+
+@router.get("/nodes/{node_id}/path", summary="A node and the summaries above it")
+async def node_path(
+    node_id: Annotated[int, id_path("node")], engine: EngineDep, tenant_id: ScopeDep
+) -> NodePathPublic:
+    """The node's place in its conversation's tree: the summaries above it, the root first,
+    then the node."""
+    async with transaction(engine) as conn:
+        path = await store.node_path(conn, tenant_id=tenant_id, node_id=node_id)
+        external_id = await store.external_id(
+            conn, tenant_id=tenant_id, conversation_id=path[0].conversation_id
+        )
+    return NodePathPublic(
+        conversation=external_id, path=[node_public(record, external_id) for record in path]
+    )
 
 
 def node_public(record: store.NodeRecord, conversation: str) -> NodePublic:

@@ -169,6 +169,13 @@ class NodePublic(BaseModel):
     meta: dict[str, Any]
 
 
+class NodePathPublic(BaseModel):
+    conversation: str
+    path: list[NodePublic] = Field(
+        description="The summaries above the node, the root first, then the node"
+    )
+
+
 class HierarchyPublic(BaseModel):
     conversation: str
     levels: dict[str, int]

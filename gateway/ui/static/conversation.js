@@ -51,6 +51,11 @@ function figures(stats) {
   if (stats.memory_reuse !== undefined) extra.push(stat("Memory reuse", percent(stats.memory_reuse), "Share of a prompt that repeats the previous prompt's prefix"));
   if (stats.tokens_cached !== undefined) extra.push(stat("Cached tokens", number(stats.tokens_cached), "Prompt tokens the upstream reported as cached"));
   if (stats.compactions !== undefined) extra.push(stat("Compactions", number(stats.compactions)));
+  const context = stats.working_context;
+  if (context) {
+    extra.push(stat("Working context", `version ${number(context.version)} · ${number(context.tokens)} tokens · verbatim from message ${number(context.verbatim_from)}`,
+      "The prompt the next turn grows from: stable memory, then the verbatim turns", "wide"));
+  }
   return h(
     "dl", { class: "stats" },
     stat("Messages", number(stats.messages)),

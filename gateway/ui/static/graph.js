@@ -114,8 +114,11 @@ async function mentions(detail, id, chosen) {
       items = chosen.mentions.map((m) => (typeof m === "object" ? m : { node_id: m }));
       note = `${number(items.length)} messages mention it`;
     } else {
-      items = (await api("/search", { params: { q: chosen.name, conversation: id, level: [0], limit: 20 } })).data;
-      note = "Messages found by searching for it";
+      // The hybrid search also finds neighbours and near meanings: keep those that name it.
+      const name = chosen.name.toLowerCase();
+      const found = (await api("/search", { params: { q: chosen.name, conversation: id, level: [0], limit: 50 } })).data;
+      items = found.filter((hit) => hit.text.toLowerCase().includes(name));
+      note = "Messages that name it, found by searching for it";
     }
     replace(
       detail, h("h2", {}, chosen.name),

@@ -3,7 +3,7 @@
 // for every recalled message why it was picked (its rank once fused, and in each leg).
 
 import { api } from "./api.js";
-import { empty, errorPanel, field, h, number, replace } from "./dom.js";
+import { empty, errorPanel, field, h, number, percent, replace } from "./dom.js";
 import { link } from "./nav.js";
 
 const NAMES = {
@@ -62,6 +62,11 @@ function draw(built, id) {
       h("strong", { "data-total": built.tokens }, `${number(built.tokens)} tokens`),
       ` in ${number(built.messages.length)} messages`,
       counted ? ` (parts ${number(counted)} + reply priming ${number(priming)})` : ""),
+    built.reuse === undefined ? null : h("p", { class: "muted" },
+      `Repeats ${percent(built.reuse)} of the last prompt sent (${number(built.reused_tokens)} tokens, what a provider can cache)`,
+      built.working_context ? " · from the working context" : "",
+      built.compacted ? " · the working context would be compacted" : "",
+      built.prepared_recall ? " · recall prepared after the last reply" : ""),
     bar(parts, counted),
     h("ol", { class: "parts" }, parts.map((part, index) => partView(part, index, built))),
     recalled(built.recalled, id),

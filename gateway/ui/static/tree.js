@@ -24,16 +24,19 @@ export async function showTree(panel, id, query) {
   if (!tree.querySelector("li")) replace(tree, empty("Nothing stored in this conversation yet."));
 }
 
-// Loads the page of `parent`'s children (null: the roots) after or before a message seq into
-// `list`, before `anchor` (null: at the end), with buttons for the pages on the `sides` asked.
-async function loadPage(list, id, parent, range, { anchor = null, earlier = true, later = true } = {}) {
+// The page of `parent`'s children (null: the roots) after or before a message seq.
+function fetchPage(id, parent, { after, before }) {
+  return api(`/conversations/${encodeURIComponent(id)}/tree`, { params: { parent, after, before, limit: PAGE } });
+}
+
+// Draws that page (or the one `fetched` already asked for) into `list`, before `anchor` (null:
+// at the end), with buttons for the pages on the sides asked (`earlier`, `later`).
+async function loadPage(list, id, parent, range, { anchor = null, earlier = true, later = true, fetched = null } = {}) {
   const status = h("li", { class: "muted loading", role: "none" }, "Loading…");
   list.insertBefore(status, anchor);
   let page;
   try {
-    page = await api(`/conversations/${encodeURIComponent(id)}/tree`, {
-      params: { parent, after: range.after, before: range.before, limit: PAGE },
-    });
+    page = await (fetched || fetchPage(id, parent, range));
   } catch (error) {
     status.replaceWith(h("li", { role: "none" }, errorPanel("load this part of the tree", error)));
     return;
@@ -82,7 +85,7 @@ function summary(node, id) {
     children,
   );
   let loaded = false;
-  li.open = async (range = {}) => {
+  li.open = async (range = {}, fetched = null) => {
     li.setAttribute("aria-expanded", "true");
     toggle.setAttribute("aria-expanded", "true");
     toggle.setAttribute("aria-label", `Close ${label}`);
@@ -90,7 +93,7 @@ function summary(node, id) {
     children.hidden = false;
     if (!loaded) {
       loaded = true;
-      await loadPage(children, id, node.id, range);
+      await loadPage(children, id, node.id, range, { fetched });
     }
   };
   const close = () => {
@@ -178,24 +181,26 @@ function body(node) {
   return pieces.length ? pieces : h("p", { class: "muted" }, "(no text)");
 }
 
-// Opens the tree down to node `target`: its ancestors from the root, each opened at the page
-// holding the next one, then marks and focuses it.
+// Opens the tree down to node `target`: its path from the root in one request, then the page
+// of each level holding the next one, all asked for at once, drawn top down; marks and focuses it.
 async function openAt(tree, id, target) {
   let chain;
   try {
-    chain = [await api(`/nodes/${target}`)];
-    while (chain[0].parent_id) chain.unshift(await api(`/nodes/${chain[0].parent_id}`));
-    if (chain[0].conversation !== id) throw new Error(`node ${target} belongs to another conversation`);
+    const found = await api(`/nodes/${target}/path`);
+    if (found.conversation !== id) throw new Error(`node ${target} is in conversation ${found.conversation}, not this one`);
+    chain = found.path;
   } catch (error) {
     replace(tree, h("li", { role: "none" }, errorPanel(`find node ${target}`, error)));
     return;
   }
-  const start = (node) => (node.level === 0 ? Math.max(-1, node.seq - 1 - CONTEXT) : node.span[0] - 1);
-  await loadPage(tree, id, null, { after: start(chain[0]) });
-  for (let index = 0; index < chain.length - 1; index += 1) {
-    const li = tree.querySelector(`li[data-node-id="${chain[index].id}"]`);
+  const start = (node) => ({ after: node.level === 0 ? Math.max(-1, node.seq - 1 - CONTEXT) : node.span[0] - 1 });
+  const pages = chain.map((node, index) => fetchPage(id, index ? chain[index - 1].id : null, start(node)));
+  pages.forEach((page) => page.catch(() => {})); // each is reported where it is drawn
+  await loadPage(tree, id, null, start(chain[0]), { fetched: pages[0] });
+  for (let index = 1; index < chain.length; index += 1) {
+    const li = tree.querySelector(`li[data-node-id="${chain[index - 1].id}"]`);
     if (!li || !li.open) break;
-    await li.open({ after: start(chain[index + 1]) });
+    await li.open(start(chain[index]), pages[index]);
   }
   const found = tree.querySelector(`li[data-node-id="${target}"]`);
   if (!found) return;
