@@ -174,22 +174,20 @@ async def screenshots(page: Page, root: str, facts: list[synthetic.Fact]) -> lis
     await page.evaluate("window.scrollBy(0, 260)")
     await shot("tree")
 
-    fact = next(f for f in facts if f.kind == "reference")
+    question = "Which flight did we book to Nairobi, and with what seat?"
     await page.goto(f"{root}/ui/#/c/{LARGE}/search")
-    await page.fill("input[name=q]", fact.value)
+    await page.fill("input[name=q]", question)
     await page.click("form[role=search] button[type=submit]")
     await expect(page.locator("li.hit").first).to_be_visible()
-    await page.locator("li.hit").first.scroll_into_view_if_needed()
-    await page.evaluate("window.scrollBy(0, 200)")
+    await page.evaluate("document.querySelector('.tabs').scrollIntoView()")
     await shot("search")
 
     await page.goto(f"{root}/ui/#/c/{LARGE}/prompt")
-    await page.fill("textarea[name=query]", f"What was the booking reference {fact.value} for?")
+    await page.fill("textarea[name=query]", question)
     await page.fill("input[name=budget]", "4000")
     await page.click(".prompt-form button[type=submit]")
     await expect(page.locator(".why-list > li").first).to_be_visible()
-    await page.locator(".prompt-total").scroll_into_view_if_needed()
-    await page.evaluate("window.scrollBy(0, -40)")
+    await page.evaluate("document.querySelector('.prompt-form').scrollIntoView()")
     await shot("prompt")
 
     await page.goto(f"{root}/ui/#/jobs")

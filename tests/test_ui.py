@@ -293,6 +293,44 @@ async def test_a_dry_run_shows_the_prompt_parts_with_the_apis_token_counts(
         await expect(item.locator(".rank")).to_have_text(f"rank {recalled['rank']}")
 
 
+@pytest.mark.parametrize("width", [390, 1280])
+async def test_every_view_fits_the_width_without_sideways_scrolling(
+    browser: Browser, gateway: GatewayProcess, data: Data, width: int
+) -> None:
+    context = await browser.new_context(viewport={"width": width, "height": 844})
+    page = await context.new_page()
+    await open_ui(page, gateway.root_url, data.tenant)
+    views = {
+        "#/": "a.conversation-link",
+        f"#/c/{data.trip}/tree": "ul.tree li[role=treeitem]",
+        f"#/c/{data.trip}/search?q=refund": "li.hit",
+        f"#/c/{data.trip}/jobs": "tr.job",
+        "#/jobs": "tr.job",
+        "#/tenants": "tr[data-tenant]",
+    }
+    for route, drawn in views.items():
+        await page.goto(f"{gateway.root_url}/ui/{route}")
+        await expect(page.locator(drawn).first).to_be_visible()
+        if route.endswith("/tree"):  # open a node down to its messages
+            first = page.locator("ul.tree > li[role=treeitem]").first
+            await first.locator(":scope > .node-row > button.toggle").click()
+            await expect(first.locator("ul.children > li").first).to_be_visible()
+        wide = await page.evaluate("document.documentElement.scrollWidth")
+        assert wide <= width, (route, wide)
+    # Keyboard reachable: from the top of the page, Tab alone reaches the first conversation.
+    await page.goto(f"{gateway.root_url}/ui/#/")
+    first = page.locator("a.conversation-link").first
+    await expect(first).to_be_visible()
+    for _ in range(20):
+        await page.keyboard.press("Tab")
+        if await first.evaluate("element => element === document.activeElement"):
+            break
+    await expect(first).to_be_focused()
+    await page.keyboard.press("Enter")
+    await expect(page.locator("h1.conversation-id")).to_be_visible()
+    await context.close()
+
+
 async def test_the_graph_says_there_is_none_until_the_gateway_builds_one(
     page: Page, gateway: GatewayProcess, data: Data
 ) -> None:

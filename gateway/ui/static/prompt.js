@@ -88,7 +88,8 @@ function partView(part, index, built) {
   const messages = built.messages.slice(part.start, part.start + part.messages);
   return h(
     "li", { class: `part part-${part.label}`, dataset: { label: part.label, tokens: part.tokens ?? "" } },
-    h("details", { open: part.label !== "memory" && part.label !== "history" && part.label !== "stable" },
+    // The long parts start folded: the short ones say what this turn adds.
+    h("details", { open: ["system", "note", "new"].includes(part.label) },
       h("summary", {},
         h("span", { class: "part-name" }, NAMES[part.label] || part.label),
         h("span", { class: "part-count" }, `${number(part.messages)} message${part.messages === 1 ? "" : "s"}`),

@@ -53,6 +53,8 @@ function hits(found) {
       h("span", {}, hit.conversation),
       timeTag(hit.created_at),
       h("span", { class: "muted" }, `#${hit.node_id} · score ${hit.score.toFixed(3)}`)),
-    h("p", { class: "snippet" }, hit.text.length > 400 ? `${hit.text.slice(0, 400)}…` : hit.text),
+    hit.text
+      ? h("p", { class: "snippet" }, hit.text.length > 400 ? `${hit.text.slice(0, 400)}…` : hit.text)
+      : h("p", { class: "muted" }, "(no text: a tool call; open it in the tree)"),
   )));
 }
