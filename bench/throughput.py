@@ -61,7 +61,7 @@ from sqlalchemy import func, insert, select
 from devkit import synthetic
 from devkit.postgres import throwaway_postgres
 from devkit.upstream import UpstreamServer
-from gateway import background, importer, upstream
+from gateway import background, importer
 from gateway.settings import Settings
 from memory import tokens
 from memory.build import segments, tree
@@ -452,13 +452,9 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         settings = Settings(
             embedding_provider="upstream", upstream_base_url=fake.url, upstream_api_key="bench"
         )
-        client = await stack.enter_async_context(
-            upstream.make_client(
-                timeout=settings.upstream_timeout,
-                connect_timeout=settings.upstream_connect_timeout,
-            )
-        )
-        embedder = background.embedder(settings, client)
+        provider = background.provider(settings)
+        stack.push_async_callback(provider.aclose)
+        embedder = background.embedder(settings, provider)
     else:
         embedder = InstantEmbedder()
     await embedder.embed(["warm up the session"] * 8)

@@ -11,6 +11,8 @@ A behaviour is a JSON object with any of these keys (unknown keys are rejected w
   ``status >= 400`` or ``body`` is present the server answers exactly that (``body`` defaults
   to an OpenAI error body matching ``status``; ``status`` defaults to 200; a string body is
   sent as ``text/plain``). ``headers`` are added to every kind of answer.
+* ``sse`` (list of strings): answer ``200 text/event-stream`` with one ``data: ITEM`` event per
+  item, exactly as given (for malformed streams; add ``"[DONE]"`` to end it properly).
 * ``delay`` (seconds): sleep before answering (on top of the server's ``latency``).
 * ``chunk_delay`` (seconds): overrides the server's chunk delay for this stream.
 * ``reply`` (str): the assistant content instead of the echo.
@@ -62,6 +64,7 @@ _BEHAVIOUR_KEYS: Final = frozenset(
     {
         "status",
         "body",
+        "sse",
         "headers",
         "delay",
         "chunk_delay",
@@ -118,6 +121,10 @@ def validate_behaviour(raw: object) -> Behaviour:
         and all(isinstance(k, str) and isinstance(v, str) for k, v in raw["headers"].items())
     ):
         raise BehaviourError("'headers' must be an object of strings")
+    if "sse" in raw and not (
+        isinstance(raw["sse"], list) and all(isinstance(item, str) for item in raw["sse"])
+    ):
+        raise BehaviourError("'sse' must be a list of strings")
     for key in ("delay", "chunk_delay"):
         if key in raw and not (is_number(raw[key]) and raw[key] >= 0):
             raise BehaviourError(f"'{key}' must be a number >= 0")

@@ -18,6 +18,7 @@ from gateway.errors import install_handlers
 from gateway.key_grace import KeyGrace
 from gateway.logs import RequestIdMiddleware
 from gateway.metrics import Metrics, MetricsMiddleware
+from gateway.openai import responses
 from gateway.routes import admin, health, metrics, openai
 from gateway.settings import Settings
 from gateway.state import State
@@ -52,16 +53,16 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             )
             for one in clients:
                 stack.push_async_callback(one.aclose)
-            # Background calls (embeddings, summaries) are few: one client serves them.
-            client = clients[0]
+            upstream_api = background.provider(settings)
+            stack.push_async_callback(upstream_api.aclose)
             # Load the tokenizer now rather than on the first request.
             await asyncio.to_thread(tokens.get_encoding, "o200k_base")
             await migrate(engine)
             async with transaction(engine) as conn:
                 default_tenant = await store.tenant_id_by_name(conn)
-            embed = background.embedder(settings, client)
+            embed = background.embedder(settings, upstream_api)
             if settings.workers > 0:
-                config = background.tree_config(settings, client, embed)
+                config = background.tree_config(settings, upstream_api, embed)
                 runner = background.worker(
                     engine,
                     settings,
@@ -79,6 +80,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                     api_key=settings.upstream_api_key,
                     forward_client_auth=settings.auth == "off",
                     observe=app_metrics.observe_upstream,
+                    serves_responses=responses.serves_responses(settings),
                 ),
                 embedder=embed,
                 default_tenant_id=default_tenant,
@@ -94,6 +96,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                 )
             await stack.enter_async_context(mcp_endpoint.running())
             log.info("memstrata ready", extra={"upstream": settings.upstream_url})
+            stack.push_async_callback(state.close)
             yield {"memstrata": state}
 
     app = FastAPI(

@@ -12,10 +12,17 @@ Clients (`/v1`, `/mcp`)
     keeps serving known clients (`gateway.key_grace`). Revoking a key or deleting a tenant here
     forgets its entries.
 
-Admins (`/admin`)
+Admins (`/admin`, `/ui`)
     With `MEMSTRATA_ADMIN_TOKEN` set, every admin request needs `Authorization: Bearer <token>`
     (401 otherwise, from anywhere, loopback included). Without one, the admin API answers
-    loopback clients only (403 to others), whatever they send.
+    loopback clients only (403 to others), and only when they name a loopback `Host`
+    (`localhost`, `127.0.0.1` or `[::1]`, any port): a web page the operator visits could
+    otherwise reach it through DNS rebinding (its own name resolving to 127.0.0.1), since the
+    browser then sends that page's name as the `Host`. The client is the connection's peer;
+    proxy headers (`Forwarded`, `X-Forwarded-For`, `X-Real-IP`) name it instead only when that
+    peer is one of `MEMSTRATA_TRUSTED_PROXIES`. A request from loopback that carries proxy
+    headers from an untrusted peer is refused: it is probably a local proxy's, whose client is
+    not known.
 
 Metrics (`/metrics`)
     Readable with `MEMSTRATA_METRICS_TOKEN` (a scraper's token that opens nothing else), or as
@@ -28,7 +35,8 @@ Metrics (`/metrics`)
 import hmac
 import ipaddress
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from ipaddress import IPv4Network, IPv6Network
 
 from starlette.requests import HTTPConnection
 
@@ -85,6 +93,10 @@ async def tenant_from_headers(state: State, headers: Mapping[str, str]) -> int:
     return tenant_id
 
 
+_LOOPBACK_HOSTS = frozenset({"localhost", "127.0.0.1", "[::1]"})
+_PROXY_HEADERS = ("forwarded", "x-forwarded-for", "x-real-ip")
+
+
 def _is_loopback(host: str) -> bool:
     try:
         return ipaddress.ip_address(host).is_loopback
@@ -92,15 +104,57 @@ def _is_loopback(host: str) -> bool:
         return host == "localhost"
 
 
+def _host_name(value: str) -> str:
+    """The name of a `Host` header, its port left out (`[::1]:8080` → `[::1]`)."""
+    value = value.strip().lower()
+    if value.startswith("["):
+        return value[: value.find("]") + 1] if "]" in value else value
+    return value.rsplit(":", 1)[0] if value.count(":") == 1 else value
+
+
+def client_address(
+    connection: HTTPConnection, trusted: Sequence[IPv4Network | IPv6Network]
+) -> str | None:
+    """The client's address: the peer's, or, when the peer is a trusted proxy, the one its
+    headers name (`Forwarded: for=`, the last `X-Forwarded-For` hop, `X-Real-IP`); None when
+    a loopback peer relays proxy headers it is not trusted for."""
+    peer = connection.client.host if connection.client else ""
+    headers = connection.headers
+    if not _within(peer, trusted):
+        if _is_loopback(peer) and any(name in headers for name in _PROXY_HEADERS):
+            return None
+        return peer
+    if forwarded := headers.get("forwarded"):
+        last = forwarded.split(",")[-1]
+        for pair in last.split(";"):
+            key, _, value = pair.strip().partition("=")
+            if key.lower() == "for":
+                return value.strip().strip('"').removeprefix("[").split("]")[0]
+    if chain := headers.get("x-forwarded-for"):
+        return chain.split(",")[-1].strip()
+    return headers.get("x-real-ip", peer).strip()
+
+
+def _within(address: str, networks: Sequence[IPv4Network | IPv6Network]) -> bool:
+    try:
+        ip = ipaddress.ip_address(address)
+    except ValueError:
+        return False
+    return any(ip in network for network in networks)
+
+
 def check_admin(state: State, connection: HTTPConnection) -> None:
     """Let an admin request through, or refuse it (see the module's docstring)."""
     expected = state.settings.admin_token
     if expected is None:
-        host = connection.client.host if connection.client else ""
-        if not _is_loopback(host):
+        client = client_address(connection, state.settings.trusted_proxies or ())
+        host = _host_name(connection.headers.get("host", ""))
+        if client is None or not _is_loopback(client) or host not in _LOOPBACK_HOSTS:
             raise GatewayError(
                 403,
-                "the admin API answers loopback clients only while MEMSTRATA_ADMIN_TOKEN is unset",
+                "while MEMSTRATA_ADMIN_TOKEN is unset, the admin API answers loopback clients "
+                "only, addressed as localhost, 127.0.0.1 or [::1] (set a token to reach it "
+                "otherwise, or MEMSTRATA_TRUSTED_PROXIES behind a proxy)",
                 type="permission_error",
                 code="admin_forbidden",
             )

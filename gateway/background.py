@@ -10,7 +10,6 @@ import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
-import httpx
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from gateway.settings import Settings
@@ -19,33 +18,39 @@ from memory.build.segments import SegmentPolicy
 from memory.build.summarize import make_summarizer
 from memory.build.worker import JobObserver, Worker
 from memory.embeddings import Embedder, make_embedder
+from memory.provider import Provider
 
 log = logging.getLogger(__name__)
 
 
-def embedder(settings: Settings, client: httpx.AsyncClient) -> Embedder:
+def provider(settings: Settings) -> Provider:
+    """The upstream as background work calls it (embeddings, summaries), with retries; the
+    caller closes it."""
+    return Provider(
+        base_url=settings.upstream_url,
+        api_key=settings.upstream_api_key,
+        max_retries=settings.background_retries,
+        timeout=settings.upstream_timeout,
+    )
+
+
+def embedder(settings: Settings, upstream: Provider) -> Embedder:
     """The embedder the settings ask for (local ONNX by default, offline)."""
     return make_embedder(
         provider=settings.embedding_provider,
-        http_client=client,
-        base_url=settings.upstream_url,
-        api_key=settings.upstream_api_key,
+        upstream=upstream,
         model=settings.embedding_model,
         model_path=settings.embedding_model_path,
         tokenizer_path=settings.embedding_tokenizer_path,
     )
 
 
-def tree_config(settings: Settings, client: httpx.AsyncClient, embed: Embedder) -> tree.TreeConfig:
+def tree_config(settings: Settings, upstream: Provider, embed: Embedder) -> tree.TreeConfig:
     """How summary trees are built under these settings."""
     return tree.TreeConfig(
         embedder=embed,
         summarizer=make_summarizer(
-            settings.summary_mode,
-            client=client,
-            base_url=settings.upstream_url,
-            api_key=settings.upstream_api_key,
-            model=settings.summary_model,
+            settings.summary_mode, provider=upstream, model=settings.summary_model
         ),
         policy=SegmentPolicy(
             shift_threshold=settings.shift_threshold,

@@ -19,7 +19,6 @@ from tqdm import tqdm
 
 from gateway import background, importer, logs
 from gateway.settings import Settings
-from gateway.upstream import make_client
 from memory.build.worker import Worker
 from memory.db import connect, migrate
 from memory.errors import MemstrataError
@@ -213,11 +212,9 @@ async def _worker(
     engine: AsyncEngine, settings: Settings, *, concurrency: int
 ) -> AsyncIterator[Worker]:
     """A job worker configured from the settings, with its upstream client."""
-    client = make_client(
-        timeout=settings.upstream_timeout, connect_timeout=settings.upstream_connect_timeout
-    )
+    upstream = background.provider(settings)
     try:
-        config = background.tree_config(settings, client, background.embedder(settings, client))
+        config = background.tree_config(settings, upstream, background.embedder(settings, upstream))
         yield background.worker(engine, settings, config, concurrency=concurrency)
     finally:
-        await client.aclose()
+        await upstream.aclose()

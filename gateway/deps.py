@@ -8,15 +8,13 @@ client request acts for and `require_admin` guards the admin API; both are decid
 `gateway.auth`.
 """
 
-import json
-from typing import Annotated, Any
+from typing import Annotated
 
 from fastapi import Depends, Request, Security
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from gateway import auth
-from gateway.errors import GatewayError
 from gateway.state import State
 from gateway.upstream import Upstream
 
@@ -71,32 +69,3 @@ StateDep = Annotated[State, Depends(get_state)]
 EngineDep = Annotated[AsyncEngine, Depends(get_engine)]
 UpstreamDep = Annotated[Upstream, Depends(get_upstream)]
 TenantDep = Annotated[int, Depends(get_tenant_id)]
-
-
-async def read_json(request: Request, *, max_bytes: int) -> Any:
-    """The request's JSON body, refusing bodies over `max_bytes` before reading them whole."""
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > max_bytes:
-        raise _too_large(max_bytes)
-    body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > max_bytes:
-            raise _too_large(max_bytes)
-    try:
-        return json.loads(body, parse_constant=_no_constant)
-    except ValueError as exc:
-        raise GatewayError(400, f"the body is not valid JSON: {exc}", code="invalid_json") from exc
-
-
-def _no_constant(name: str) -> Any:
-    """NaN and ±Infinity are not JSON (RFC 8259); Python's parser would accept them."""
-    raise ValueError(f"{name} is not a JSON value")
-
-
-def _too_large(max_bytes: int) -> GatewayError:
-    return GatewayError(
-        413,
-        f"the body is larger than {max_bytes} bytes (MEMSTRATA_MAX_BODY_BYTES)",
-        code="request_too_large",
-    )

@@ -189,7 +189,11 @@ async def _call_tool(
             ref = await store.find_conversation(conn, tenant_id=tenant_id, external_id=conversation)
             text = await tools.call(
                 conn,
-                tools.Scope(tenant_id=tenant_id, conversation_id=ref.id),
+                tools.Scope(
+                    tenant_id=tenant_id,
+                    conversation_id=ref.id,
+                    abandoned=state.settings.recall_abandoned_branches == "on",
+                ),
                 name=params.name,
                 arguments=arguments,
                 embedder=state.embedder,

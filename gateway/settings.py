@@ -7,10 +7,10 @@ class by a test, so a field added here must be documented there.
 """
 
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import AnyHttpUrl, Field, SecretStr, field_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import AnyHttpUrl, Field, IPvAnyNetwork, SecretStr, field_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 OnOff = Literal["on", "off"]
 
@@ -27,6 +27,7 @@ class Settings(BaseSettings):
     port: int = Field(default=8080, ge=1, le=65535)
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     max_body_bytes: int = Field(default=8 * 1024 * 1024, ge=1024)
+    max_messages: int = Field(default=10_000, ge=1)
 
     # Storage
     data_dir: Path = Path(".memstrata")
@@ -38,6 +39,9 @@ class Settings(BaseSettings):
     upstream_api_key: str | None = None
     upstream_timeout: float = Field(default=600.0, gt=0)
     upstream_connect_timeout: float = Field(default=10.0, gt=0)
+    background_retries: int = Field(default=2, ge=0, le=10)
+    # Whether the upstream serves `POST /responses` (`gateway.openai.responses`).
+    upstream_responses: Literal["auto", "on", "off"] = "auto"
 
     # Background work
     workers: int = Field(default=1, ge=0, le=64)
@@ -65,6 +69,11 @@ class Settings(BaseSettings):
     context_window: int = Field(default=32768, ge=1024)
     output_reserve: int = Field(default=4096, ge=0)
     cross_conversation: OnOff = "on"
+    # Recall (the prompt's memory and the memory tools) also draws on messages that left
+    # their conversation's current branch (an edited message, a regenerated answer).
+    recall_abandoned_branches: OnOff = "off"
+    # How long an `Idempotency-Key` names the request that first carried it (0: not at all).
+    idempotency_window_seconds: float = Field(default=86400.0, ge=0)
 
     # Memory tools
     memory_tools: Literal["always", "auto", "never"] = "auto"
@@ -77,11 +86,20 @@ class Settings(BaseSettings):
     admin_token: SecretStr | None = None
     metrics_token: SecretStr | None = None
     key_grace_seconds: float = Field(default=300.0, ge=0)
+    trusted_proxies: Annotated[tuple[IPvAnyNetwork, ...] | None, NoDecode] = None
 
     # Operations
     fail_open: OnOff = "off"
     log_format: Literal["json", "text"] = "json"
     metrics_refresh_seconds: float = Field(default=5.0, ge=0)
+
+    @field_validator("trusted_proxies", mode="before")
+    @classmethod
+    def _networks(cls, value: Any) -> Any:
+        """A comma-separated list of addresses or networks (`10.0.0.5, 172.16.0.0/12`)."""
+        if isinstance(value, str):
+            return tuple(part.strip() for part in value.split(",") if part.strip())
+        return value
 
     @field_validator("database_url")
     @classmethod

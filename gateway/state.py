@@ -4,7 +4,10 @@ A leaf: it imports the types it holds and nothing that reads a request, so that 
 and the OpenAI surface can all depend on it without depending on each other.
 """
 
+import asyncio
+from collections.abc import Coroutine
 from dataclasses import dataclass, field
+from typing import Any
 
 from sqlalchemy.ext.asyncio import AsyncEngine
 
@@ -27,3 +30,16 @@ class State:
     default_tenant_id: int
     metrics: Metrics = field(default_factory=Metrics)
     key_grace: KeyGrace = field(default_factory=lambda: KeyGrace(seconds=0))
+    tasks: set[asyncio.Task[None]] = field(default_factory=set)
+
+    def spawn(self, work: Coroutine[Any, Any, None]) -> None:
+        """Run `work` after the response, held until it ends or the app stops (`close`)."""
+        task = asyncio.get_running_loop().create_task(work)
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+
+    async def close(self) -> None:
+        """Cancel what `spawn` started and still runs, and wait for it to end."""
+        for task in list(self.tasks):
+            task.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)

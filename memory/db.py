@@ -117,6 +117,25 @@ async def transaction(engine: AsyncEngine) -> AsyncIterator[AsyncConnection]:
     except (OperationalError, InterfaceError, OSError, TimeoutError) as exc:
         raise StorageUnavailable(f"the database is unavailable: {type(exc).__name__}") from exc
     except DBAPIError as exc:
-        if exc.connection_invalidated:
-            raise StorageUnavailable("the database connection was lost") from exc
+        if unavailable(exc):
+            raise StorageUnavailable(f"the database is unavailable: {_reason(exc)}") from exc
         raise
+
+
+# SQLSTATE classes that say the server, not the statement, failed: connection exceptions,
+# insufficient resources, operator intervention (shutting down, restarting), system errors.
+_SERVER_CLASSES = ("08", "53", "57", "58")
+
+
+def unavailable(exc: DBAPIError) -> bool:
+    """Whether a driver error means the database cannot serve now (a restart, a lost or
+    refused connection), as opposed to a statement it refused."""
+    if exc.connection_invalidated:
+        return True
+    sqlstate = getattr(exc.orig, "sqlstate", None) or ""
+    return sqlstate[:2] in _SERVER_CLASSES
+
+
+def _reason(exc: DBAPIError) -> str:
+    cause = exc.orig.__cause__ or exc.orig if exc.orig is not None else exc
+    return f"{type(cause).__name__}: {cause}"

@@ -30,11 +30,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
-import httpx
 import numpy as np
 import numpy.typing as npt
 
 from memory.errors import ProviderError, SchemaMismatch
+from memory.provider import Provider
 from memory.schema import EMBEDDING_DIM
 
 if TYPE_CHECKING:
@@ -244,9 +244,8 @@ def _pool(hidden: npt.NDArray[np.float32], mask: npt.NDArray[np.int64]) -> npt.N
 
 
 class UpstreamEmbedder:
-    """An OpenAI-compatible ``POST {base_url}/embeddings`` endpoint.
-
-    The client is shared and owned by the caller (its timeouts and pool apply). With
+    """An OpenAI-compatible ``POST {base_url}/embeddings`` endpoint, reached through
+    `memory.provider` (shared and owned by the caller: its retries and timeout apply). With
     ``send_dimensions`` the request asks for ``dim``-wide vectors, which models such as
     text-embedding-3-* honour; other servers may reject the field, so it is off by default.
 
@@ -260,19 +259,15 @@ class UpstreamEmbedder:
 
     def __init__(
         self,
-        client: httpx.AsyncClient,
+        provider: Provider,
         *,
-        base_url: str,
-        api_key: str | None,
         model: str,
         dim: int,
         send_dimensions: bool = False,
     ) -> None:
         self.name = model
         self.dim = dim
-        self._client = client
-        self._url = base_url.rstrip("/") + "/embeddings"
-        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._provider = provider
         self._model = model
         self._send_dimensions = send_dimensions
 
@@ -292,19 +287,7 @@ class UpstreamEmbedder:
         }
         if self._send_dimensions:
             payload["dimensions"] = self.dim
-        try:
-            response = await self._client.post(self._url, json=payload, headers=self._headers)
-            response.raise_for_status()
-            body = response.json()
-        except httpx.HTTPStatusError as exc:
-            detail = exc.response.text[:500]
-            raise ProviderError(
-                f"embeddings upstream answered {exc.response.status_code}: {detail}"
-            ) from exc
-        except httpx.HTTPError as exc:
-            raise ProviderError(f"embeddings upstream unreachable: {exc!r}") from exc
-        except ValueError as exc:  # the body is not JSON
-            raise ProviderError("embeddings upstream sent a body that is not JSON") from exc
+        body = await self._provider.post("embeddings", payload, what="embeddings")
         return self._parse(body, len(texts))
 
     def _parse(self, body: Any, expected: int) -> list[list[float]]:
@@ -347,9 +330,7 @@ def _decode(embedding: list[Any] | str) -> list[float]:
 def make_embedder(
     *,
     provider: Literal["local", "upstream"],
-    http_client: httpx.AsyncClient | None = None,
-    base_url: str | None = None,
-    api_key: str | None = None,
+    upstream: Provider | None = None,
     model: str | None = None,
     model_path: str | Path | None = None,
     tokenizer_path: str | Path | None = None,
@@ -369,12 +350,10 @@ def make_embedder(
             model_path, tokenizer_path, intra_op_num_threads=intra_op_num_threads
         )
     elif provider == "upstream":
-        if http_client is None or not base_url or not model:
-            raise ValueError("the upstream embedder needs http_client, base_url and model")
+        if upstream is None or not model:
+            raise ValueError("the upstream embedder needs an upstream provider and a model")
         embedder = UpstreamEmbedder(
-            http_client,
-            base_url=base_url,
-            api_key=api_key,
+            upstream,
             model=model,
             dim=dim,
             send_dimensions=send_dimensions,

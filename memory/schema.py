@@ -72,8 +72,10 @@ conversations = Table(
     Column("tenant_id", BigInteger, ForeignKey("tenants.id", ondelete="CASCADE"), nullable=False),
     Column("external_id", Text, nullable=False),
     Column("user_id", Text),
-    # Hash of the whole stored message chain: an incoming history that contains it extends us.
+    # Chain hash and seq of the current branch's last message (`memory.write.identity`): an
+    # incoming history that contains the hash extends the branch (head_seq: migration 0009).
     Column("head_hash", Text),
+    Column("head_seq", Integer),
     Column("next_seq", Integer, nullable=False, server_default="0"),
     Column("token_count", BigInteger, nullable=False, server_default="0"),
     # Answered chat requests, the prompt tokens sent upstream for them, and the tokens their
@@ -115,10 +117,19 @@ nodes = Table(
     Column("tool_calls", JSONB),
     Column("tool_call_id", Text),
     Column("chain_hash", Text),
+    # Messages (migration 0009): when the message left the conversation's current branch (an
+    # edit or a regenerated answer branched off before it; NULL: it is on the branch); the seq
+    # of the message it follows when that is not the one stored just before it (-1: the
+    # root); the request that brought it (`identity.RequestKey`), for telling retries.
+    Column("superseded_at", DateTime(timezone=True)),
+    Column("follows_seq", Integer),
+    Column("request_key", Text),
     # Plain text of the node (message text, or a summary's narrative): what is searched.
     Column("text", Text, nullable=False, server_default=""),
     Column("facts", JSONB),
     Column("method", Text),
+    # Summaries: the model that wrote them; messages: the model whose reply the gateway
+    # recorded (NULL for what the client sent).
     Column("model", Text),
     Column("token_count", Integer, nullable=False, server_default="0"),
     Column("embedding", Vector(EMBEDDING_DIM)),
@@ -127,6 +138,8 @@ nodes = Table(
     Column("pinned", Boolean, nullable=False, server_default=text("false")),
     # 'complete', or 'incomplete' for a reply whose upstream stream was cut.
     Column("status", Text, nullable=False, server_default="complete"),
+    # True when text Postgres cannot hold (NUL, unpaired surrogates) was stored escaped.
+    Column("escaped", Boolean, nullable=False, server_default=text("false")),
     Column("meta", JSONB, nullable=False, server_default=text("'{}'::jsonb")),
     _created_at(),
     UniqueConstraint("conversation_id", "level", "seq", name="uq_nodes_conversation_level_seq"),
@@ -147,6 +160,14 @@ nodes = Table(
         "seq",
         postgresql_where=text("pinned AND level = 0"),
     ),
+    # Finding where an incoming history leaves a stored one, and the request of a retry.
+    Index("ix_nodes_chain", "tenant_id", "chain_hash", postgresql_where=text("level = 0")),
+    Index(
+        "ix_nodes_request",
+        "conversation_id",
+        "request_key",
+        postgresql_where=text("request_key IS NOT NULL"),
+    ),
     Index(
         "ix_nodes_unembedded",
         "conversation_id",
@@ -166,6 +187,28 @@ passages = Table(
     Column("ordinal", SmallInteger, primary_key=True),
     Column("tenant_id", BigInteger, ForeignKey("tenants.id", ondelete="CASCADE"), nullable=False),
     Column("embedding", Vector(EMBEDDING_DIM), nullable=False),
+)
+
+responses = Table(
+    "responses",
+    metadata,
+    # A Responses API answer (`memory.write.responses`): the conversation it continued, where it
+    # ended (the seq of its last stored message, the conversation's head hash after it), the
+    # response object as the client saw it and the input items of its request (migration 0007).
+    Column("tenant_id", BigInteger, ForeignKey("tenants.id", ondelete="CASCADE"), primary_key=True),
+    Column("response_id", Text, primary_key=True),
+    Column(
+        "conversation_id",
+        BigInteger,
+        ForeignKey("conversations.id", ondelete="CASCADE"),
+        nullable=False,
+    ),
+    Column("last_seq", Integer, nullable=False),
+    Column("head_hash", Text),
+    Column("body", JSONB, nullable=False),
+    Column("input_items", JSONB, nullable=False),
+    _created_at(),
+    Index("ix_responses_conversation", "conversation_id"),
 )
 
 jobs = Table(

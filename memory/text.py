@@ -1,4 +1,5 @@
-"""Text utilities shared by the build and recall paths: word lists and the sentence splitter.
+"""Text utilities shared by every path: word lists, the sentence splitter, and escaping the text
+Postgres cannot hold.
 
 Pure, deterministic, no I/O.
 
@@ -31,7 +32,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable
-from typing import Final
+from typing import Any, Final
 
 __all__ = [
     "ABBREVIATIONS",
@@ -220,3 +221,26 @@ def split_sentences(text: str, *, prose: bool = False) -> list[str]:
         for start, end in zip(starts, ends, strict=True)
         if (sentence := text[start:end].strip())
     ]
+
+
+# -- text Postgres cannot hold --------------------------------------------------------------
+
+
+def escape_unstorable(value: Any) -> tuple[Any, bool]:
+    """`value` (a string, or lists and objects of them) with the text Postgres refuses made
+    storable, and whether anything was: a NUL becomes the six characters `\\u0000` and an
+    unpaired surrogate its `\\udXXX` escape, so nothing of an upstream's answer is lost."""
+    if isinstance(value, str):
+        if "\x00" not in value and value.isascii():
+            return value, False
+        escaped = value.replace("\x00", "\\u0000")
+        escaped = escaped.encode("utf-8", "backslashreplace").decode("utf-8")
+        return escaped, escaped != value
+    if isinstance(value, list):
+        items = [escape_unstorable(item) for item in value]
+        return [item for item, _ in items], any(changed for _, changed in items)
+    if isinstance(value, dict):
+        pairs = [(escape_unstorable(k), escape_unstorable(v)) for k, v in value.items()]
+        changed = any(key[1] or item[1] for key, item in pairs)
+        return {key[0]: item[0] for key, item in pairs}, changed
+    return value, False

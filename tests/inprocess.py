@@ -44,7 +44,7 @@ class App:
             app=asgi, client=(host, 1234), raise_app_exceptions=raise_app_exceptions
         )
         return httpx.AsyncClient(
-            transport=transport, base_url="http://testserver", headers=headers, timeout=30
+            transport=transport, base_url="http://localhost", headers=headers, timeout=30
         )
 
 

@@ -8,6 +8,7 @@ conversations, messages and queued jobs before and after each request.
 """
 
 import dataclasses
+import functools
 import json
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -27,6 +28,7 @@ from gateway.settings import Settings
 from gateway.state import State
 from memory.db import connect
 from memory.schema import conversations, jobs, nodes
+from tests.inprocess import running_app
 
 MAX_BODY = 4096
 CHAT = "/v1/chat/completions"
@@ -57,7 +59,7 @@ class InProcess:
             await app(scope, receive, send)
 
         transport = httpx.ASGITransport(app=asgi, client=(host, 1234))
-        return httpx.AsyncClient(transport=transport, base_url="http://testserver")
+        return httpx.AsyncClient(transport=transport, base_url="http://localhost")
 
 
 @pytest.fixture(scope="module")
@@ -358,6 +360,8 @@ BAD_IDS = {
     "slash": "conv/1",
     "empty": "",
     "percent": "conv%201",
+    "dot": ".",
+    "dot dot": "..",
 }
 
 
@@ -435,6 +439,72 @@ async def test_admin_unknown_conversation_is_404(client: httpx.AsyncClient) -> N
 
 async def test_admin_bad_conversation_id_is_400(client: httpx.AsyncClient) -> None:
     _assert_openai_error(await client.get(f"/admin/conversations/{'c' * 129}/messages"), 400)
+    for dots in ("..%2E", "%2E%2E%2E"):  # ids of dots alone, which URLs would resolve
+        response = await client.get(f"/admin/conversations/{dots}/messages")
+        assert response.status_code in (400, 404), dots
+
+
+# -- hostile input found by the fault and fuzz runs (each a 500 once) ----------------------
+
+VALID = b'"model": "m", "messages": [{"role": "user", "content": "x"}]'
+HOSTILE = {
+    # A lone surrogate in a field passed through upstream cannot be encoded to UTF-8.
+    "surrogate in metadata": b"{" + VALID + b', "metadata": {"k": "\\ud800"}}',
+    "surrogate in stop": b"{" + VALID + b', "stop": ["\\udfff"]}',
+    "surrogate in a key": b"{" + VALID + b', "metadata": {"\\ud800": "v"}}',
+    # Finite in JSON's grammar, infinite as a double.
+    "1e400": b"{" + VALID + b', "temperature": 1e400}',
+    "-1e400": b"{" + VALID + b', "top_p": -1e400}',
+    # Nesting: 1,000 levels raised RecursionError; the documented limit is 64.
+    "1000 levels": b"{" + VALID + b', "metadata": ' + b"[" * 1000 + b"]" * 1000 + b"}",
+    "65 levels": b"{" + VALID + b', "x": ' + b"[" * 64 + b"]" * 64 + b"}",
+}
+
+
+@pytest.mark.parametrize("raw", HOSTILE.values(), ids=HOSTILE.keys())
+async def test_hostile_bodies_are_400_before_anything_is_stored(
+    client: httpx.AsyncClient, refused: _Refused, raw: bytes
+) -> None:
+    error = await refused(400, lambda: client.post(CHAT, content=raw, headers=JSON_HEADERS))
+    assert error["code"] in ("invalid_value", "invalid_json")
+
+
+async def test_64_levels_of_nesting_are_accepted(client: httpx.AsyncClient) -> None:
+    raw = b"{" + VALID + b', "x": ' + b"[" * 63 + b"]" * 63 + b"}"
+    response = await client.post(CHAT, content=raw, headers=JSON_HEADERS)
+    assert response.status_code == 200, response.text
+
+
+# Header bytes are read as latin-1: 0xB2 is "²", which `str.isdigit` accepts and `int` refuses.
+BAD_BUDGETS = {
+    "superscript two": "²".encode("latin-1"),
+    "superscripts": "1²³".encode("latin-1"),
+    "100,000 digits": b"9" * 100_000,
+}
+
+
+@pytest.mark.parametrize("budget", BAD_BUDGETS.values(), ids=BAD_BUDGETS.keys())
+async def test_budget_header_of_other_digits_is_400(
+    client: httpx.AsyncClient, refused: _Refused, budget: bytes
+) -> None:
+    body = {"model": "m", "messages": _user()}
+    headers = {"X-Memstrata-Budget": budget}
+    error = await refused(400, lambda: client.post(CHAT, json=body, headers=headers))
+    assert error["param"] == "X-Memstrata-Budget"
+
+
+@pytest.mark.parametrize("path", [CHAT, "/v1/embeddings", "/admin/conversations/ct/messages"])
+async def test_a_body_that_is_not_json_is_415_everywhere(
+    client: httpx.AsyncClient, refused: _Refused, path: str
+) -> None:
+    body = json.dumps({"model": "m", "messages": _user(), "input": "x"})
+    for media in ("text/plain", "application/x-www-form-urlencoded"):
+        send = functools.partial(client.post, path, content=body, headers={"content-type": media})
+        error = await refused(415, send)
+        assert (error["code"], error["param"]) == ("unsupported_media_type", "Content-Type")
+    for media in ("application/json; charset=utf-8", "application/merge-patch+json"):
+        response = await client.post(CHAT, content=body, headers={"content-type": media})
+        assert response.status_code == 200, (media, response.text)
 
 
 # -- other routes --------------------------------------------------------------------------
@@ -445,7 +515,9 @@ async def test_unknown_route_is_404_openai_shape(client: httpx.AsyncClient) -> N
 
 
 async def test_wrong_method_is_405_openai_shape(client: httpx.AsyncClient) -> None:
-    _assert_openai_error(await client.get(CHAT), 405)
+    # Not a /v1 path: every method of those is the upstream's to answer (GET /v1/chat/completions
+    # lists OpenAI's stored completions), so they are relayed.
+    _assert_openai_error(await client.post("/healthz"), 405)
 
 
 async def test_healthz_and_readyz(client: httpx.AsyncClient) -> None:
@@ -467,3 +539,19 @@ async def test_readyz_answers_503_when_the_database_is_unreachable(gateway: InPr
     assert healthz.status_code == 200  # the process is up ...
     assert readyz.status_code == 503  # ... but not ready
     assert readyz.json()["status"] == "unavailable"
+
+
+async def test_too_many_messages_is_413_before_anything_is_stored(
+    database_url: str, engine: AsyncEngine, upstream: UpstreamServer
+) -> None:
+    settings = Settings(
+        database_url=database_url, upstream_base_url=upstream.url, workers=0, max_messages=3
+    )
+    async with running_app(settings) as app, app.client() as client:
+        refused = _Refused(engine, app.state, upstream)
+        for count in (4, 7):  # over the limit; over twice the limit (refused unparsed)
+            body = {"model": "m", "messages": _user() * count}
+            error = await refused(413, functools.partial(client.post, CHAT, json=body))
+            assert (error["code"], error["param"]) == ("too_many_messages", "messages")
+        response = await client.post(CHAT, json={"model": "m", "messages": _user() * 3})
+        assert response.status_code == 200, response.text

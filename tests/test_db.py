@@ -1,9 +1,12 @@
-"""The database layer: transactions over a pool whose connections may have died, and the
-migration that keeps each conversation's system prompt fingerprint."""
+"""The database layer: transactions over a pool whose connections may have died, the migration
+that keeps each conversation's system prompt fingerprint, and the one that rehashes chains."""
 
 import asyncio
+import importlib.util
+import json
 import uuid
 from collections.abc import AsyncIterator, Callable
+from types import ModuleType
 
 import asyncpg
 import pytest
@@ -51,11 +54,11 @@ async def empty_database(database_url: str) -> AsyncIterator[str]:
         await server.close()
 
 
-def _upgrade_to(revision: str) -> Callable[[Connection], None]:
+def _upgrade_to(revision: str, *, down: bool = False) -> Callable[[Connection], None]:
     def upgrade(connection: Connection) -> None:
         config = Config(str(ALEMBIC_INI))
         config.attributes["connection"] = connection
-        command.upgrade(config, revision)
+        (command.downgrade if down else command.upgrade)(config, revision)
 
     return upgrade
 
@@ -92,5 +95,100 @@ async def test_migration_0005_fingerprints_the_newest_system_prompt(empty_databa
             )
             found = {external_id: system_hash for external_id, system_hash in rows}
         assert found == {"with": identity.content_hash([{"text": "new"}]), "without": None}
+    finally:
+        await engine.dispose()
+
+
+def _migration_0009() -> ModuleType:
+    path = ALEMBIC_INI.parent / "migrations" / "versions" / "0009_branches.py"
+    spec = importlib.util.spec_from_file_location("migration_0009", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+async def test_migration_0009_rehashes_chains_so_old_conversations_keep_matching(
+    empty_database: str,
+) -> None:
+    """A conversation stored with the old hashes is found by a history whose tool arguments
+    and empty content a client re-serialized, after the migration; the downgrade puts the old
+    hashes back."""
+    old = _migration_0009()
+    call = {"id": "c1", "type": "function", "function": {"name": "add", "arguments": '{"x":1}'}}
+    messages = [
+        {"role": "user", "content": [{"type": "text", "text": "add"}]},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c1", "content": "2"},
+        {"role": "assistant", "content": "two"},
+    ]
+    old_hashes: list[str] = []
+    for message in messages:
+        old_hashes.append(old._old_chain_hash(old_hashes[-1] if old_hashes else "", message))
+    engine = connect(empty_database)
+    try:
+        async with engine.connect() as conn:
+            await conn.run_sync(_upgrade_to("0006"))
+            await conn.commit()
+        async with transaction(engine) as conn:
+            tenant = await conn.scalar(text("INSERT INTO tenants (name) VALUES ('t') RETURNING id"))
+            conversation = await conn.scalar(
+                text(
+                    "INSERT INTO conversations (tenant_id, external_id, head_hash, next_seq) "
+                    "VALUES (:tenant, 'old', :head, 4) RETURNING id"
+                ),
+                {"tenant": tenant, "head": old_hashes[-1]},
+            )
+            for seq, (message, digest) in enumerate(zip(messages, old_hashes, strict=True)):
+                await conn.execute(
+                    text(
+                        "INSERT INTO nodes (tenant_id, conversation_id, level, seq, span_start, "
+                        "span_end, role, content, tool_calls, tool_call_id, text, chain_hash) "
+                        "VALUES (:tenant, :conversation, 0, :seq, :seq, :seq, :role, "
+                        "CAST(:content AS jsonb), CAST(:calls AS jsonb), :call_id, '', :hash)"
+                    ),
+                    {
+                        "tenant": tenant,
+                        "conversation": conversation,
+                        "seq": seq,
+                        "role": message["role"],
+                        "content": json.dumps(message["content"]),
+                        "calls": json.dumps(message.get("tool_calls")),
+                        "call_id": message.get("tool_call_id"),
+                        "hash": digest,
+                    },
+                )
+        await migrate(engine)
+        resent = [
+            {"role": "user", "content": "add"},
+            {
+                **messages[1],
+                "content": "",
+                "tool_calls": [{**call, "function": {"name": "add", "arguments": '{"x": 1}'}}],
+            },
+            *messages[2:],
+            {"role": "user", "content": "and again"},
+        ]
+        async with transaction(engine) as conn:
+            row = (
+                await conn.execute(
+                    select(conversations.c.head_hash, conversations.c.head_seq).where(
+                        conversations.c.id == conversation
+                    )
+                )
+            ).one()
+            assert (row.head_hash, row.head_seq) == (identity.chain(messages)[-1], 3)
+            found = await identity.identify(
+                conn, tenant_id=tenant, external_id=None, user=None, messages=resent
+            )
+            assert (found.row.id, found.start, found.created) == (conversation, 4, False)
+        async with engine.connect() as conn:
+            await conn.run_sync(_upgrade_to("0006", down=True))
+            await conn.commit()
+            hashes = await conn.scalars(
+                text("SELECT chain_hash FROM nodes WHERE conversation_id = :c ORDER BY seq"),
+                {"c": conversation},
+            )
+            assert list(hashes) == old_hashes
     finally:
         await engine.dispose()

@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import json
 import math
 import struct
 from pathlib import Path
 from typing import Any
 
-import httpx
+import httpx2
 import numpy as np
+import openai
 import pytest
 
 from memory.embeddings import (
@@ -23,6 +25,7 @@ from memory.embeddings import (
     make_embedder,
 )
 from memory.errors import ProviderError, SchemaMismatch
+from memory.provider import Provider
 
 SENTENCES = [
     "The cat sits on the mat",
@@ -164,30 +167,37 @@ class FakeUpstream:
 
     def __init__(self, dim: int = EMBEDDING_DIM) -> None:
         self.dim = dim
-        self.requests: list[httpx.Request] = []
+        self.requests: list[httpx2.Request] = []
 
-    def __call__(self, request: httpx.Request) -> httpx.Response:
+    def __call__(self, request: httpx2.Request) -> httpx2.Response:
         self.requests.append(request)
         body = json.loads(request.content)
         data = [
             {"object": "embedding", "index": i, "embedding": _fake_vector(int(text), self.dim)}
             for i, text in enumerate(body["input"])
         ]
-        return httpx.Response(200, json={"object": "list", "data": data[::-1]})
+        return httpx2.Response(200, json={"object": "list", "data": data[::-1]})
 
 
-def _upstream(handler: Any, *, dim: int = EMBEDDING_DIM) -> tuple[httpx.AsyncClient, Embedder]:
-    client = httpx.AsyncClient(transport=httpx.MockTransport(handler))
-    embedder = UpstreamEmbedder(
-        client, base_url="http://upstream.test/v1/", api_key="sk-test", model="m", dim=dim
+def _provider(handler: Any, *, api_key: str | None = "sk-test", retries: int = 0) -> Provider:
+    client = httpx2.AsyncClient(transport=httpx2.MockTransport(handler))
+    return Provider(
+        base_url="http://upstream.test/v1/",
+        api_key=api_key,
+        max_retries=retries,
+        http_client=client,
     )
-    return client, embedder
+
+
+def _upstream(handler: Any, *, dim: int = EMBEDDING_DIM) -> tuple[Provider, Embedder]:
+    provider = _provider(handler)
+    return provider, UpstreamEmbedder(provider, model="m", dim=dim)
 
 
 async def test_upstream_orders_by_index_and_batches() -> None:
     fake = FakeUpstream()
-    client, embedder = _upstream(fake)
-    async with client:
+    provider, embedder = _upstream(fake)
+    async with contextlib.aclosing(provider):
         texts = [str(i) for i in range(300)]
         vectors = await embedder.embed(texts)
     assert [v[0] for v in vectors] == [float(i) for i in range(300)]
@@ -203,22 +213,22 @@ async def test_upstream_reads_base64_vectors() -> None:
     """What OpenAI sends for `encoding_format: base64`: little-endian float32."""
     expected = [[float(i), -0.5, *[0.25] * (EMBEDDING_DIM - 2)] for i in range(3)]
 
-    def handler(request: httpx.Request) -> httpx.Response:
+    def handler(request: httpx2.Request) -> httpx2.Response:
         data = [
             {"index": i, "embedding": base64.b64encode(struct.pack(f"<{len(v)}f", *v)).decode()}
             for i, v in enumerate(expected)
         ]
-        return httpx.Response(200, json={"data": data})
+        return httpx2.Response(200, json={"data": data})
 
-    client, embedder = _upstream(handler)
-    async with client:
+    provider, embedder = _upstream(handler)
+    async with contextlib.aclosing(provider):
         assert await embedder.embed(["a", "b", "c"]) == expected
 
 
 async def test_upstream_empty_input_sends_nothing() -> None:
     fake = FakeUpstream()
-    client, embedder = _upstream(fake)
-    async with client:
+    provider, embedder = _upstream(fake)
+    async with contextlib.aclosing(provider):
         assert await embedder.embed([]) == []
     assert fake.requests == []
 
@@ -226,73 +236,72 @@ async def test_upstream_empty_input_sends_nothing() -> None:
 async def test_upstream_sends_no_empty_strings() -> None:
     seen: list[list[str]] = []
 
-    def handler(request: httpx.Request) -> httpx.Response:
+    def handler(request: httpx2.Request) -> httpx2.Response:
         texts = json.loads(request.content)["input"]
         seen.append(texts)
         data = [{"index": i, "embedding": _fake_vector(0)} for i in range(len(texts))]
-        return httpx.Response(200, json={"data": data})
+        return httpx2.Response(200, json={"data": data})
 
-    client, embedder = _upstream(handler)
-    async with client:
+    provider, embedder = _upstream(handler)
+    async with contextlib.aclosing(provider):
         await embedder.embed(["", "x"])
     assert seen == [[" ", "x"]]
 
 
 async def test_upstream_http_error_is_a_provider_error() -> None:
-    def handler(request: httpx.Request) -> httpx.Response:
-        return httpx.Response(500, json={"error": {"message": "boom"}})
+    def handler(request: httpx2.Request) -> httpx2.Response:
+        return httpx2.Response(500, json={"error": {"message": "boom"}})
 
-    client, embedder = _upstream(handler)
-    async with client:
+    provider, embedder = _upstream(handler)
+    async with contextlib.aclosing(provider):
         with pytest.raises(ProviderError, match="500") as info:
             await embedder.embed(["a"])
-    assert isinstance(info.value.__cause__, httpx.HTTPStatusError)
+    assert isinstance(info.value.__cause__, openai.APIStatusError)
 
 
 async def test_upstream_transport_error_is_a_provider_error() -> None:
-    def handler(request: httpx.Request) -> httpx.Response:
-        raise httpx.ConnectError("connection refused", request=request)
+    def handler(request: httpx2.Request) -> httpx2.Response:
+        raise httpx2.ConnectError("connection refused", request=request)
 
-    client, embedder = _upstream(handler)
-    async with client:
+    provider, embedder = _upstream(handler)
+    async with contextlib.aclosing(provider):
         with pytest.raises(ProviderError) as info:
             await embedder.embed(["a"])
-    assert isinstance(info.value.__cause__, httpx.ConnectError)
+    assert isinstance(info.value.__cause__, openai.APIConnectionError)
 
 
 @pytest.mark.parametrize(
     "response",
     [
-        httpx.Response(200, text="<html>gateway timeout</html>"),
-        httpx.Response(200, json={"data": []}),
-        httpx.Response(200, json={"data": [{"index": 5, "embedding": _fake_vector(0)}]}),
-        httpx.Response(200, json={"data": [{"index": 0, "embedding": ["x"] * EMBEDDING_DIM}]}),
-        httpx.Response(200, json={"data": [{"index": 0, "embedding": "not base64!"}]}),
-        httpx.Response(200, json=[1, 2, 3]),
+        httpx2.Response(200, text="<html>gateway timeout</html>"),
+        httpx2.Response(200, json={"data": []}),
+        httpx2.Response(200, json={"data": [{"index": 5, "embedding": _fake_vector(0)}]}),
+        httpx2.Response(200, json={"data": [{"index": 0, "embedding": ["x"] * EMBEDDING_DIM}]}),
+        httpx2.Response(200, json={"data": [{"index": 0, "embedding": "not base64!"}]}),
+        httpx2.Response(200, json=[1, 2, 3]),
     ],
     ids=["not-json", "too-few", "bad-index", "non-numeric", "bad-base64", "not-an-object"],
 )
-async def test_upstream_malformed_reply_is_a_provider_error(response: httpx.Response) -> None:
-    client, embedder = _upstream(lambda request: response)
-    async with client:
+async def test_upstream_malformed_reply_is_a_provider_error(response: httpx2.Response) -> None:
+    provider, embedder = _upstream(lambda request: response)
+    async with contextlib.aclosing(provider):
         with pytest.raises(ProviderError):
             await embedder.embed(["a"])
 
 
 async def test_upstream_wrong_width_is_a_schema_mismatch() -> None:
-    client, embedder = _upstream(FakeUpstream(dim=1536))
-    async with client:
+    provider, embedder = _upstream(FakeUpstream(dim=1536))
+    async with contextlib.aclosing(provider):
         with pytest.raises(SchemaMismatch, match="1536"):
             await embedder.embed(["1"])
 
 
 async def test_upstream_can_ask_for_the_width() -> None:
     fake = FakeUpstream()
-    async with httpx.AsyncClient(transport=httpx.MockTransport(fake)) as client:
-        embedder = UpstreamEmbedder(
-            client, base_url="http://u.test", api_key=None, model="m", dim=384, send_dimensions=True
-        )
-        await embedder.embed(["1"])
+    provider = _provider(fake, api_key=None)
+    embedder = UpstreamEmbedder(provider, model="m", dim=384, send_dimensions=True)
+    await embedder.embed(["1"])
+    await provider.aclose()
     assert json.loads(fake.requests[0].content)["dimensions"] == 384
     assert "authorization" not in fake.requests[0].headers
 
@@ -307,21 +316,16 @@ async def test_make_embedder_local_is_lazy() -> None:
 
 
 async def test_make_embedder_upstream_checks_width() -> None:
-    async with httpx.AsyncClient(transport=httpx.MockTransport(FakeUpstream())) as client:
-        embedder = make_embedder(
-            provider="upstream", http_client=client, base_url="http://u.test", model="m"
+    provider = _provider(FakeUpstream())
+    embedder = make_embedder(provider="upstream", upstream=provider, model="m")
+    assert isinstance(embedder, UpstreamEmbedder)
+    with pytest.raises(SchemaMismatch, match=r"vector\(384\)"):
+        make_embedder(
+            provider="upstream", upstream=provider, model="text-embedding-3-small", dim=1536
         )
-        assert isinstance(embedder, UpstreamEmbedder)
-        with pytest.raises(SchemaMismatch, match=r"vector\(384\)"):
-            make_embedder(
-                provider="upstream",
-                http_client=client,
-                base_url="http://u.test",
-                model="text-embedding-3-small",
-                dim=1536,
-            )
-        with pytest.raises(ValueError):
-            make_embedder(provider="upstream", http_client=client, base_url="http://u.test")
+    with pytest.raises(ValueError):
+        make_embedder(provider="upstream", upstream=provider)
+    await provider.aclose()
 
 
 # --- helpers ---------------------------------------------------------------------------------

@@ -15,6 +15,7 @@ inference: the vectors are the model's all the same.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import json
@@ -23,7 +24,6 @@ from collections.abc import Sequence
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-import httpx
 import numpy as np
 import pytest
 from sqlalchemy import func, insert, select
@@ -40,6 +40,7 @@ from memory.build.segments import SegmentMessage, SegmentPolicy, split
 from memory.build.summarize import ExtractiveSummarizer, FallbackSummarizer, LLMSummarizer
 from memory.build.worker import Worker
 from memory.embeddings import LocalEmbedder
+from memory.provider import Provider
 from memory.schema import jobs, nodes, tenants
 from memory.schema import passages as passages_table
 from memory.write import identity, store
@@ -855,10 +856,9 @@ async def test_llm_mode_prompt_and_parsing(
     tenant_id: int,
 ) -> None:
     fresh_upstream.set_default({"path": "/v1/chat/completions", "reply": json.dumps(LLM_FACTS)})
-    async with httpx.AsyncClient() as client:
-        summarizer = LLMSummarizer(
-            client, base_url=fresh_upstream.url, api_key="sk-summary", model=SUMMARY_MODEL
-        )
+    provider = Provider(base_url=fresh_upstream.url, api_key="sk-summary", max_retries=0)
+    async with contextlib.aclosing(provider):
+        summarizer = LLMSummarizer(provider, model=SUMMARY_MODEL)
         config = tree.TreeConfig(embedder=embedder, summarizer=summarizer, policy=PAIRS)
         conversation_id, walk = await build_triage(engine, tenant_id, config)
 
@@ -919,8 +919,9 @@ async def test_auto_mode_falls_back_to_extractive_on_upstream_500(
     tenant_id: int,
 ) -> None:
     fresh_upstream.set_default({"path": "/v1/chat/completions", "status": 500})
-    async with httpx.AsyncClient() as client:
-        llm = LLMSummarizer(client, base_url=fresh_upstream.url, api_key=None, model="m")
+    provider = Provider(base_url=fresh_upstream.url, api_key=None, max_retries=0)
+    async with contextlib.aclosing(provider):
+        llm = LLMSummarizer(provider, model="m")
         summarizer = FallbackSummarizer(llm, ExtractiveSummarizer("gpt-4o"))
         config = tree.TreeConfig(embedder=embedder, summarizer=summarizer, policy=PAIRS)
         _, walk = await build_triage(engine, tenant_id, config)

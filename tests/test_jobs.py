@@ -454,6 +454,29 @@ async def test_an_expired_lease_is_reclaimed(
     assert stored.status == "done" and stored.finished_at is not None
 
 
+async def test_a_job_whose_worker_keeps_dying_is_dead_lettered_at_max_attempts(
+    engine: AsyncEngine, tenant_id: int, kind: str
+) -> None:
+    """A worker killed mid-job never calls `fail`: the lease runs out, and the next claim
+    must not run the job an extra time once it has had its `max_attempts`."""
+    conv = await new_conversation(engine, tenant_id)
+    doomed = await put(engine, kind=kind, tenant_id=tenant_id, conversation_id=conv, max_attempts=3)
+    after = await put(engine, kind=kind, tenant_id=tenant_id, conversation_id=conv)
+    for attempt in (1, 2, 3):
+        claimed = await take(engine, kind, worker=f"killed-{attempt}", lease=0.05)
+        assert claimed is not None and (claimed.id, claimed.attempts) == (doomed, attempt)
+        await asyncio.sleep(0.1)  # the worker dies: no complete, no fail
+    # The next claim buries it and moves on to the conversation's next job.
+    claimed = await take(engine, kind, worker="survivor")
+    assert claimed is not None and claimed.id == after
+    stored = await row(engine, doomed)
+    assert (stored.status, stored.attempts) == ("dead", 3)
+    assert "worker was lost" in stored.last_error and stored.finished_at is not None
+    async with engine.begin() as conn:  # a dead letter, retryable like any other
+        assert await jobs.retry(conn, job_id=doomed, tenant_id=tenant_id)
+    assert (await row(engine, doomed)).status == "queued"
+
+
 async def test_a_claim_is_told_apart_from_an_earlier_claim_by_the_same_worker(
     engine: AsyncEngine, tenant_id: int, kind: str
 ) -> None:

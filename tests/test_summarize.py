@@ -19,7 +19,7 @@ from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-import httpx
+import openai
 import pytest
 
 from devkit.service import free_port
@@ -34,6 +34,7 @@ from memory.build.summarize import (
     make_summarizer,
 )
 from memory.errors import ProviderError
+from memory.provider import Provider
 from memory.tokens import count_text
 
 T0 = datetime(2024, 3, 4, 9, 30, tzinfo=UTC)
@@ -325,21 +326,27 @@ NARRATIVE = "The user asked why INV-2041 was charged twice; a retry caused it an
 
 
 @pytest.fixture
-async def client(upstream: UpstreamServer) -> AsyncIterator[httpx.AsyncClient]:
+async def client(upstream: UpstreamServer) -> AsyncIterator[Provider]:
+    """The fake upstream with a key and no retries: each scripted failure is seen as it is."""
     upstream.reset()
-    async with httpx.AsyncClient(trust_env=False) as http:
-        yield http
+    provider = Provider(base_url=upstream.url, api_key="sk-test", max_retries=0)
+    yield provider
+    await provider.aclose()
 
 
-def llm(upstream: UpstreamServer, client: httpx.AsyncClient, **kwargs: Any) -> LLMSummarizer:
-    return LLMSummarizer(
-        client, base_url=upstream.url, api_key="sk-test", model="summary-model", **kwargs
-    )
+@pytest.fixture
+async def keyless(upstream: UpstreamServer) -> AsyncIterator[Provider]:
+    upstream.reset()
+    provider = Provider(base_url=upstream.url, api_key=None, max_retries=0)
+    yield provider
+    await provider.aclose()
 
 
-async def test_llm_request_and_parsed_summary(
-    upstream: UpstreamServer, client: httpx.AsyncClient
-) -> None:
+def llm(upstream: UpstreamServer, client: Provider, **kwargs: Any) -> LLMSummarizer:
+    return LLMSummarizer(client, model="summary-model", **kwargs)
+
+
+async def test_llm_request_and_parsed_summary(upstream: UpstreamServer, client: Provider) -> None:
     upstream.script({"reply": json.dumps({"narrative": NARRATIVE, **LLM_FACTS})})
     summary = await llm(upstream, client).summarize(CONVERSATION, level=1, target_tokens=120)
 
@@ -378,7 +385,7 @@ async def test_llm_request_and_parsed_summary(
 
 
 async def test_llm_level_two_prompt_carries_children_and_their_facts(
-    upstream: UpstreamServer, client: httpx.AsyncClient
+    upstream: UpstreamServer, client: Provider
 ) -> None:
     upstream.script({"reply": json.dumps({"narrative": "Two parts merged."})})
     children = [
@@ -407,7 +414,7 @@ async def test_llm_level_two_prompt_carries_children_and_their_facts(
     ],
 )
 async def test_llm_parses_wrapped_json(
-    upstream: UpstreamServer, client: httpx.AsyncClient, reply: str
+    upstream: UpstreamServer, client: Provider, reply: str
 ) -> None:
     body = json.dumps({"narrative": NARRATIVE, **LLM_FACTS}, indent=2)
     upstream.script({"reply": reply.replace("{body}", body)})
@@ -417,7 +424,7 @@ async def test_llm_parses_wrapped_json(
 
 
 async def test_llm_reply_that_is_not_json_becomes_the_narrative(
-    upstream: UpstreamServer, client: httpx.AsyncClient
+    upstream: UpstreamServer, client: Provider
 ) -> None:
     upstream.script({"reply": "  The user asked about INV-2041; it was refunded.  "})
     summary = await llm(upstream, client).summarize(CONVERSATION, level=1, target_tokens=100)
@@ -427,16 +434,14 @@ async def test_llm_reply_that_is_not_json_becomes_the_narrative(
 
 
 async def test_llm_fenced_prose_becomes_the_narrative(
-    upstream: UpstreamServer, client: httpx.AsyncClient
+    upstream: UpstreamServer, client: Provider
 ) -> None:
     upstream.script({"reply": "```\nINV-2041 was refunded.\n```"})
     summary = await llm(upstream, client).summarize(CONVERSATION, level=1, target_tokens=100)
     assert summary.text == "INV-2041 was refunded."
 
 
-async def test_llm_tolerates_odd_fact_shapes(
-    upstream: UpstreamServer, client: httpx.AsyncClient
-) -> None:
+async def test_llm_tolerates_odd_fact_shapes(upstream: UpstreamServer, client: Provider) -> None:
     reply = {
         "summary": ["Odd", "shapes."],
         "identifiers": "INV-2041",
@@ -468,7 +473,7 @@ async def test_llm_tolerates_odd_fact_shapes(
     ],
 )
 async def test_llm_failures_raise_provider_error(
-    upstream: UpstreamServer, client: httpx.AsyncClient, behaviour: dict[str, Any]
+    upstream: UpstreamServer, client: Provider, behaviour: dict[str, Any]
 ) -> None:
     upstream.script(behaviour)
     with pytest.raises(ProviderError) as caught:
@@ -476,29 +481,24 @@ async def test_llm_failures_raise_provider_error(
     assert "INV-2041" not in str(caught.value)  # no conversation text in errors
 
 
-async def test_llm_http_error_keeps_its_cause(
-    upstream: UpstreamServer, client: httpx.AsyncClient
-) -> None:
+async def test_llm_http_error_keeps_its_cause(upstream: UpstreamServer, client: Provider) -> None:
     upstream.script({"status": 500})
     with pytest.raises(ProviderError, match="HTTP 500") as caught:
         await llm(upstream, client).summarize(CONVERSATION, level=1, target_tokens=100)
-    assert isinstance(caught.value.__cause__, httpx.HTTPStatusError)
+    assert isinstance(caught.value.__cause__, openai.APIStatusError)
 
 
-async def test_llm_timeout_and_unreachable(
-    upstream: UpstreamServer, client: httpx.AsyncClient
-) -> None:
+async def test_llm_timeout_and_unreachable(upstream: UpstreamServer, client: Provider) -> None:
     upstream.script({"delay": 1.0})
     with pytest.raises(ProviderError, match="timed out") as caught:
         await llm(upstream, client, timeout=0.2).summarize(CONVERSATION, level=1, target_tokens=9)
-    assert isinstance(caught.value.__cause__, httpx.TimeoutException)
+    assert isinstance(caught.value.__cause__, openai.APITimeoutError)
 
-    dead = LLMSummarizer(
-        client, base_url=f"http://127.0.0.1:{free_port()}/v1", api_key=None, model="m"
-    )
+    nowhere = Provider(base_url=f"http://127.0.0.1:{free_port()}/v1", api_key=None, max_retries=0)
     with pytest.raises(ProviderError, match="unreachable") as caught:
-        await dead.summarize(CONVERSATION, level=1, target_tokens=9)
-    assert isinstance(caught.value.__cause__, httpx.TransportError)
+        await LLMSummarizer(nowhere, model="m").summarize(CONVERSATION, level=1, target_tokens=9)
+    assert isinstance(caught.value.__cause__, openai.APIConnectionError)
+    await nowhere.aclose()
     await asyncio.sleep(1.0)  # let the delayed answer finish before the next test resets
 
 
@@ -506,12 +506,10 @@ async def test_llm_timeout_and_unreachable(
 
 
 async def test_auto_falls_back_to_extractive_on_a_failing_upstream(
-    upstream: UpstreamServer, client: httpx.AsyncClient, caplog: pytest.LogCaptureFixture
+    upstream: UpstreamServer, keyless: Provider, caplog: pytest.LogCaptureFixture
 ) -> None:
     upstream.script({"status": 500})
-    auto = make_summarizer(
-        "auto", client=client, base_url=upstream.url, api_key=None, model="summary-model"
-    )
+    auto = make_summarizer("auto", provider=keyless, model="summary-model")
     with caplog.at_level(logging.WARNING, logger="memory.build.summarize"):
         summary = await auto.summarize(CONVERSATION, level=1, target_tokens=60)
     assert summary.method == "extractive"
@@ -526,7 +524,7 @@ async def test_auto_falls_back_to_extractive_on_a_failing_upstream(
 
 
 async def test_auto_reports_a_failure_once_for_concurrent_summaries(
-    upstream: UpstreamServer, client: httpx.AsyncClient, caplog: pytest.LogCaptureFixture
+    upstream: UpstreamServer, client: Provider, caplog: pytest.LogCaptureFixture
 ) -> None:
     upstream.set_default({"status": 502, "delay": 0.2})
     try:
@@ -542,20 +540,16 @@ async def test_auto_reports_a_failure_once_for_concurrent_summaries(
     assert len(caplog.records) == 1
 
 
-async def test_auto_uses_the_llm_when_it_works(
-    upstream: UpstreamServer, client: httpx.AsyncClient
-) -> None:
+async def test_auto_uses_the_llm_when_it_works(upstream: UpstreamServer, keyless: Provider) -> None:
     upstream.script({"reply": json.dumps({"narrative": NARRATIVE, **LLM_FACTS})})
-    auto = make_summarizer(
-        "auto", client=client, base_url=upstream.url, api_key=None, model="summary-model"
-    )
+    auto = make_summarizer("auto", provider=keyless, model="summary-model")
     summary = await auto.summarize(CONVERSATION, level=1, target_tokens=60)
     assert (summary.method, summary.model, summary.text) == ("llm", "summary-model", NARRATIVE)
     assert "authorization" not in upstream.requests()[0]["headers"]
 
 
 async def test_auto_skips_a_failed_llm_for_the_cooldown(
-    upstream: UpstreamServer, client: httpx.AsyncClient
+    upstream: UpstreamServer, client: Provider
 ) -> None:
     good = {"reply": json.dumps({"narrative": NARRATIVE})}
     upstream.script({"status": 503}, good, good)  # the two good answers must stay unused
@@ -578,16 +572,29 @@ async def test_auto_skips_a_failed_llm_for_the_cooldown(
 
 async def test_make_summarizer() -> None:
     assert isinstance(
-        make_summarizer("extractive", client=None, base_url=None, api_key=None, model=None),
-        ExtractiveSummarizer,
+        make_summarizer("extractive", provider=None, model=None), ExtractiveSummarizer
     )
-    async with httpx.AsyncClient() as http:
-        settings: dict[str, Any] = {"client": http, "base_url": "http://x/v1", "api_key": None}
-        assert isinstance(make_summarizer("llm", model="m", **settings), LLMSummarizer)
-        assert isinstance(make_summarizer("auto", model="m", **settings), FallbackSummarizer)
-        with pytest.raises(ValueError):
-            make_summarizer("llm", model=None, **settings)
-        with pytest.raises(ValueError):
-            make_summarizer("auto", client=None, base_url="http://x", api_key=None, model="m")
-        with pytest.raises(ValueError):
-            make_summarizer("magic", model="m", **settings)  # type: ignore[arg-type]
+    provider = Provider(base_url="http://x/v1", api_key=None)
+    assert isinstance(make_summarizer("llm", provider=provider, model="m"), LLMSummarizer)
+    assert isinstance(make_summarizer("auto", provider=provider, model="m"), FallbackSummarizer)
+    with pytest.raises(ValueError):
+        make_summarizer("llm", provider=provider, model=None)
+    with pytest.raises(ValueError):
+        make_summarizer("auto", provider=None, model="m")
+    with pytest.raises(ValueError):
+        make_summarizer("magic", provider=provider, model="m")  # type: ignore[arg-type]
+    await provider.aclose()
+
+
+async def test_a_short_burst_of_429s_changes_no_summary(upstream: UpstreamServer) -> None:
+    """Background calls retry as the openai SDK does, waiting what `Retry-After` asks: two
+    429s in a row are absorbed, and the summary is still the LLM's."""
+    upstream.reset()
+    busy = {"status": 429, "headers": {"Retry-After": "0.1"}}
+    upstream.script(busy, busy, {"reply": json.dumps({"narrative": NARRATIVE})})
+    provider = Provider(base_url=upstream.url, api_key=None, max_retries=2)
+    auto = make_summarizer("auto", provider=provider, model="summary-model")
+    summary = await auto.summarize(CONVERSATION, level=1, target_tokens=60)
+    await provider.aclose()
+    assert (summary.method, summary.text) == ("llm", NARRATIVE)
+    assert len(upstream.requests("/v1/chat/completions")) == 3

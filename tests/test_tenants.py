@@ -473,3 +473,48 @@ async def test_admin_without_token_refuses_non_loopback_clients(
         for host in ("127.0.0.1", "::1"):
             async with app.client(host=host) as local:
                 assert (await local.get("/admin/tenants")).status_code == 200
+
+
+async def test_admin_without_token_needs_a_loopback_host(
+    database_url: str, upstream: UpstreamServer
+) -> None:
+    """DNS rebinding: a page whose name resolves to 127.0.0.1 reaches loopback, but its
+    browser names the page's own host; only loopback names are let in."""
+    settings = Settings(database_url=database_url, upstream_base_url=upstream.url, workers=0)
+    async with running_app(settings) as app, app.client(host="127.0.0.1") as local:
+        for host in ("localhost", "localhost:8080", "127.0.0.1:9", "[::1]", "[::1]:8080"):
+            response = await local.get("/admin/tenants", headers={"Host": host})
+            assert response.status_code == 200, host
+        for host in ("evil.example", "evil.example:8080", "127.0.0.1.nip.io", "localhost.evil"):
+            for path in ("/admin/tenants", "/metrics"):
+                response = await local.get(path, headers={"Host": host})
+                assert response.status_code == 403, (host, path)
+                assert response.json()["error"]["code"] == "admin_forbidden"
+
+
+async def test_proxy_headers_count_only_from_trusted_proxies(
+    database_url: str, upstream: UpstreamServer
+) -> None:
+    base = {"database_url": database_url, "upstream_base_url": upstream.url, "workers": 0}
+    forwarded_remote = [
+        {"X-Forwarded-For": "203.0.113.9"},
+        {"X-Real-IP": "203.0.113.9"},
+        {"Forwarded": 'for="203.0.113.9:5555";proto=https'},
+    ]
+    async with running_app(Settings(**base)) as app, app.client(host="127.0.0.1") as local:
+        # A local proxy relaying a remote client, not declared: refused, whatever it says.
+        for headers in [*forwarded_remote, {"X-Forwarded-For": "127.0.0.1"}]:
+            assert (await local.get("/admin/tenants", headers=headers)).status_code == 403
+    trusted = Settings(**base, trusted_proxies="127.0.0.1, 10.0.0.0/8")
+    async with running_app(trusted) as app:
+        async with app.client(host="10.1.2.3") as proxy:
+            for headers in forwarded_remote:
+                assert (await proxy.get("/admin/tenants", headers=headers)).status_code == 403
+            local_client = {"X-Forwarded-For": "203.0.113.9, 127.0.0.1"}
+            assert (await proxy.get("/admin/tenants", headers=local_client)).status_code == 200
+            forwarded_v6 = {"Forwarded": 'for="[::1]:4711"'}
+            assert (await proxy.get("/admin/tenants", headers=forwarded_v6)).status_code == 200
+        # Headers from a peer that is not a trusted proxy are ignored.
+        async with app.client(host="203.0.113.7") as remote:
+            spoofed = {"X-Forwarded-For": "127.0.0.1"}
+            assert (await remote.get("/admin/tenants", headers=spoofed)).status_code == 403

@@ -61,6 +61,7 @@ async def job_rows(engine: AsyncEngine, tenant_id: int) -> list[Any]:
                         jobs.c.conversation_id,
                         jobs.c.status,
                         jobs.c.attempts,
+                        jobs.c.max_attempts,
                         jobs.c.locked_by,
                         jobs.c.last_error,
                     )
@@ -211,6 +212,33 @@ def slow_upstream() -> Iterator[UpstreamServer]:
         yield server
 
 
+def slow_settings(upstream: UpstreamServer, *, lease_seconds: float) -> dict[str, Any]:
+    """Workers whose jobs take a while (slow LLM summaries of small segments)."""
+    return {
+        "summary_mode": "llm",
+        "summary_model": "slow-model",
+        "upstream_base_url": upstream.url,
+        "job_lease_seconds": lease_seconds,
+        "segment_token_cap": KILLED_TOKEN_CAP,
+    }
+
+
+async def import_one(engine: AsyncEngine, tenant_id: int, name: str, *, seed: int) -> int:
+    """A synthetic conversation of `MESSAGES` imported (its build queued); its id."""
+    conversation = synthetic.generate(MESSAGES, seed=seed)
+    await importer.import_messages(
+        engine,
+        tenant_id=tenant_id,
+        external_id=name,
+        messages=conversation.messages,
+        created_at=conversation.created_at,
+        model="gpt-4o",
+        batch=MESSAGES,
+    )
+    async with engine.connect() as conn:
+        return (await store.find_conversation(conn, tenant_id=tenant_id, external_id=name)).id
+
+
 async def test_killed_worker_job_is_reclaimed_and_finished(
     engine: AsyncEngine,
     database_url: str,
@@ -218,27 +246,8 @@ async def test_killed_worker_job_is_reclaimed_and_finished(
     workers: list[WorkerProcess],
     slow_upstream: UpstreamServer,
 ) -> None:
-    settings = {
-        "summary_mode": "llm",
-        "summary_model": "slow-model",
-        "upstream_base_url": slow_upstream.url,
-        "job_lease_seconds": 3,
-        "segment_token_cap": KILLED_TOKEN_CAP,
-    }
-    conversation = synthetic.generate(MESSAGES, seed=7)
-    await importer.import_messages(
-        engine,
-        tenant_id=tenant_id,
-        external_id="killed",
-        messages=conversation.messages,
-        created_at=conversation.created_at,
-        model="gpt-4o",
-        batch=MESSAGES,
-    )
-    async with engine.connect() as conn:
-        conversation_id = (
-            await store.find_conversation(conn, tenant_id=tenant_id, external_id="killed")
-        ).id
+    settings = slow_settings(slow_upstream, lease_seconds=3)
+    conversation_id = await import_one(engine, tenant_id, "killed", seed=7)
     (job,) = await job_rows(engine, tenant_id)
 
     first = WorkerProcess(database_url, **settings)
@@ -288,3 +297,42 @@ async def test_killed_worker_job_is_reclaimed_and_finished(
             )
         )
     assert models == {"slow-model"}
+
+
+async def test_a_job_that_kills_its_workers_is_dead_lettered_at_max_attempts(
+    engine: AsyncEngine,
+    database_url: str,
+    tenant_id: int,
+    workers: list[WorkerProcess],
+    slow_upstream: UpstreamServer,
+) -> None:
+    """A crash loop: every worker that takes the job is SIGKILLed while it runs it. After the
+    job's `max_attempts` claims it is dead-lettered, not run a sixth time, and no summary of
+    the attempts is stored twice."""
+    settings = slow_settings(slow_upstream, lease_seconds=2)
+    await import_one(engine, tenant_id, "crash-loop", seed=11)
+    (job,) = await job_rows(engine, tenant_id)
+    for attempt in range(1, job.max_attempts + 1):
+        worker = WorkerProcess(database_url, **settings)
+        workers.append(worker)
+
+        async def running(worker: WorkerProcess = worker, attempt: int = attempt) -> bool:
+            (row,) = await job_rows(engine, tenant_id)
+            return bool(
+                row.status == "running" and worker.owns(row.locked_by) and row.attempts == attempt
+            )
+
+        await wait_for(running, within=120, what=f"attempt {attempt}", workers=[worker])
+        worker.kill()
+
+    survivor = WorkerProcess(database_url, **settings)
+    workers.append(survivor)
+
+    async def buried() -> Any:
+        (row,) = await job_rows(engine, tenant_id)
+        return row if row.status == "dead" else None
+
+    dead = await wait_for(buried, within=60, what="the dead letter", workers=[survivor])
+    assert dead.id == job.id and dead.attempts == job.max_attempts
+    assert "worker was lost" in dead.last_error
+    await check_no_duplicates(engine, tenant_id)

@@ -2,30 +2,37 @@
 
 The client's messages are stored in one transaction before anything goes upstream, so an
 upstream failure never loses them; the write path queues the conversation's build in the same
-transaction (`memory.write.store`). A turn whose system prompt and new messages alone exceed
-the budget is refused (400 `context_length_exceeded`) inside that transaction, so it stores
-nothing. The prompt is then assembled by the read path (`memory.recall.assemble`), forwarded
-and relayed (`gateway.openai.relay`), which records the reply, and queues its build, when it is
-complete. When the database is down during the store or assembly step, the request is forwarded
-unchanged or refused with 503, as `gateway.openai.degraded` decides.
+transaction (`memory.write.store`). Identifying the conversation also says where the request's
+new messages start, whether its history branches off the stored one, and whether it repeats
+an earlier request (`memory.write.identity`): a retry stores nothing, still goes upstream, and
+its reply is recorded only if the first one's is not (`Turn.record`). A turn whose system
+prompt and new messages alone exceed the budget is refused (400 `context_length_exceeded`)
+inside that transaction, so it stores nothing. The prompt is then assembled by the read path
+(`memory.recall.assemble`), forwarded and relayed (`gateway.openai.relay`), which records the
+reply, and queues its build, when it is complete. When the database is down during the store
+or assembly step, the request is forwarded unchanged or refused with 503, as
+`gateway.openai.degraded` decides.
 """
 
 import functools
 import time
+from datetime import timedelta
 from typing import Any
 
 from fastapi import Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from pydantic import ValidationError
+from sqlalchemy.ext.asyncio import AsyncConnection
 
-from gateway.deps import read_json
+from gateway.bodies import read_json
 from gateway.errors import GatewayError
 from gateway.openai import degraded, relay, toolloop
 from gateway.openai.turn import CONVERSATION_HEADER, Turn
 from gateway.schemas import ChatCompletionRequest
 from gateway.settings import Settings
 from gateway.state import State
+from memory import tokens
 from memory.db import transaction
 from memory.errors import StorageUnavailable
 from memory.recall.assemble import (
@@ -40,12 +47,15 @@ from memory.recall.assemble import dry_run as memory_dry_run
 from memory.write import identity, store
 
 BUDGET_HEADER = "X-Memstrata-Budget"
+IDEMPOTENCY_HEADER = "Idempotency-Key"
+# The OpenAI SDKs number each attempt of a request; above 0 it is a retry.
+RETRY_COUNT_HEADER = "X-Stainless-Retry-Count"
 
 
 async def complete(request: Request, state: State, *, tenant_id: int) -> Response:
     """Handle `POST /v1/chat/completions`."""
     started = time.perf_counter()
-    body, chat = await parse(request, max_bytes=state.settings.max_body_bytes)
+    body, chat = await parse(request, state.settings)
     header = request.headers.get(CONVERSATION_HEADER)
     external_id = identity.validate_conversation_id(header) if header is not None else None
     # Room kept for the memory tools' definitions, when the gateway offers them.
@@ -62,26 +72,32 @@ async def complete(request: Request, state: State, *, tenant_id: int) -> Respons
         degraded.forward,
         state,
         client_headers=request.headers,
+        query=request.url.query,
         body=body,
         tenant_id=tenant_id,
         model=chat.model,
         stream=bool(chat.stream),
         started=started,
     )
+    # What tells a retry of this request from a new one (`identity.RequestKey`).
+    request_key = identity.RequestKey.of(
+        body=body,
+        idempotency_key=request.headers.get(IDEMPOTENCY_HEADER),
+        retry_count=request.headers.get(RETRY_COUNT_HEADER),
+    )
     try:
         async with transaction(state.engine) as conn:
-            found = await identity.identify(
+            stored, appended = await store_turn(
                 conn,
                 tenant_id=tenant_id,
                 external_id=external_id,
                 user=chat.user,
                 messages=body["messages"],
+                model=model,
+                budget=budget,
+                request=request_key,
+                window=timedelta(seconds=state.settings.idempotency_window_seconds),
             )
-            appended = await store.store_new(
-                conn, tenant_id=tenant_id, found=found, messages=body["messages"], model=model
-            )
-            stored = StoredTurn.of(body["messages"], appended, tenant_id=tenant_id, model=model)
-            check_fits(stored, budget)  # inside the transaction: refused, nothing is stored
     except StorageUnavailable as exc:
         return await unchanged(exc, external_id=external_id)
     turn = Turn(
@@ -90,38 +106,109 @@ async def complete(request: Request, state: State, *, tenant_id: int) -> Respons
         external_id=appended.conversation.external_id,
         model=chat.model,
         started=started,
+        reply_to=appended.reply_to,
     )
     try:
-        assembled = await assemble(
-            state.engine,
-            stored,
-            budget,
-            embedder=state.embedder,
-            cross_conversation=state.settings.cross_conversation == "on",
-            tools_guide=tools_room > 0,
-        )
+        assembled = await recall(state, stored, budget, tools_guide=tools_room > 0)
     except StorageUnavailable as exc:
-        return await unchanged(exc, external_id=turn.external_id)
+        return await unchanged(exc, external_id=turn.external_id, stored=turn)
     turn.sent(assembled)
     prompt = (
         body if assembled.messages is body["messages"] else {**body, "messages": assembled.messages}
     )
     return await relay.forward(
-        state, turn, client_headers=request.headers, body=prompt, stream=bool(chat.stream)
+        state,
+        turn,
+        client_headers=request.headers,
+        query=request.url.query,
+        body=prompt,
+        stream=bool(chat.stream),
+    )
+
+
+async def store_turn(
+    conn: AsyncConnection,
+    *,
+    tenant_id: int,
+    external_id: str | None,
+    user: str | None,
+    messages: list[dict[str, Any]],
+    model: str,
+    budget: Budget,
+    request: identity.RequestKey | None = None,
+    window: timedelta = identity.DEFAULT_WINDOW,
+) -> tuple[StoredTurn, store.Appended]:
+    """Identify and store: the request's new `messages` stored in `conn`'s transaction (none
+    for a retry of `request` within `window`), and what was stored. A turn that cannot fit
+    `budget` is refused here, inside the transaction, so that it stores nothing."""
+    found = await identity.identify(
+        conn,
+        tenant_id=tenant_id,
+        external_id=external_id,
+        user=user,
+        messages=messages,
+        request=request,
+        window=window,
+    )
+    appended = await store.store_new(
+        conn,
+        tenant_id=tenant_id,
+        found=found,
+        messages=messages,
+        model=model,
+        request_key=request.value if request is not None else None,
+    )
+    stored = StoredTurn.of(messages, appended, tenant_id=tenant_id, model=model)
+    check_fits(stored, budget)
+    return stored, appended
+
+
+async def recall(
+    state: State, stored: StoredTurn, budget: Budget, *, tools_guide: bool
+) -> Assembled:
+    """Assemble: the prompt for a stored turn, within its budget (`memory.recall.assemble`)."""
+    settings = state.settings
+    return await assemble(
+        state.engine,
+        stored,
+        budget,
+        embedder=state.embedder,
+        cross_conversation=settings.cross_conversation == "on",
+        tools_guide=tools_guide,
+        abandoned_branches=settings.recall_abandoned_branches == "on",
     )
 
 
 async def parse(
-    request: Request, *, max_bytes: int
+    request: Request, settings: Settings
 ) -> tuple[dict[str, Any], ChatCompletionRequest]:
-    """The raw body (forwarded as is) and its validated view."""
-    body = await read_json(request, max_bytes=max_bytes)
-    if not isinstance(body, dict):
-        raise GatewayError(400, "the body must be a JSON object", code="invalid_value")
-    try:
-        return body, ChatCompletionRequest.model_validate(body)
-    except ValidationError as exc:
-        raise RequestValidationError(exc.errors()) from exc
+    """The raw body (forwarded as is) and its validated view, both made off the event loop
+    when the body is large (`gateway.bodies`)."""
+
+    def validate(body: Any) -> tuple[dict[str, Any], ChatCompletionRequest]:
+        if not isinstance(body, dict):
+            raise GatewayError(400, "the body must be a JSON object", code="invalid_value")
+        messages = body.get("messages")
+        if isinstance(messages, list) and len(messages) > settings.max_messages:
+            raise _too_many(settings.max_messages, str(len(messages)))
+        try:
+            chat = ChatCompletionRequest.model_validate(body)
+        except ValidationError as exc:
+            raise RequestValidationError(exc.errors()) from exc
+        # Counted here, off the event loop for a large body; found counted when stored.
+        tokens.precount(body["messages"], model=chat.model)
+        return body, chat
+
+    def few_enough(raw: bytes) -> None:
+        # Parsing 100,000 messages holds the GIL for a third of a second even in a thread:
+        # counted in the raw bytes first (with room for "role" quoted inside contents).
+        if raw.count(b'"role"') > 2 * settings.max_messages:
+            raise _too_many(settings.max_messages, "more than twice")
+
+    parsed: tuple[dict[str, Any], ChatCompletionRequest] = await read_json(
+        request, max_bytes=settings.max_body_bytes, then=validate, before=few_enough
+    )
+    return parsed
 
 
 async def dry_run(
@@ -146,6 +233,17 @@ async def dry_run(
         embedder=state.embedder,
         cross_conversation=state.settings.cross_conversation == "on",
         model=model,
+        abandoned_branches=state.settings.recall_abandoned_branches == "on",
+    )
+
+
+def _too_many(limit: int, count: str) -> GatewayError:
+    return GatewayError(
+        413,
+        f"the body holds {count} messages, more than {limit} (MEMSTRATA_MAX_MESSAGES); send "
+        "only the new messages, with X-Memstrata-Conversation",
+        param="messages",
+        code="too_many_messages",
     )
 
 
@@ -163,7 +261,12 @@ def parse_budget(value: str | None) -> int | None:
     if value is None:
         return None
     value = value.strip()
-    if not value.isdigit() or not 1 <= int(value) <= 10_000_000:
+    # ASCII digits only: `isdigit` also accepts "²", which `int` refuses.
+    if (
+        not (value.isascii() and value.isdigit())
+        or len(value) > 8
+        or not 1 <= int(value) <= 10_000_000
+    ):
         raise GatewayError(
             400,
             f"{BUDGET_HEADER} must be a whole number of tokens from 1 to 10000000",

@@ -2,10 +2,17 @@
 
 With fail-open on, a chat request whose messages cannot be stored, or whose prompt cannot be
 assembled, because Postgres is unreachable goes upstream exactly as the client sent it; the
-answer (stream or not, error or not) is relayed as usual with `X-Memstrata-Degraded: 1`, and
-nothing is recorded: the request is answered as if memstrata were not there. The response
-carries `X-Memstrata-Conversation` only when the client named its conversation. With fail-open
-off the `StorageUnavailable` is raised again, and the client gets 503 in OpenAI's shape.
+answer (stream or not, error or not) is relayed as usual with `X-Memstrata-Degraded: 1`. What is
+stored depends on when the database failed:
+
+* before the client's messages were stored: nothing of the request is (it is answered as if
+  memstrata were not there);
+* after they were stored (the prompt could not be assembled): the reply is stored too, once the
+  database is back, as any turn's (`gateway.openai.turn`).
+
+The response carries `X-Memstrata-Conversation` when the client named its conversation or its
+messages were stored. With fail-open off the `StorageUnavailable` is raised again, and the
+client gets 503 in OpenAI's shape.
 """
 
 import logging
@@ -28,7 +35,10 @@ DEGRADED_HEADER = "X-Memstrata-Degraded"
 
 @dataclass
 class DegradedTurn(Turn):
-    """A turn forwarded without memory: it records nothing."""
+    """A turn forwarded without memory; it records its reply only for a `stored` turn."""
+
+    stored: Turn | None = None
+    """The turn whose messages were stored before the database failed."""
 
     def headers(self) -> dict[str, str]:
         headers = {
@@ -42,7 +52,8 @@ class DegradedTurn(Turn):
     async def record(
         self, state: State, reply: Mapping[str, Any] | None, *, complete: bool
     ) -> None:
-        return None
+        if self.stored is not None:
+            await self.stored.record(state, reply, complete=complete)
 
 
 async def forward(
@@ -50,14 +61,17 @@ async def forward(
     cause: StorageUnavailable,
     *,
     client_headers: Mapping[str, str],
+    query: str,
     body: dict[str, Any],
     tenant_id: int,
     external_id: str | None,
     model: str,
     stream: bool,
     started: float,
+    stored: Turn | None = None,
 ) -> Response:
-    """Forward the client's own `body` unchanged if fail-open is on; else raise `cause`."""
+    """Forward the client's own `body` unchanged if fail-open is on; else raise `cause`.
+    `stored`: the turn, when the client's messages were stored before the database failed."""
     if state.settings.fail_open != "on":
         raise cause
     log.warning("database unavailable, forwarding without memory: %s", cause)
@@ -68,6 +82,9 @@ async def forward(
         external_id=external_id or "",
         model=model,
         started=started,
+        stored=stored,
     )
     turn.overhead = time.perf_counter() - started
-    return await relay.forward(state, turn, client_headers=client_headers, body=body, stream=stream)
+    return await relay.forward(
+        state, turn, client_headers=client_headers, query=query, body=body, stream=stream
+    )

@@ -213,7 +213,7 @@ class Round:
         if isinstance(delta, dict):
             changed |= self._delta(delta)
         reason = choice.get("finish_reason")
-        if reason:
+        if isinstance(reason, str) and reason:
             self.finish_reason = reason
             if self.wants_memory:
                 choice["finish_reason"] = None
@@ -247,9 +247,9 @@ class Round:
 
     def _fragment(self, fragment: Any) -> Any:
         """The fragment as the client sees it, or None for a memory call's."""
-        if not isinstance(fragment, dict):
-            return fragment
-        index = fragment.get("index", 0)
+        index = fragment.get("index", 0) if isinstance(fragment, dict) else None
+        if not isinstance(index, int) or isinstance(index, bool):
+            return fragment  # malformed: relayed as it came, nothing of a memory call
         if index not in self._memory and index not in self._client:
             function = fragment.get("function") or {}
             if isinstance(function, dict) and function.get("name") in TOOL_NAMES:
@@ -262,10 +262,13 @@ class Round:
                 self._client[index] = len(self._client)
         if index in self._memory:
             call = self._memory[index]
-            call["id"] = fragment.get("id") or call["id"]
-            function = fragment.get("function") or {}
-            call["function"]["name"] += function.get("name") or ""
-            call["function"]["arguments"] += function.get("arguments") or ""
+            if isinstance(fragment.get("id"), str) and fragment["id"]:
+                call["id"] = fragment["id"]
+            function = fragment.get("function")
+            if isinstance(function, dict):
+                for key in ("name", "arguments"):
+                    if isinstance(value := function.get(key), str):
+                        call["function"][key] += value
             return None
         if self._client[index] == index:
             return fragment
@@ -274,6 +277,8 @@ class Round:
 
 def _empty(choice: dict[str, Any]) -> bool:
     delta = choice.get("delta") or {}
+    if not isinstance(delta, dict):
+        return False
     return (
         choice.get("finish_reason") is None
         and choice.get("logprobs") is None

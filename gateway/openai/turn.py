@@ -9,31 +9,37 @@ conversation, with its build queued by the write path, and the request's tokens 
 stream's reply before the client is sent its last bytes (a client that sends its next turn as
 soon as it has the answer must find the reply stored), or, if the stream is cut or the client
 leaves, with what arrived, marked incomplete. Every response of the turn carries `headers()`.
+
+A reply that cannot be stored because the database is down is not given up: once the client
+has its answer, this process tries again, backing off, for `RECORD_RETRY_SECONDS`; a reply
+still unstored then, or when the process stops, is logged as lost from memory.
 """
 
+import asyncio
 import contextlib
 import enum
 import logging
 import time
 from collections.abc import AsyncGenerator, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar, Protocol
 
 import anyio
 import httpx
 from fastapi.responses import Response, StreamingResponse
+from sqlalchemy.ext.asyncio import AsyncConnection
 
-from gateway.openai.replies import StreamedReply
 from gateway.state import State
 from gateway.upstream import relayed_headers
 from memory.db import transaction
-from memory.errors import MemstrataError
+from memory.errors import StorageUnavailable
 from memory.recall.assemble import Assembled
 from memory.write import store
 
 log = logging.getLogger(__name__)
 
 CONVERSATION_HEADER = "X-Memstrata-Conversation"
+RECORD_RETRY_SECONDS = 120.0
 
 
 class Mark(enum.Enum):
@@ -46,6 +52,18 @@ class Mark(enum.Enum):
 REPLY_COMPLETE = Mark.REPLY_COMPLETE
 
 Chunks = AsyncGenerator[bytes | Mark, None]
+
+
+class Reply(Protocol):
+    """A reply rebuilt from a stream as it is relayed (`gateway.openai.replies.StreamedReply`,
+    `gateway.openai.response_events.ResponseReply`)."""
+
+    @property
+    def complete(self) -> bool:
+        """Whether the stream reached its end."""
+
+    def message(self) -> dict[str, Any] | None:
+        """The assistant message so far, or None."""
 
 
 @dataclass
@@ -64,6 +82,8 @@ class Turn:
     full_tokens: int | None = None
     # True when the prompt was rebuilt from memory rather than forwarded as the client sent it.
     rebuilt: bool = False
+    # Where the reply goes, as the write path said when it stored the turn.
+    reply_to: store.ReplyTo | None = None
 
     def sent(self, assembled: Assembled) -> None:
         """Take the figures of the prompt about to go upstream; the gateway's own time ends."""
@@ -101,7 +121,7 @@ class Turn:
         )
 
     def stream(
-        self, state: State, response: httpx.Response, chunks: Chunks, reply: StreamedReply
+        self, state: State, response: httpx.Response, chunks: Chunks, reply: Reply
     ) -> StreamingResponse:
         """A stream relayed as `chunks` come; `reply` is what they add up to (see the module
         docstring for when it is recorded)."""
@@ -118,7 +138,7 @@ class Turn:
         )
 
     async def _recording(
-        self, state: State, chunks: Chunks, reply: StreamedReply
+        self, state: State, chunks: Chunks, reply: Reply
     ) -> AsyncGenerator[bytes, None]:
         recorded = False
         try:
@@ -140,12 +160,36 @@ class Turn:
         self, state: State, reply: Mapping[str, Any] | None, *, complete: bool
     ) -> None:
         """Store the assistant's reply after the conversation (the write path queues its build)
-        and count the request's tokens (the conversation's statistics and the metrics)."""
-        if reply is None:
+        and count the request's tokens (the conversation's statistics and the metrics); then,
+        in the same transaction, what a subclass keeps beside it (`recorded`)."""
+        if reply is None and not self.records_without_reply:
             return
         began = time.perf_counter()
         try:
-            async with transaction(state.engine) as conn:
+            await self.store_reply(state, reply, complete=complete)
+        except StorageUnavailable:
+            held = None if reply is None else dict(reply)
+            state.spawn(_record_when_back(state, self, held, complete=complete))
+        except Exception:
+            # Whatever failed, the client gets (or has) its answer: the stored copy's loss is
+            # logged loudly rather than turned into an error the client would see instead.
+            log.exception("could not store the reply", extra={"conversation": self.external_id})
+        finally:
+            self.overhead += time.perf_counter() - began
+
+    # A turn whose answer is worth keeping even without a reply message (a response object).
+    records_without_reply: ClassVar[bool] = False
+
+    async def recorded(self, conn: AsyncConnection) -> None:
+        """What a kind of turn keeps beside its reply, in the transaction that stored it."""
+
+    async def store_reply(
+        self, state: State, reply: Mapping[str, Any] | None, *, complete: bool
+    ) -> None:
+        """`record`'s work, raising what went wrong (`StorageUnavailable` while the database
+        is down): the reply, then what the turn keeps beside it, in one transaction."""
+        async with transaction(state.engine) as conn:
+            if reply is not None:
                 await store.append(
                     conn,
                     tenant_id=self.tenant_id,
@@ -154,10 +198,31 @@ class Turn:
                     model=self.model,
                     status="complete" if complete else "incomplete",
                     request_tokens=(self.context_tokens or 0, self.full_tokens or 0),
+                    reply_to=self.reply_to,
                 )
+            await self.recorded(conn)
+        if reply is not None:
             state.metrics.observe_tokens(sent=self.context_tokens or 0, full=self.full_tokens or 0)
-        except MemstrataError:
-            # The client already has its answer; losing the stored copy is logged loudly.
-            log.exception("could not store the reply", extra={"conversation": self.external_id})
-        finally:
-            self.overhead += time.perf_counter() - began
+
+
+async def _record_when_back(
+    state: State, turn: Turn, reply: dict[str, Any] | None, *, complete: bool
+) -> None:
+    deadline = time.monotonic() + RECORD_RETRY_SECONDS
+    delay = 0.25
+    extra = {"conversation": turn.external_id}
+    while True:
+        try:
+            await turn.store_reply(state, reply, complete=complete)
+        except StorageUnavailable:
+            if time.monotonic() + delay > deadline:
+                log.error("a reply is lost from memory: the database stayed down", extra=extra)
+                return
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 10.0)
+        except Exception:
+            log.exception("a reply could not be stored", extra=extra)
+            return
+        else:
+            log.info("stored a reply once the database was back", extra=extra)
+            return

@@ -23,7 +23,9 @@ Contract
   cannot overwrite the new owner's state.
 * `fail` requeues with exponential backoff and jitter, or after `max_attempts` attempts moves the
   job to `dead` (the dead letter), keeping `last_error`; `retry` revives it; `depth` and
-  `list_jobs` make both visible.
+  `list_jobs` make both visible. A job whose worker keeps dying (killed, out of memory) never
+  calls `fail`: once its lease runs out after its `max_attempts`-th claim, the next `claim`
+  dead-letters it instead of running it again, so a job that crashes its worker cannot loop.
 * Every time is the database's `now()`, never a host's clock, so any number of `serve` and
   `worker` processes on any machines may share one database.
 
@@ -270,8 +272,13 @@ def _startable(job: Any) -> ColumnElement[bool]:
 
 
 def _reclaimable(job: Any) -> ColumnElement[bool]:
-    """A running job whose worker died or hung (its lease ran out)."""
-    return and_(job.c.status == _R, job.c.lease_until < func.now(), ~_sibling_running(job))
+    """A running job whose worker died or hung (its lease ran out), with attempts left."""
+    return and_(
+        job.c.status == _R,
+        job.c.lease_until < func.now(),
+        job.c.attempts < job.c.max_attempts,
+        ~_sibling_running(job),
+    )
 
 
 def _eligible(job: Any) -> ColumnElement[bool]:
@@ -343,6 +350,31 @@ def _take_statement() -> Executable:
 _LIST_ANY: Final = _candidates(by_kind=False)
 _LIST_KINDS: Final = _candidates(by_kind=True)
 _TAKE: Final = _take_statement()
+# Jobs whose lease ran out after their last allowed attempt: their worker died each time.
+_BURY_LOST: Final = (
+    update(jobs)
+    .where(
+        jobs.c.status == _R,
+        jobs.c.lease_until < func.now(),
+        jobs.c.attempts >= jobs.c.max_attempts,
+    )
+    .values(
+        status=_DEAD,
+        finished_at=func.now(),
+        lease_until=None,
+        updated_at=func.now(),
+        last_error=func.left(
+            func.concat(
+                "its worker was lost (killed or hung) on each of its ",
+                jobs.c.attempts,
+                " attempts",
+                func.coalesce(func.concat("; last error: ", jobs.c.last_error), ""),
+            ),
+            MAX_ERROR_CHARS,
+        ),
+    )
+    .returning(jobs.c.id, jobs.c.kind, jobs.c.attempts)
+)
 _TRY_LOCK: Final = select(
     func.pg_try_advisory_xact_lock(
         literal(_LOCK_NAMESPACE, Integer), bindparam("key", type_=Integer)
@@ -376,6 +408,8 @@ async def claim(
     if wanted is not None and not wanted:
         return None
     async with _storage("claiming a job"), engine.begin() as conn:
+        for job_id, kind, attempts in await conn.execute(_BURY_LOST):
+            log.warning("job %d (%s) is dead: its worker was lost %d times", job_id, kind, attempts)
         if wanted is None:
             listed = await conn.execute(_LIST_ANY)
         else:

@@ -44,10 +44,9 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Literal, Protocol
 
-import httpx
-
 from memory.build.facts import FACT_KEYS, FactSet, Sentence, analyze, extract_facts, string_list
 from memory.errors import ProviderError
+from memory.provider import Provider
 from memory.tokens import count_text, encoding_name_for_model, get_encoding
 
 __all__ = [
@@ -283,26 +282,22 @@ def _clip(text: str, limit: int) -> str:
 
 
 class LLMSummarizer:
-    """Structured summaries from an OpenAI-compatible ``POST {base_url}/chat/completions``.
-
-    The client is shared and owned by the caller; ``timeout`` bounds each request. Items longer
-    than ``max_item_chars`` are sent with their middle cut out.
+    """Structured summaries from an OpenAI-compatible ``POST {base_url}/chat/completions``,
+    through `memory.provider` (shared and owned by the caller: its retries apply).
+    ``timeout`` bounds each request. Items longer than ``max_item_chars`` are sent with their
+    middle cut out.
     """
 
     def __init__(
         self,
-        client: httpx.AsyncClient,
+        provider: Provider,
         *,
-        base_url: str,
-        api_key: str | None,
         model: str,
         timeout: float = 60,
         max_item_chars: int = 8000,
         augment_facts: bool = True,
     ) -> None:
-        self._client = client
-        self._url = base_url.rstrip("/") + "/chat/completions"
-        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._provider = provider
         self.model = model
         self._timeout = timeout
         self._max_item_chars = max_item_chars
@@ -351,24 +346,7 @@ class LLMSummarizer:
         return self._parse(content, finish_reason, items)
 
     async def _complete(self, payload: dict[str, Any]) -> tuple[str, str | None]:
-        try:
-            response = await self._client.post(
-                self._url, json=payload, headers=self._headers, timeout=self._timeout
-            )
-            response.raise_for_status()
-            body = response.json()
-        except httpx.HTTPStatusError as exc:
-            # The error's type/code only: an upstream may quote the request back in its message.
-            raise ProviderError(
-                f"summary upstream answered HTTP {exc.response.status_code}"
-                f"{_error_kind(exc.response)}"
-            ) from exc
-        except httpx.TimeoutException as exc:
-            raise ProviderError(f"summary upstream timed out ({type(exc).__name__})") from exc
-        except httpx.HTTPError as exc:
-            raise ProviderError(f"summary upstream unreachable ({type(exc).__name__})") from exc
-        except ValueError as exc:
-            raise ProviderError("summary upstream sent a body that is not JSON") from exc
+        body = await self._provider.post("chat", payload, what="summary", seconds=self._timeout)
         try:
             choice = body["choices"][0]
             content = choice["message"]["content"]
@@ -410,17 +388,6 @@ class LLMSummarizer:
                     for value in extracted[key]:
                         facts.add(key, value)
         return Summary(text=narrative, facts=facts.values, method="llm", model=self.model)
-
-
-def _error_kind(response: httpx.Response) -> str:
-    try:
-        error = response.json().get("error")
-    except (ValueError, AttributeError):
-        return ""
-    if not isinstance(error, dict):
-        return ""
-    kind = [str(error[k]) for k in ("type", "code") if isinstance(error.get(k), str | int)]
-    return f" ({', '.join(kind)})" if kind else ""
 
 
 # --- auto ---------------------------------------------------------------------------------------
@@ -468,9 +435,7 @@ class FallbackSummarizer:
 def make_summarizer(
     mode: Literal["llm", "extractive", "auto"],
     *,
-    client: httpx.AsyncClient | None,
-    base_url: str | None,
-    api_key: str | None,
+    provider: Provider | None,
     model: str | None,
     model_for_tokens: str = "gpt-4o",
     timeout: float = 60,
@@ -485,7 +450,7 @@ def make_summarizer(
         return extractive
     if mode not in ("llm", "auto"):
         raise ValueError(f"unknown summary mode {mode!r}")
-    if client is None or not base_url or not model:
-        raise ValueError(f"summary mode {mode!r} needs an HTTP client, a base URL and a model")
-    llm = LLMSummarizer(client, base_url=base_url, api_key=api_key, model=model, timeout=timeout)
+    if provider is None or not model:
+        raise ValueError(f"summary mode {mode!r} needs an upstream provider and a model")
+    llm = LLMSummarizer(provider, model=model, timeout=timeout)
     return llm if mode == "llm" else FallbackSummarizer(llm, extractive)

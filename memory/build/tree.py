@@ -11,7 +11,9 @@
    parent. Messages of the still-open segment are written with their vector at the end (they
    gain a parent in a later build). A message without text (an assistant's bare tool calls)
    has nothing to embed and keeps no vector. Messages stored after the step read its work are
-   left to the next build, so where segments close never depends on timing;
+   left to the next build, so where segments close never depends on timing. Messages that left
+   the conversation's current branch (`memory.write.branches`) are embedded, so that they stay
+   searchable, but belong to no segment;
 2. roll up: while some level k has `fanout` consecutive nodes without a parent, summarize them
    into one level-k+1 node; there is no depth limit;
 3. embed any node that still has text but no vector (a summary none of whose children has one).
@@ -28,7 +30,11 @@ is finished by the next one (vectors computed but not yet written are computed a
 repeated build changes nothing. Summaries never replace anything: messages stay as they are
 and gain a parent. Builds of one conversation are serialized by the job queue (one job per
 conversation runs at a time); the unique `(conversation_id, level, seq)` key makes a racing
-duplicate insert a no-op all the same.
+duplicate insert a no-op all the same. A request that moves the current branch drops the
+summaries over what changed (`memory.write.branches.move`) under the conversation's lock; a
+summary is inserted under a share lock of that row, after checking that none of its children
+left the branch or went away meanwhile: if one did, the build stops there, and the build that
+request queued starts again from what is left.
 """
 
 import asyncio
@@ -50,7 +56,7 @@ from memory.build.segments import SegmentMessage, SegmentPolicy, split
 from memory.build.summarize import Summarizer, Summary, SummaryInput
 from memory.db import AnyRow, transaction
 from memory.embeddings import Embedder, Vector, centroid
-from memory.schema import nodes
+from memory.schema import conversations, nodes
 
 log = logging.getLogger(__name__)
 
@@ -138,13 +144,21 @@ async def build(
     """Bring the conversation's embeddings, segments and roll-ups up to date."""
     progress = Progress()
     scope = {"tenant_id": tenant_id, "conversation_id": conversation_id}
-    embedded, progress.segments = await _segment(engine, config=config, final=final, **scope)
-    progress.embedded += embedded
-    progress.rollups += await _roll_up(engine, config=config, **scope)
+    try:
+        embedded, progress.segments = await _segment(engine, config=config, final=final, **scope)
+        progress.embedded += embedded
+        progress.rollups += await _roll_up(engine, config=config, **scope)
+    except _Branched:
+        log.info("the conversation branched during its build", extra=scope)
+        return progress
     # Summaries that got no centroid (none of their children has a vector): rare, and cheap
     # to look for through the partial index of unembedded nodes.
     progress.embedded += await _embed_pending(engine, config=config, **scope)
     return progress
+
+
+class _Branched(Exception):
+    """Children of a summary about to be inserted left the current branch or went away."""
 
 
 # -- 1. messages: embeddings and segments -------------------------------------------------
@@ -182,6 +196,7 @@ async def _segment(
                     nodes.c.tool_calls,
                     nodes.c.tool_call_id,
                     nodes.c.created_at,
+                    nodes.c.superseded_at,
                 )
                 .where(
                     nodes.c.tenant_id == tenant_id,
@@ -208,8 +223,9 @@ async def _segment(
                 rows=[row for row in chunk if _pending(row)],
             )
         )
+        current = [row for row in chunk if row.superseded_at is None]
         closed, remainder = split(
-            [*remainder, *_segment_messages(chunk, fresh, called)],
+            [*remainder, *_segment_messages(current, fresh, called)],
             config.policy,
             final=final and start + config.embed_batch >= len(rows),
         )
@@ -479,9 +495,23 @@ async def _insert_summaries(
     with its vector when `fresh` holds one (one row version, one HNSW entry).
 
     A summary that already exists (a racing build made it: same conversation, level and seq)
-    is skipped, and a child that already has a parent keeps it."""
+    is skipped, and a child that already has a parent keeps it. `_Branched` when a child left
+    the current branch or went away since it was read (see the module docstring)."""
     if not new:
         return
+    # Under a share lock of the conversation's row (a branch moves under its update lock).
+    # A deleted conversation is not checked: the insert fails on its foreign key.
+    alive = await conn.scalar(
+        select(conversations.c.id)
+        .where(conversations.c.id == conversation_id)
+        .with_for_update(read=True)
+    )
+    child_ids = {child.node_id for item in new for child in item.children}
+    kept = await conn.scalar(
+        select(func.count()).where(nodes.c.id.in_(child_ids), nodes.c.superseded_at.is_(None))
+    )
+    if alive is not None and kept != len(child_ids):
+        raise _Branched
     rows = []
     for item in new:
         children = item.children

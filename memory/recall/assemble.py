@@ -115,7 +115,6 @@ class StoredTurn:
         if new_count == 0:  # a resent history with nothing new: the last message is the question
             new_count, first_seq = 1, max(0, first_seq - 1)
         system = leading_system(messages)
-        whole = len(messages) == first_seq + new_count
         return cls(
             tenant_id=tenant_id,
             conversation_id=appended.conversation.id,
@@ -124,7 +123,7 @@ class StoredTurn:
             # The leading system prompt goes first, never again among the new messages.
             new_messages=messages[max(len(messages) - new_count, len(system)) :],
             first_seq=first_seq,
-            whole=messages if whole else None,
+            whole=messages if appended.whole else None,
             stored_tokens=appended.token_count,
             user=appended.user_id,
         )
@@ -167,14 +166,16 @@ async def assemble(
     embedder: Embedder,
     cross_conversation: bool,
     tools_guide: bool,
+    abandoned_branches: bool = False,
     explained: bool = False,
 ) -> Assembled:
     """The prompt for `turn` within `budget` (see the module docstring).
 
     The messages and `budget.reserved` together stay within the budget. `cross_conversation`
-    lets recall draw on the same user's other conversations; `tools_guide` tells the memory
-    message to say how to use the memory tools (when they are offered); `explained` says why
-    each recalled message was picked."""
+    lets recall draw on the same user's other conversations, `abandoned_branches` on messages
+    that left their conversation's current branch; `tools_guide` tells the memory message to
+    say how to use the memory tools (when they are offered); `explained` says why each recalled
+    message was picked."""
     stored_tokens, user = turn.stored_tokens, turn.user
     if stored_tokens is None:
         async with transaction(engine) as conn:
@@ -219,6 +220,7 @@ async def assemble(
             stored_messages=turn.first_seq,
             stored_tokens=stored_tokens,
             tools_guide=prompt.TOOLS_GUIDE if tools_guide else None,
+            abandoned=abandoned_branches,
             explained=explained,
         )
     return Assembled(
@@ -243,6 +245,7 @@ async def dry_run(
     embedder: Embedder,
     cross_conversation: bool,
     model: str = "gpt-4o",
+    abandoned_branches: bool = False,
 ) -> Assembled:
     """The prompt `assemble` would send if the stored conversation `external_id` received
     `query` as a new user message, with the tokens of each message and why each recalled
@@ -272,6 +275,7 @@ async def dry_run(
         embedder=embedder,
         cross_conversation=cross_conversation,
         tools_guide=tools_room > 0,
+        abandoned_branches=abandoned_branches,
         explained=True,
     )
     counts = [tokens.count_message(message, model=model) for message in assembled.messages]

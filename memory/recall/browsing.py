@@ -13,10 +13,12 @@
 * `search(query, limit)`: hybrid retrieval (`memory.recall.retrieval.search`), at most `MAX_SEARCH`.
 
 Every function reads within a `Scope`: one tenant, one conversation, and for `expand` and
-`search` the other conversations it may recall. A node of another tenant or outside the scope
-behaves exactly as a missing one (`NotFound`). Results are compact text for a model: each node
-tagged `[#id]` with its place, time (UTC, to the minute) and speaker, never more than
-`Limits.result_chars` characters (a note says what was left out and how to get it).
+`search` the other conversations it may recall; messages that left their conversation's
+current branch (`memory.write.branches`) only when the scope allows (`abandoned`), marked so.
+A node of another tenant or outside the scope behaves exactly as a missing one (`NotFound`).
+Results are compact text for a model: each node tagged `[#id]` with its place, time (UTC, to
+the minute) and speaker, never more than `Limits.result_chars` characters (a note says what was
+left out and how to get it).
 """
 
 from __future__ import annotations
@@ -58,6 +60,8 @@ class Scope:
     tenant_id: int
     conversation_id: int
     recall: tuple[int, ...] = ()
+    abandoned: bool = False
+    """Messages off their conversation's current branch are read too."""
 
     @property
     def conversation_ids(self) -> list[int]:
@@ -200,6 +204,7 @@ async def search(
         query=query,
         query_vector=vector,
         limit=limit,
+        abandoned=scope.abandoned,
     )
     if not hits:
         return f"nothing found for {query!r}"
@@ -234,6 +239,7 @@ class _Node:
     created_at: datetime
     meta: Mapping[str, Any]
     status: str = "complete"
+    superseded: bool = False
 
     @classmethod
     def from_row(cls, row: AnyRow) -> _Node:
@@ -251,6 +257,7 @@ class _Node:
             created_at=row.created_at,
             meta=row.meta or {},
             status=row.status,
+            superseded=row.superseded_at is not None,
         )
 
     @classmethod
@@ -285,6 +292,7 @@ _COLUMNS: Final = (
     nodes.c.created_at,
     nodes.c.meta,
     nodes.c.status,
+    nodes.c.superseded_at,
 )
 
 
@@ -298,6 +306,8 @@ async def _nodes(
     """Nodes of the scope's tenant matching `where`, in the scope's conversation (or, with
     `everywhere`, in any conversation it may recall), by level then seq."""
     allowed = scope.conversation_ids if everywhere else [scope.conversation_id]
+    if not scope.abandoned:
+        where = (*where, nodes.c.superseded_at.is_(None))
     query = (
         select(*_COLUMNS)
         .where(nodes.c.tenant_id == scope.tenant_id, nodes.c.conversation_id.in_(allowed), *where)
@@ -387,6 +397,8 @@ def _line(node: _Node, body: str | None, *, origin: str | None = None) -> str:
             who += f" ({node.name})"
         if node.status != "complete":
             who += f" [{node.status}]"
+        if node.superseded:
+            who += " [abandoned branch]"
     else:
         start = _when(node.meta.get("started_at") or node.created_at)
         end = _when(node.meta.get("ended_at") or node.created_at)

@@ -143,7 +143,7 @@ _MESSAGE_COLUMNS = (
 _TAIL = text(
     f"SELECT {_MESSAGE_COLUMNS} FROM nodes WHERE tenant_id = :tenant_id "
     "AND conversation_id = :conversation_id AND level = 0 AND seq < :before "
-    "ORDER BY seq DESC LIMIT :limit"
+    "AND superseded_at IS NULL ORDER BY seq DESC LIMIT :limit"
 )
 # The summaries the frontier may use: the tree's roots before `before`, and the children of the
 # "spine" (the newest root of level ≥ 2, its newest child of level ≥ 2, and so on down), which
@@ -174,7 +174,7 @@ _PINNED = text(
     "SELECT id, conversation_id, level, seq, span_start, span_end, role, name, text, "
     "created_at, token_count, tool_calls, tool_call_id FROM nodes "
     "WHERE tenant_id = :tenant_id AND conversation_id = :conversation_id AND level = 0 "
-    "AND pinned AND seq < :before ORDER BY seq DESC LIMIT 32"
+    "AND pinned AND seq < :before AND superseded_at IS NULL ORDER BY seq DESC LIMIT 32"
 )
 _TAIL_PAGE = 128
 _TOP_UP = 24  # room left after the exact count worth a second filling pass
@@ -212,6 +212,7 @@ async def build(
     stored_tokens: int | None = None,
     tools_guide: str | None = TOOLS_GUIDE,
     shares: BudgetSplit | None = None,
+    abandoned: bool = False,
     explained: bool = False,
 ) -> BuiltPrompt:
     """The prompt for a conversation whose history does not fit (see the module docstring).
@@ -220,12 +221,14 @@ async def build(
     a dry run); everything stored before `new_from` is history. `conversation_ids` are other
     conversations whose memory may be recalled (the same user's). `embed` turns the query into
     a vector, run while the full-text leg runs; without it, or when it returns None, retrieval
-    is full-text only. `explained` also says why each retrieved message was recalled."""
+    is full-text only. The recent turns are the current branch's; `abandoned` lets retrieval
+    also recall messages of abandoned branches. `explained` also says why each retrieved
+    message was recalled."""
     shares = shares or BudgetSplit()
     limit = budget - reserved_tokens
     must = await _calls_of(conn, tenant_id, conversation_id, new_messages, new_from)
     head = [dict(m) for m in system]
-    tail_new = [*(store.openai_message(row) for row in must), *(dict(m) for m in new_messages)]
+    tail_new = [*(store.prompt_message(row) for row in must), *(dict(m) for m in new_messages)]
     first_kept = must[0].seq if must else new_from
     fixed = tokens.count_messages([*head, *tail_new], model=model)
     if fixed > limit:
@@ -263,6 +266,7 @@ async def build(
             query=search_text,
             limit=pool,
             exclude_from=exclude,
+            abandoned=abandoned,
         )
         tree = [
             _TreeNode(*row)
@@ -306,6 +310,7 @@ async def build(
             limit=pool,
             exclude_from=exclude,
             messages=first_kept if len(scope_ids) == 1 else None,
+            abandoned=abandoned,
         )
     scores = fusion.fuse(
         legs,
@@ -318,7 +323,9 @@ async def build(
     )
     # Enough candidates to fill the room left even with short messages.
     wanted = (available - sum(row.token_count for row in recent)) // 25 + 20
-    hits = await retrieval.load(conn, tenant_id=tenant_id, scores=scores, limit=wanted)
+    hits = await retrieval.load(
+        conn, tenant_id=tenant_id, scores=scores, limit=wanted, abandoned=abandoned
+    )
 
     enc = tokens.get_encoding(tokens.encoding_name_for_model(model))
     block = MemoryBlock(enc=enc, primary=conversation_id)
@@ -333,7 +340,7 @@ async def build(
             block.add_milestone(hit)
     room = available - sum(row.token_count for row in recent) - block.total
     found = int(available * shares.found_summaries)
-    recent_messages = [store.openai_message(row) for row in recent]
+    recent_messages = [store.prompt_message(row) for row in recent]
     for _ in range(2):  # the second pass fills what the estimates (which run high) left over
         found = _fill(block, hits, room=room, found=found, cap=cap)
         while True:

@@ -23,7 +23,9 @@
 * callers strip participants' names from the text they embed (`without_names`): inside a
   conversation they say nothing about the topic.
 
-System and developer messages are never returned (they are the client's prompt, not memory).
+System and developer messages are never returned (they are the client's prompt, not memory),
+nor, unless a caller asks (`abandoned`), messages that left their conversation's current branch
+(an edited message, a regenerated answer: `memory.write.branches`).
 `search()` costs one SQL round trip per leg plus one to load the hits; the full-text leg does
 not need the vector, so callers may run it (`fulltext_candidates`) while the query is embedded.
 """
@@ -106,6 +108,7 @@ _SCOPE = """
     AND n.conversation_id = ANY(:conversation_ids)
     AND (n.level > 0 OR n.role IS NULL OR n.role NOT IN ('system', 'developer'))
     AND (CAST(:levels AS smallint[]) IS NULL OR n.level = ANY(CAST(:levels AS smallint[])))
+    AND (CAST(:abandoned AS boolean) OR n.superseded_at IS NULL)
     AND (CAST(:exclude_conversation AS bigint) IS NULL
          OR n.conversation_id <> CAST(:exclude_conversation AS bigint)
          OR n.span_start < CAST(:exclude_from AS integer))
@@ -210,6 +213,7 @@ FROM unnest(CAST(:conversations AS bigint[]), CAST(:levels AS smallint[]),
 JOIN nodes n ON n.conversation_id = w.conv AND n.level = w.level AND n.seq = w.seq
 WHERE n.tenant_id = :tenant_id
   AND (n.level > 0 OR n.role IS NULL OR n.role NOT IN ('system', 'developer'))
+  AND (CAST(:abandoned AS boolean) OR n.superseded_at IS NULL)
 """
 )
 
@@ -220,9 +224,11 @@ def _scope_params(
     conversation_ids: Sequence[int],
     levels: Sequence[int] | None,
     exclude_from: tuple[int, int] | None,
+    abandoned: bool,
 ) -> dict[str, Any]:
     return {
         "tenant_id": tenant_id,
+        "abandoned": abandoned,
         "conversation_ids": list(conversation_ids),
         "levels": list(levels) if levels is not None else None,
         "exclude_conversation": exclude_from[0] if exclude_from else None,
@@ -239,6 +245,7 @@ async def fulltext_candidates(
     limit: int = CANDIDATES,
     levels: Sequence[int] | None = None,
     exclude_from: tuple[int, int] | None = None,
+    abandoned: bool = False,
 ) -> Candidates:
     """The full-text leg: nodes matching any query word, best BM25-like score first."""
     websearch = websearch_query(query)
@@ -252,6 +259,7 @@ async def fulltext_candidates(
                 conversation_ids=conversation_ids,
                 levels=levels,
                 exclude_from=exclude_from,
+                abandoned=abandoned,
             ),
             "query": query,
             "websearch": websearch,
@@ -272,6 +280,7 @@ async def vector_candidates(
     levels: Sequence[int] | None = None,
     exclude_from: tuple[int, int] | None = None,
     messages: int | None = None,
+    abandoned: bool = False,
 ) -> Candidates:
     """The vector leg: embedded nodes by cosine distance to `query_vector`, nearest first.
 
@@ -290,6 +299,7 @@ async def vector_candidates(
             conversation_ids=conversation_ids,
             levels=levels,
             exclude_from=exclude_from,
+            abandoned=abandoned,
         ),
         "vector": _vector_literal(query_vector),
         "limit": limit,
@@ -360,6 +370,7 @@ async def vector_legs(
     levels: Sequence[int] | None = None,
     exclude_from: tuple[int, int] | None = None,
     messages: int | None = None,
+    abandoned: bool = False,
 ) -> list[Candidates]:
     """The legs that need the query's vector: the vector leg and, when messages are searched,
     the passage leg."""
@@ -372,6 +383,7 @@ async def vector_legs(
         levels=levels,
         exclude_from=exclude_from,
         messages=messages,
+        abandoned=abandoned,
     )
     if levels is not None and 0 not in levels:
         return [whole]
@@ -429,13 +441,15 @@ async def search(
     candidates: int = CANDIDATES,
     participants: Collection[str] = (),
     fulltext: Candidates | None = None,
+    abandoned: bool = False,
 ) -> list[Hit]:
     """The `limit` best nodes for `query`, best first (see the module docstring).
 
     `exclude_from=(conversation_id, seq)` leaves out that conversation's nodes that start at or
     after `seq` (the recent turns a prompt already holds verbatim). `which` overrides routing.
     `participants` are the conversation's speaker names (see `fuse`). `fulltext` passes a
-    full-text leg already run with the same scope."""
+    full-text leg already run with the same scope. `abandoned` also searches messages that
+    left their conversation's current branch (`memory.write.branches`)."""
     if limit <= 0 or not conversation_ids:
         return []
     which = which or route(query)
@@ -450,6 +464,7 @@ async def search(
             limit=pool,
             levels=levels,
             exclude_from=exclude_from,
+            abandoned=abandoned,
         )
     legs.append(fulltext)
     newest = await _newest(conn, tenant_id=tenant_id, conversation_ids=conversation_ids)
@@ -463,6 +478,7 @@ async def search(
             levels=levels,
             exclude_from=exclude_from,
             messages=sum(last + 1 for last in newest.values()),
+            abandoned=abandoned,
         )
     scores = fuse(
         legs,
@@ -474,14 +490,22 @@ async def search(
         kernel=CONTIGUITY if levels is None or 0 in levels else (),
         within=periods(query),
     )
-    return (await load(conn, tenant_id=tenant_id, scores=scores, limit=limit))[:limit]
+    return (await load(conn, tenant_id=tenant_id, scores=scores, limit=limit, abandoned=abandoned))[
+        :limit
+    ]
 
 
 async def load(
-    conn: AsyncConnection, *, tenant_id: int, scores: Mapping[Key, float], limit: int
+    conn: AsyncConnection,
+    *,
+    tenant_id: int,
+    scores: Mapping[Key, float],
+    limit: int,
+    abandoned: bool = False,
 ) -> list[Hit]:
-    """The `limit` best-scored places that exist (and are not system prompts), as hits in
-    descending score order."""
+    """The `limit` best-scored places that exist (and are not system prompts, nor, unless
+    `abandoned`, messages off their conversation's current branch), as hits in descending score
+    order."""
     best = ranked(scores, limit)
     if not best:
         return []
@@ -489,6 +513,7 @@ async def load(
         _LOAD,
         {
             "tenant_id": tenant_id,
+            "abandoned": abandoned,
             "conversations": [key[0] for key in best],
             "levels": [key[1] for key in best],
             "seqs": [key[2] for key in best],

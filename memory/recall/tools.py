@@ -106,11 +106,17 @@ RELATED_LIMIT: Final = 20
 
 
 async def scope_for(
-    conn: AsyncConnection, *, tenant_id: int, conversation_id: int, cross_conversation: bool
+    conn: AsyncConnection,
+    *,
+    tenant_id: int,
+    conversation_id: int,
+    cross_conversation: bool,
+    abandoned_branches: bool = False,
 ) -> Scope:
     """The scope of a request in `conversation_id`: with cross-conversation recall, also the
     tenant's other conversations of the same OpenAI `user`, most recent first (as many as the
-    prompt builder searches), so that every `[#id]` its memory block shows can be expanded."""
+    prompt builder searches), so that every `[#id]` its memory block shows can be expanded;
+    with `abandoned_branches`, messages off the current branches too."""
     recall: tuple[int, ...] = ()
     if cross_conversation:
         user = await conn.scalar(
@@ -130,7 +136,12 @@ async def scope_for(
                 .limit(RELATED_LIMIT)
             )
             recall = tuple(int(row.id) for row in rows)
-    return Scope(tenant_id=tenant_id, conversation_id=conversation_id, recall=recall)
+    return Scope(
+        tenant_id=tenant_id,
+        conversation_id=conversation_id,
+        recall=recall,
+        abandoned=abandoned_branches,
+    )
 
 
 def definitions() -> list[dict[str, Any]]:

@@ -213,16 +213,22 @@ async def stats(conn: AsyncConnection, *, tenant_id: int, external_id: str) -> C
 async def export_messages(
     engine: AsyncEngine, *, tenant_id: int, external_id: str, batch: int = 500
 ) -> AsyncIterator[dict[str, Any]]:
-    """Every stored message of the conversation in order, in OpenAI's format with its
-    `created_at` (the bulk import's format), read `batch` at a time. `NotFound` is raised
-    before the first message if the conversation does not exist."""
+    """Every message of the conversation's current branch in order, in OpenAI's format with its
+    `created_at` (the bulk import's format: what it re-imports is a history, so abandoned
+    branches are left out), read `batch` at a time. `NotFound` is raised before the first
+    message if the conversation does not exist."""
     async with transaction(engine) as conn:
         ref = await store.find_conversation(conn, tenant_id=tenant_id, external_id=external_id)
     after = -1
     while True:
         async with transaction(engine) as conn:
             records = await store.list_messages(
-                conn, tenant_id=tenant_id, conversation_id=ref.id, after_seq=after, limit=batch
+                conn,
+                tenant_id=tenant_id,
+                conversation_id=ref.id,
+                after_seq=after,
+                limit=batch,
+                branch_only=True,
             )
         for record in records:
             yield {**record.as_openai(), "created_at": record.created_at.isoformat()}

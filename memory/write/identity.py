@@ -1,49 +1,86 @@
-"""Which conversation a request belongs to: conversation ids and message hash chains.
+"""Which conversation a request belongs to, where its new messages start, and whether it
+branches or repeats an earlier request.
 
-A message's chain hash is sha256 over its parent's chain hash and the message's identity
-(role, name, content, tool calls, tool_call_id) in canonical JSON, so the hash of the last
-message stands for the whole history before it. A conversation stores the hash of its newest
-message (`head_hash`); an incoming history that contains that hash extends the conversation,
-and only the messages after it are new. Fields a client may add or drop when it resends a
-message it received (`refusal`, `annotations`, `audio`, a null `content` vs ``""``) are left
-out of the hash so that resending the SDK's own objects still matches.
+**Chain hashes.** A message's chain hash is sha256 over its parent's chain hash and the message's
+canonical form (`canonical`), so the hash of a message stands for the whole path before it.
+Two messages are the same when their canonical forms are equal: role, `name`, content,
+tool calls and `tool_call_id` (and the deprecated `function_call`), where
 
-`content_hash(content)` fingerprints a message's content alone: a conversation keeps the one of
-its newest system prompt (`system_hash`) to recognise a client that repeats it.
+* content `null`, `""` and `[]` are alike, and a list of text parts is the string of their
+  texts joined by newlines (the other keys of a text part are left out); a list holding other
+  parts keeps them, compared as JSON;
+* a tool call is its `id`, function name and arguments, the arguments compared as parsed JSON
+  (`{"x":1}` and `{"x": 1}` are alike; arguments that do not parse are compared as written);
+* field order never matters, and fields a client may add or drop when it resends a message it
+  received (`refusal`, `annotations`, `audio`, `reasoning_content`, a tool call's `type`) are
+  left out.
+
+`content_hash(content)` fingerprints a content alone in the same canonical form: a conversation
+keeps the one of its newest system prompt (`system_hash`) to recognise a client that repeats it.
+
+**Branches.** Every stored message keeps its chain hash. A conversation's messages form a
+tree, stored in arrival order (`seq`): its *current branch* is the path the client last sent,
+the messages with no `superseded_at`; its head (`head_hash`, `head_seq`) is the branch's last
+message. An incoming history that holds the head extends the current branch. One that leaves
+it (an edited message, a regenerated answer, a dropped turn) continues the conversation as a
+branch from the last message it shares with it (`Branch`): the current branch's messages after
+that point are superseded, and messages of an abandoned branch the history holds again are
+restored. Such a divergence continues the conversation only when the shared part holds a reply
+the gateway recorded (proof the client saw this conversation), or when it leaves the current
+branch within its latest exchange (from its last user message on) and holds a user message:
+a new chat that merely opens like an old one (the same system prompt) is not taken for it.
 
 `identify` is the first step of the request path: it finds the conversation an incoming history
-belongs to (by the client's conversation id, else by its hash chain), creates it when there is
-none, and locks its row (`FOR UPDATE`) until the caller's transaction ends, so that concurrent
-requests on one conversation store their messages one after the other (`memory.write.store`).
+belongs to (by the client's conversation id, else by the deepest stored message of its chain),
+creates it when there is none, and locks its row (`FOR UPDATE`) until the caller's transaction
+ends, so that concurrent requests on one conversation store their messages one after the other
+(`memory.write.store`). Two requests that would both start a new conversation with the same
+first message are serialized by an advisory lock, so the second finds the first's.
+
+**Retries.** A request is known by its `RequestKey`: the client's `Idempotency-Key`, else the
+sha256 of its body's JSON. It repeats an earlier request of the conversation (`Found.retry`:
+nothing is stored and nothing branches) when it carries the same `Idempotency-Key` within the
+window, or, without one, when its body is the same JSON as that of the request the
+conversation's head came from and either it resends the whole history, or that request is
+still unanswered, or the client says it is retrying (`X-Stainless-Retry-Count`, sent by the
+OpenAI SDKs). A client that sends only its new messages may say the same thing twice on
+purpose ("continue"): that is not taken for a retry on its bytes alone.
 """
 
+import contextlib
 import hashlib
 import json
 import re
 import uuid
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, replace
+from datetime import timedelta
+from typing import Any, Final
 
-from sqlalchemy import Text, bindparam, func, insert, literal_column, select
+from sqlalchemy import Text, bindparam, func, insert, literal_column, select, text
 from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from memory.db import AnyRow
 from memory.errors import InvalidConversationId
-from memory.schema import conversations
+from memory.schema import conversations, nodes
 
-_CONVERSATION_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+CONVERSATION_ID_PATTERN = r"^[A-Za-z0-9._:-]*[A-Za-z0-9_:-][A-Za-z0-9._:-]*$"
+"""Characters of A-Za-z0-9._:-, not dots alone (`.` and `..` name folders in paths and URLs)."""
+CONVERSATION_ID_MAX = 128
+_CONVERSATION_ID = re.compile(CONVERSATION_ID_PATTERN)
 ROOT_HASH = ""
 _SYSTEM_ROLES = ("system", "developer")
+DEFAULT_WINDOW: Final = timedelta(hours=24)
+"""How long an `Idempotency-Key` names the request that first carried it."""
 
 
 def validate_conversation_id(value: str) -> str:
     """Return `value` if it is a valid conversation id, else raise `InvalidConversationId`."""
-    if not _CONVERSATION_ID.fullmatch(value):
+    if len(value) > CONVERSATION_ID_MAX or not _CONVERSATION_ID.fullmatch(value):
         raise InvalidConversationId(
-            "conversation id must be 1-128 characters of A-Z a-z 0-9 . _ : -",
+            "conversation id must be 1-128 characters of A-Z a-z 0-9 . _ : -, not dots alone",
             param="X-Memstrata-Conversation",
         )
     return value
@@ -54,34 +91,75 @@ def new_conversation_id() -> str:
     return f"conv-{uuid.uuid4().hex}"
 
 
-def _identity(message: Mapping[str, Any]) -> dict[str, Any]:
-    tool_calls = [
-        {
-            "id": call.get("id"),
-            "name": (call.get("function") or {}).get("name"),
-            "arguments": (call.get("function") or {}).get("arguments"),
-        }
-        for call in message.get("tool_calls") or []
-    ]
-    return {
+# -- the canonical form ------------------------------------------------------------------------
+
+
+def canonical(message: Mapping[str, Any]) -> dict[str, Any]:
+    """What identifies a message (see the module docstring)."""
+    found: dict[str, Any] = {
         "role": message.get("role"),
-        "name": message.get("name"),
-        "content": message.get("content") or "",
-        "tool_calls": tool_calls,
+        "name": message.get("name") or None,
+        "content": canonical_content(message.get("content")),
+        "tool_calls": [_call(call) for call in message.get("tool_calls") or []],
         "tool_call_id": message.get("tool_call_id"),
     }
+    legacy = message.get("function_call")
+    if isinstance(legacy, Mapping):
+        found["function_call"] = _function(legacy)
+    return found
+
+
+def canonical_content(content: Any) -> Any:
+    """A message's content in canonical form: no content is `""`, text parts are a string."""
+    if content is None:
+        return ""
+    if not isinstance(content, list):
+        return content
+    texts = [_text_of(part) for part in content]
+    if all(text is not None for text in texts):
+        return "\n".join(text for text in texts if text is not None)
+    return [
+        part if text is None else {"type": "text", "text": text}
+        for part, text in zip(content, texts, strict=True)
+    ]
+
+
+def _text_of(part: Any) -> str | None:
+    if isinstance(part, str):
+        return part
+    if isinstance(part, Mapping) and part.get("type") == "text":
+        text = part.get("text")
+        return text if isinstance(text, str) else None
+    return None
+
+
+def _call(call: Any) -> dict[str, Any]:
+    if not isinstance(call, Mapping):
+        return {"raw": call}
+    function = call.get("function")
+    return {"id": call.get("id"), **_function(function if isinstance(function, Mapping) else {})}
+
+
+def _function(function: Mapping[str, Any]) -> dict[str, Any]:
+    arguments = function.get("arguments")
+    if isinstance(arguments, str):
+        with contextlib.suppress(ValueError):  # arguments that do not parse: as written
+            arguments = json.loads(arguments)
+    return {"name": function.get("name"), "arguments": arguments}
+
+
+def _dumps(value: Any) -> str:
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
 
 
 def content_hash(content: Any) -> str:
-    """A fingerprint of a message's content (a string or a list of parts)."""
-    canonical = json.dumps(content, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
-    return hashlib.sha256(canonical.encode()).hexdigest()
+    """A fingerprint of a message's content (a string or a list of parts), canonical."""
+    return hashlib.sha256(_dumps(canonical_content(content)).encode()).hexdigest()
 
 
 def chain_hash(parent: str, message: Mapping[str, Any]) -> str:
     """The chain hash of `message` following a message whose chain hash is `parent`."""
-    canonical = json.dumps(_identity(message), sort_keys=True, separators=(",", ":"))
-    return hashlib.sha256(f"{parent}\n{canonical}".encode()).hexdigest()
+    return hashlib.sha256(f"{parent}\n{_dumps(canonical(message))}".encode()).hexdigest()
 
 
 def chain(messages: Sequence[Mapping[str, Any]], parent: str = ROOT_HASH) -> list[str]:
@@ -93,15 +171,77 @@ def chain(messages: Sequence[Mapping[str, Any]], parent: str = ROOT_HASH) -> lis
     return hashes
 
 
+def after_head(hashes: Sequence[str], head: str | None) -> int | None:
+    """Where the new messages start, or None when the history does not contain the head."""
+    if head is None:
+        return 0
+    try:
+        return hashes.index(head) + 1
+    except ValueError:
+        return None
+
+
+# -- requests ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RequestKey:
+    """What tells a retry from a new request (see the module docstring)."""
+
+    value: str
+    """`key:` and the sha256 of the client's `Idempotency-Key`, else `body:` and the sha256 of
+    the body's JSON (keys sorted: the same JSON however a client spaces or orders it)."""
+    explicit: bool
+    """The client named the request (`Idempotency-Key`)."""
+    retrying: bool = False
+    """The client says this is a retry of a request it sent."""
+
+    @classmethod
+    def of(cls, *, body: Any, idempotency_key: str | None, retry_count: str | None) -> "RequestKey":
+        """The key of a request with this JSON `body` and these header values."""
+        retrying = retry_count is not None and retry_count.strip() not in ("", "0")
+        if idempotency_key:
+            digest = hashlib.sha256(idempotency_key.encode()).hexdigest()
+            return cls(value=f"key:{digest}", explicit=True, retrying=retrying)
+        digest = hashlib.sha256(_dumps(body).encode()).hexdigest()
+        return cls(value=f"body:{digest}", explicit=False, retrying=retrying)
+
+
+# -- where a history goes ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Branch:
+    """How the current branch changes before the new messages are stored: it keeps its
+    messages up to `fork_seq` (None: none) and continues with the superseded messages `restore`;
+    its other messages after `fork_seq` are superseded."""
+
+    fork_seq: int | None
+    restore: tuple[int, ...] = ()
+
+
 @dataclass(frozen=True)
 class Found:
     """The conversation a history belongs to, locked until the transaction ends."""
 
     row: AnyRow
-    """The conversation's row as locked (`memory.schema.conversations`)."""
+    """The conversation's row as locked (`memory.schema.conversations`), with the request key
+    of its head message (`head_request`) and whether that is a recorded reply
+    (`head_replied`)."""
     start: int
     """Where the history's new messages start."""
     created: bool
+    parent: str = ROOT_HASH
+    """The chain hash the new messages (and then the reply) continue from."""
+    parent_seq: int | None = None
+    """The seq of that message (None: the conversation's root)."""
+    branch: Branch | None = None
+    """Set when the history leaves the current branch."""
+    whole: bool = False
+    """The history's messages before `start` are the whole current branch (once `branch` is
+    applied): the request resent the history rather than only its new messages."""
+    retry: bool = False
+    """The request repeats an earlier one: nothing is stored, nothing branches."""
 
 
 async def identify(
@@ -111,21 +251,29 @@ async def identify(
     external_id: str | None,
     user: str | None,
     messages: Sequence[Mapping[str, Any]],
+    request: RequestKey | None = None,
+    window: timedelta = DEFAULT_WINDOW,
 ) -> Found:
-    """The conversation `messages` belongs to, and where its new messages start.
+    """The conversation `messages` belongs to, where its new messages start, and how it
+    branches.
 
-    With `external_id`, that conversation (created if new): the messages after its stored chain
-    are new; a history that does not contain its chain is taken as new messages only (a repeated
-    system prompt aside). Without it, the conversation whose whole chain is the longest prefix
-    of `messages` (of the same `user`), or a new one."""
+    With `external_id`, that conversation (created if new): a history that holds its head is
+    resent and the messages after the head are new; one that leaves its current branch where
+    a branch may start (module docstring) branches; any other is taken as new messages only
+    (a repeated system prompt aside). Without it, the conversation (of the same `user`) holding
+    the deepest stored message of the history's chain, when the history extends it or may
+    branch from it; else a new one. `request` tells a retry (within `window` for an
+    `Idempotency-Key`)."""
     hashes = chain(messages)
-    if external_id is None:
-        return await _match_prefix(conn, tenant_id=tenant_id, user=user, hashes=hashes)
-    found = await lock_or_create(conn, tenant_id=tenant_id, external_id=external_id, user=user)
-    start = after_head(hashes, found.row.head_hash)
-    if start is None:
-        start = _repeated_system(found.row.system_hash, messages)
-    return Found(row=found.row, start=start, created=found.created)
+    if external_id is not None:
+        locked = await lock_or_create(conn, tenant_id=tenant_id, external_id=external_id, user=user)
+        found = await _place(conn, locked.row, messages, hashes, created=locked.created)
+        assert found is not None  # a named conversation always takes the history
+    else:
+        found = await _match(conn, tenant_id=tenant_id, user=user, messages=messages, hashes=hashes)
+    if request is not None and not found.created:
+        return await _as_retry(conn, found, len(messages), request, window) or found
+    return found
 
 
 async def lock_or_create(
@@ -142,20 +290,12 @@ async def lock_or_create(
             statement.on_conflict_do_update(
                 constraint="uq_conversations_tenant_external",
                 set_={"external_id": statement.excluded.external_id},
-            ).returning(*conversations.c, literal_column("xmax = 0").label("inserted"))
+            ).returning(
+                *conversations.c, *_HEAD_COLUMNS, literal_column("xmax = 0").label("inserted")
+            )
         )
     ).one()
     return Found(row=row, start=0, created=bool(row.inserted))
-
-
-def after_head(hashes: Sequence[str], head: str | None) -> int | None:
-    """Where the new messages start, or None when the history does not contain the head."""
-    if head is None:
-        return 0
-    try:
-        return hashes.index(head) + 1
-    except ValueError:
-        return None
 
 
 def _repeated_system(system_hash: str | None, messages: Sequence[Mapping[str, Any]]) -> int:
@@ -169,37 +309,101 @@ def _repeated_system(system_hash: str | None, messages: Sequence[Mapping[str, An
     return 1 if content_hash(first.get("content")) == system_hash else 0
 
 
-# Built once: the request path runs it on every request without a conversation id.
+# The request and kind of the head message, read with the conversation's row (a retry is told
+# by them) in the statement that locks it.
+_HEAD_NODE = nodes.alias("head")
+
+
+def _of_head(column: Any, label: str) -> Any:
+    # The outer row named as text: SQLAlchemy does not correlate a subquery of a RETURNING.
+    return (
+        select(column)
+        .where(
+            _HEAD_NODE.c.conversation_id == literal_column("conversations.id"),
+            _HEAD_NODE.c.level == 0,
+            _HEAD_NODE.c.seq == literal_column("conversations.head_seq"),
+        )
+        .scalar_subquery()
+        .label(label)
+    )
+
+
+_HEAD_COLUMNS = (
+    _of_head(_HEAD_NODE.c.request_key, "head_request"),
+    _of_head(_HEAD_NODE.c.model.is_not(None), "head_replied"),
+)
+
+# Built once: the request path runs these on every request without a conversation id.
 _CHAIN = bindparam("chain", type_=ARRAY(Text))
+_SAME_USER = conversations.c.user_id.is_not_distinct_from(bindparam("user", type_=Text))
 # The conversation whose head is latest in the history. Locked as found: a candidate that
 # another request extended meanwhile is read again after the lock, and skipped if its new head
 # is not in this history (the next candidate is taken).
-_LOCK_BY_PREFIX = (
-    select(conversations)
+_LOCK_BY_HEAD = (
+    select(conversations, *_HEAD_COLUMNS)
     .where(
         conversations.c.tenant_id == bindparam("tenant_id"),
         conversations.c.head_hash == func.any(_CHAIN),
-        conversations.c.user_id.is_not_distinct_from(bindparam("user", type_=Text)),
+        _SAME_USER,
     )
     .order_by(
         func.array_position(_CHAIN, conversations.c.head_hash).desc(),
         conversations.c.updated_at.desc(),
     )
     .limit(1)
-    .with_for_update()
+    .with_for_update(of=conversations)
+)
+# Else the conversation holding the deepest stored message of the history (a current one
+# first): the history may branch from it.
+_DEEPEST = (
+    select(nodes.c.conversation_id)
+    .join(conversations, conversations.c.id == nodes.c.conversation_id)
+    .where(
+        nodes.c.tenant_id == bindparam("tenant_id"),
+        nodes.c.level == 0,
+        nodes.c.chain_hash == func.any(_CHAIN),
+        _SAME_USER,
+    )
+    .order_by(
+        func.array_position(_CHAIN, nodes.c.chain_hash).desc(),
+        nodes.c.superseded_at.is_(None).desc(),
+        conversations.c.updated_at.desc(),
+    )
+    .limit(1)
+)
+_LOCK_BY_ID = (
+    select(conversations, *_HEAD_COLUMNS)
+    .where(conversations.c.id == bindparam("id"))
+    .with_for_update(of=conversations)
 )
 
 
-async def _match_prefix(
-    conn: AsyncConnection, *, tenant_id: int, user: str | None, hashes: Sequence[str]
+async def _match(
+    conn: AsyncConnection,
+    *,
+    tenant_id: int,
+    user: str | None,
+    messages: Sequence[Mapping[str, Any]],
+    hashes: Sequence[str],
 ) -> Found:
-    row = (
-        await conn.execute(
-            _LOCK_BY_PREFIX, {"tenant_id": tenant_id, "chain": list(hashes), "user": user}
-        )
-    ).one_or_none()
-    if row is not None:
-        return Found(row=row, start=hashes.index(row.head_hash) + 1, created=False)
+    params = {"tenant_id": tenant_id, "chain": list(hashes), "user": user}
+    for attempt in range(2):
+        row = (await conn.execute(_LOCK_BY_HEAD, params)).one_or_none()
+        if row is None:
+            deepest = await conn.scalar(_DEEPEST, params)
+            if deepest is not None:
+                row = (await conn.execute(_LOCK_BY_ID, {"id": deepest})).one()
+        if row is not None:
+            found = await _place(conn, row, messages, hashes, created=False, named=False)
+            if found is not None:
+                return found
+        if attempt == 0:
+            # About to start a conversation: one that a concurrent request with the same
+            # opening is starting must be found instead (read again once its writer commits).
+            await conn.execute(
+                text("SELECT pg_advisory_xact_lock(:key)"),
+                {"key": _opening_lock(tenant_id, hashes[0] if hashes else ROOT_HASH)},
+            )
     row = (
         await conn.execute(
             insert(conversations)
@@ -207,4 +411,182 @@ async def _match_prefix(
             .returning(*conversations.c)
         )
     ).one()
-    return Found(row=row, start=0, created=True)
+    return Found(row=row, start=0, created=True, whole=True)
+
+
+def _opening_lock(tenant_id: int, first: str) -> int:
+    digest = hashlib.sha256(f"{tenant_id}\n{first}".encode()).digest()
+    return int.from_bytes(digest[:8], "big", signed=True)
+
+
+@dataclass(frozen=True)
+class _Stored:
+    """A stored message on the history's path."""
+
+    seq: int
+    role: str | None
+    replied: bool
+    current: bool
+
+
+async def _place(
+    conn: AsyncConnection,
+    row: AnyRow,
+    messages: Sequence[Mapping[str, Any]],
+    hashes: Sequence[str],
+    *,
+    created: bool,
+    named: bool = True,
+) -> Found | None:
+    """Where `messages` go in the locked conversation `row`; None when they do not belong
+    to it (only without a conversation id: `named` False)."""
+    head = row.head_hash
+    if head is None:  # nothing stored yet
+        return Found(row=row, start=0, created=created, whole=True)
+    start = after_head(hashes, head)
+    if start is not None:
+        return Found(
+            row=row, start=start, created=created, parent=head, parent_seq=row.head_seq, whole=True
+        )
+    path = await _path(conn, row.id, hashes)
+    if path and await _may_branch(conn, row.id, path):
+        # The path is current up to the fork (a current message's ancestors are), then runs
+        # through an abandoned branch, if at all.
+        fork = next((i for i, node in enumerate(path) if not node.current), len(path)) - 1
+        return Found(
+            row=row,
+            start=len(path),
+            created=created,
+            parent=hashes[len(path) - 1],
+            parent_seq=path[-1].seq,
+            branch=Branch(
+                fork_seq=path[fork].seq if fork >= 0 else None,
+                restore=tuple(node.seq for node in path[fork + 1 :]),
+            ),
+            whole=True,
+        )
+    if not named:
+        return None
+    return Found(
+        row=row,
+        start=_repeated_system(row.system_hash, messages),
+        created=created,
+        parent=head,
+        parent_seq=row.head_seq,
+    )
+
+
+async def _path(
+    conn: AsyncConnection, conversation_id: int, hashes: Sequence[str]
+) -> list[_Stored]:
+    """The stored messages of the conversation that the history begins with, in order."""
+    if not hashes:
+        return []
+    rows = await conn.execute(
+        select(
+            nodes.c.chain_hash,
+            nodes.c.seq,
+            nodes.c.role,
+            nodes.c.model.is_not(None).label("replied"),
+            nodes.c.superseded_at.is_(None).label("current"),
+        ).where(
+            nodes.c.conversation_id == conversation_id,
+            nodes.c.level == 0,
+            nodes.c.chain_hash == func.any(bindparam("chain", list(hashes), type_=ARRAY(Text))),
+        )
+    )
+    by_hash: dict[str, _Stored] = {}
+    for found in rows:
+        stored = _Stored(
+            seq=found.seq, role=found.role, replied=found.replied, current=found.current
+        )
+        # The same path stored twice (data older than branches): the current copy wins.
+        if found.chain_hash not in by_hash or stored.current:
+            by_hash[found.chain_hash] = stored
+    path: list[_Stored] = []
+    for digest in hashes:
+        if digest not in by_hash:
+            break
+        path.append(by_hash[digest])
+    return path
+
+
+async def _may_branch(conn: AsyncConnection, conversation_id: int, path: Sequence[_Stored]) -> bool:
+    """Whether a history that shares `path` with the conversation, then leaves it, is a branch
+    of it (see the module docstring)."""
+    if any(node.role == "assistant" and node.replied for node in path):
+        return True
+    last = path[-1]
+    if not last.current or not any(node.role == "user" for node in path):
+        return False
+    after = (
+        select(nodes.c.seq)
+        .where(
+            nodes.c.conversation_id == conversation_id,
+            nodes.c.level == 0,
+            nodes.c.superseded_at.is_(None),
+            nodes.c.seq > last.seq,
+        )
+        .order_by(nodes.c.seq)
+    )
+    users = list(await conn.scalars(after.where(nodes.c.role == "user").limit(2)))
+    if not users:
+        return True
+    return len(users) == 1 and users[0] == await conn.scalar(after.limit(1))
+
+
+# -- retries -----------------------------------------------------------------------------------
+
+
+async def _as_retry(
+    conn: AsyncConnection, found: Found, count: int, request: RequestKey, window: timedelta
+) -> Found | None:
+    """`found` as a retry when the request repeats an earlier one (module docstring)."""
+    conversation_id = found.row.id
+    if found.whole and found.start < count:
+        return None  # new messages after a resent history: not what was sent before
+    if not request.explicit:
+        row = found.row
+        if row.head_request is None or row.head_request != request.value:
+            return None
+        if not found.whole and row.head_replied and not request.retrying:
+            return None
+    if found.whole:  # the resent history ends where the first request's did
+        if (
+            request.explicit
+            and await _sent_with(conn, conversation_id, request.value, window) is None
+        ):
+            return None
+        return replace(found, start=count, branch=None, retry=True)
+    earlier = await _sent_with(
+        conn, conversation_id, request.value, window if request.explicit else None
+    )
+    if earlier is None or earlier.replied:
+        return None  # the first stored no message of its own to answer again
+    return replace(
+        found,
+        start=count,
+        branch=None,
+        retry=True,
+        parent=earlier.chain_hash,
+        parent_seq=earlier.seq,
+    )
+
+
+async def _sent_with(
+    conn: AsyncConnection, conversation_id: int, key: str, window: timedelta | None = None
+) -> AnyRow | None:
+    """The last message a request with `key` stored (its reply only if it stored nothing
+    else), within `window` when given."""
+    query = select(
+        nodes.c.seq, nodes.c.chain_hash, nodes.c.model.is_not(None).label("replied")
+    ).where(
+        nodes.c.conversation_id == conversation_id,
+        nodes.c.level == 0,
+        nodes.c.request_key == key,
+    )
+    if window is not None:
+        query = query.where(nodes.c.created_at > func.now() - window)
+    return (
+        await conn.execute(query.order_by(nodes.c.model.is_not(None), nodes.c.seq.desc()).limit(1))
+    ).one_or_none()

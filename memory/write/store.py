@@ -19,7 +19,18 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from sqlalchemy import Text, bindparam, exists, func, insert, literal, select, update
+from sqlalchemy import (
+    Integer,
+    Text,
+    bindparam,
+    case,
+    exists,
+    func,
+    insert,
+    literal,
+    select,
+    update,
+)
 from sqlalchemy.dialects.postgresql import aggregate_order_by
 from sqlalchemy.ext.asyncio import AsyncConnection
 
@@ -28,11 +39,15 @@ from memory.build import tree
 from memory.db import AnyRow
 from memory.errors import InvalidInput, NotFound
 from memory.schema import DEFAULT_TENANT, conversations, nodes, tenants
-from memory.write import identity
+from memory.text import escape_unstorable
+from memory.write import branches, identity
+from memory.write.branches import ReplyTo
 
 MESSAGE_FIELDS = ("role", "name", "content", "tool_calls", "tool_call_id")
 """Fields of an OpenAI message stored in columns; the rest are kept in `meta`."""
 _SYSTEM_ROLES = ("system", "developer")
+
+__all__ = ["ReplyTo"]  # re-exported: a turn keeps where its reply goes
 
 
 @dataclass(frozen=True)
@@ -51,9 +66,19 @@ class Appended:
     conversation: ConversationRef
     node_ids: list[int]
     first_seq: int
+    """The seq of the first message stored; when none was, one past the stored message the
+    request's history ended with."""
     token_count: int
-    """Tokens of every message the conversation holds, the new ones included."""
+    """Tokens of the conversation's current branch, the new messages included."""
     user_id: str | None
+    whole: bool = False
+    """The request's messages are the conversation's whole current branch (see `Found`)."""
+    branched_at: int | None = None
+    """The first seq whose message left or rejoined the current branch, when this write moved
+    it: a prompt or summary built from messages from there on no longer holds (see
+    `memory.write.branches`)."""
+    reply_to: ReplyTo | None = None
+    """Where this turn's reply goes (`store_new` only)."""
 
 
 @dataclass(frozen=True)
@@ -71,6 +96,14 @@ class MessageRecord:
     token_count: int
     created_at: datetime
     meta: dict[str, Any]
+    escaped: bool = False
+    """Text Postgres cannot hold (NUL, unpaired surrogates) was stored escaped."""
+    superseded_at: datetime | None = None
+    """When the message left the current branch (None: it is on it)."""
+    follows_seq: int = -1
+    """The seq of the message it follows (-1: the conversation's root)."""
+    model: str | None = None
+    """The model whose reply this is, when the gateway recorded it from the upstream."""
 
     def as_openai(self) -> dict[str, Any]:
         """The message in OpenAI's chat format, as the client sent or received it."""
@@ -93,19 +126,54 @@ async def store_new(
     messages: Sequence[Mapping[str, Any]],
     model: str,
     created_at: Sequence[datetime | None] | None = None,
+    request_key: str | None = None,
 ) -> Appended:
     """Store the part of an incoming history that is new to the conversation `identity.identify`
-    found (and locked): `messages` from `found.start` on. `created_at`, if given, holds one
-    timestamp (or None: now) per message of `messages`."""
-    start = found.start
-    return await _append_locked(
+    found (and locked): `messages` from `found.start` on, after moving the current branch when
+    the history branches; nothing for a retry. `created_at`, if given, holds one timestamp (or
+    None: now) per message of `messages`; `request_key` is recorded with what is stored."""
+    conv = found.row
+    ref = ConversationRef(id=conv.id, external_id=conv.external_id, created=found.created)
+    await tree.enqueue(conn, tenant_id=tenant_id, conversation_id=conv.id)
+    start = len(messages) if found.retry else found.start
+    moved = branches.Moved(branched_at=None, tokens=0)
+    if found.branch is not None and not found.retry:
+        moved = await branches.move(
+            conn,
+            conversation_id=conv.id,
+            fork_seq=found.branch.fork_seq,
+            restore=found.branch.restore,
+        )
+    inserted = await _insert(
         conn,
         tenant_id=tenant_id,
-        conv=found.row,
-        created=found.created,
+        conv=conv,
         messages=messages[start:],
+        after=(found.parent, found.parent_seq),
         model=model,
         created_at=created_at[start:] if created_at is not None else None,
+        request_key=request_key,
+    )
+    head = inserted.head or (found.parent, found.parent_seq)
+    if inserted.node_ids or (found.branch is not None and not found.retry):
+        systems = [m for m in messages[start:] if m.get("role") in _SYSTEM_ROLES]
+        await _move_head(
+            conn,
+            conv=conv,
+            stored=len(inserted.node_ids),
+            added=inserted.tokens + moved.tokens,
+            head=head,
+            system=systems[-1].get("content") if systems else None,
+        )
+    return Appended(
+        conversation=ref,
+        node_ids=inserted.node_ids,
+        first_seq=conv.next_seq if inserted.node_ids else _after(found.parent_seq),
+        token_count=conv.token_count + inserted.tokens + moved.tokens,
+        user_id=conv.user_id,
+        whole=found.whole,
+        branched_at=moved.branched_at,
+        reply_to=ReplyTo(parent=head[0], parent_seq=head[1], request_key=request_key),
     )
 
 
@@ -119,27 +187,64 @@ async def append(
     status: str = "complete",
     created_at: Sequence[datetime | None] | None = None,
     request_tokens: tuple[int, int] | None = None,
+    reply_to: ReplyTo | None = None,
 ) -> Appended:
-    """Append `messages` to a stored conversation (a reply, or a bulk import).
+    """Append `messages` to a stored conversation's current branch (a reply, or a bulk import).
 
     `request_tokens`, for a reply: the prompt tokens sent upstream for the request it answers
     and what the whole history would have cost, counted on the conversation with the reply
-    (its statistics: requests, tokens sent, tokens full)."""
+    (its statistics: requests, tokens sent, tokens full); the reply is stored as written by
+    `model`. `reply_to`, for a reply, says where it goes when the head has moved since its turn
+    was stored (`branches.place_reply`: a retry's reply whose first answer is recorded is not
+    stored again)."""
     conv = (
         await conn.execute(_LOCK_BY_ID, {"id": conversation_id, "tenant_id": tenant_id})
     ).one_or_none()
     if conv is None:
         raise NotFound(f"conversation {conversation_id} does not exist")
-    return await _append_locked(
+    ref = ConversationRef(id=conv.id, external_id=conv.external_id, created=False)
+    await tree.enqueue(conn, tenant_id=tenant_id, conversation_id=conv.id)
+    if not messages and request_tokens is None:
+        return Appended(
+            conversation=ref,
+            node_ids=[],
+            first_seq=conv.next_seq,
+            token_count=conv.token_count,
+            user_id=conv.user_id,
+        )
+    place = branches.Place(after=(conv.head_hash or identity.ROOT_HASH, conv.head_seq))
+    if reply_to is not None and conv.head_hash != reply_to.parent:
+        place = await branches.place_reply(conn, conv=conv, reply_to=reply_to)
+    inserted = await _insert(
         conn,
         tenant_id=tenant_id,
         conv=conv,
-        created=False,
-        messages=messages,
+        messages=[] if place.answered else messages,
+        after=place.after,
         model=model,
         status=status,
         created_at=created_at,
+        request_key=reply_to.request_key if reply_to is not None else None,
+        replied_by=model if request_tokens is not None else None,
+        current=place.current,
+    )
+    added = inserted.tokens if place.current else 0
+    systems = [m for m in messages if m.get("role") in _SYSTEM_ROLES]
+    await _move_head(
+        conn,
+        conv=conv,
+        stored=len(inserted.node_ids),
+        added=added,
+        head=inserted.head if place.current else None,
+        system=systems[-1].get("content") if systems and inserted.node_ids else None,
         request_tokens=request_tokens,
+    )
+    return Appended(
+        conversation=ref,
+        node_ids=inserted.node_ids,
+        first_seq=conv.next_seq,
+        token_count=conv.token_count + added,
+        user_id=conv.user_id,
     )
 
 
@@ -200,8 +305,10 @@ async def list_messages(
     conversation_id: int,
     after_seq: int = -1,
     limit: int | None = None,
+    branch_only: bool = False,
 ) -> list[MessageRecord]:
-    """Stored messages of a conversation in order, from `after_seq + 1`."""
+    """Stored messages of a conversation in order, from `after_seq + 1`; with `branch_only`,
+    those of its current branch only."""
     query = (
         select(nodes)
         .where(
@@ -209,6 +316,7 @@ async def list_messages(
             nodes.c.conversation_id == conversation_id,
             nodes.c.level == 0,
             nodes.c.seq > after_seq,
+            *([nodes.c.superseded_at.is_(None)] if branch_only else []),
         )
         .order_by(nodes.c.seq)
         .limit(limit)
@@ -219,8 +327,8 @@ async def list_messages(
 async def history(
     conn: AsyncConnection, *, tenant_id: int, conversation_id: int, before_seq: int
 ) -> list[dict[str, Any]]:
-    """Stored messages before seq `before_seq`, in OpenAI's format, as the client sent them
-    (only the columns a prompt needs: the request path reads this)."""
+    """The current branch's messages before seq `before_seq`, as a prompt carries them back
+    upstream (`prompt_message`; only the columns a prompt needs: the request path reads this)."""
     rows = await conn.execute(
         select(
             nodes.c.role,
@@ -235,10 +343,11 @@ async def history(
             nodes.c.conversation_id == conversation_id,
             nodes.c.level == 0,
             nodes.c.seq < before_seq,
+            nodes.c.superseded_at.is_(None),
         )
         .order_by(nodes.c.seq)
     )
-    return [openai_message(row) for row in rows]
+    return [prompt_message(row) for row in rows]
 
 
 # -- internals ---------------------------------------------------------------------------
@@ -252,14 +361,18 @@ _LOCK_BY_ID = (
     )
     .with_for_update()
 )
-# Moves the head after new messages (a NULL hash keeps the stored one) and counts a request.
+# Moves the head (a NULL hash keeps the stored one), counts what was stored and a request.
 _MOVE_HEAD = (
     update(conversations)
     .where(conversations.c.id == bindparam("conversation"))
     .values(
-        next_seq=bindparam("new_next_seq"),
+        next_seq=conversations.c.next_seq + bindparam("stored"),
         token_count=conversations.c.token_count + bindparam("added"),
         head_hash=func.coalesce(bindparam("new_head", type_=Text), conversations.c.head_hash),
+        head_seq=case(
+            (bindparam("new_head", type_=Text).is_(None), conversations.c.head_seq),
+            else_=bindparam("new_head_seq", type_=Integer),
+        ),
         system_hash=func.coalesce(bindparam("new_system", type_=Text), conversations.c.system_hash),
         requests=conversations.c.requests + bindparam("requests"),
         tokens_sent=conversations.c.tokens_sent + bindparam("sent"),
@@ -269,80 +382,105 @@ _MOVE_HEAD = (
 )
 
 
-async def _append_locked(
+async def _move_head(
     conn: AsyncConnection,
     *,
-    tenant_id: int,
     conv: AnyRow,
-    created: bool,
-    messages: Sequence[Mapping[str, Any]],
-    model: str,
-    status: str = "complete",
-    created_at: Sequence[datetime | None] | None = None,
+    stored: int,
+    added: int,
+    head: tuple[str, int | None] | None,
+    system: Any = None,
     request_tokens: tuple[int, int] | None = None,
-) -> Appended:
-    """Insert `messages` after the locked conversation's head and move the head."""
-    ref = ConversationRef(id=conv.id, external_id=conv.external_id, created=created)
-    await tree.enqueue(conn, tenant_id=tenant_id, conversation_id=conv.id)
-    if not messages and request_tokens is None:
-        return Appended(
-            conversation=ref,
-            node_ids=[],
-            first_seq=conv.next_seq,
-            token_count=conv.token_count,
-            user_id=conv.user_id,
-        )
-    hashes = identity.chain(messages, conv.head_hash or identity.ROOT_HASH)
-    now = datetime.now(UTC)
-    rows = []
-    for offset, (message, digest) in enumerate(zip(messages, hashes, strict=True)):
-        text = tokens.message_text(message)
-        row: dict[str, Any] = {
-            "tenant_id": tenant_id,
-            "conversation_id": conv.id,
-            "level": 0,
-            "seq": conv.next_seq + offset,
-            "span_start": conv.next_seq + offset,
-            "span_end": conv.next_seq + offset,
-            **{field: message.get(field) for field in MESSAGE_FIELDS},
-            "chain_hash": digest,
-            "text": text,
-            "token_count": tokens.count_message(message, model=model),
-            "status": status,
-            "meta": {k: v for k, v in message.items() if k not in MESSAGE_FIELDS},
-        }
-        if created_at is not None:
-            row["created_at"] = created_at[offset] or now
-        rows.append(row)
-    node_ids: list[int] = []
-    if rows:
-        result = await conn.execute(
-            insert(nodes).returning(nodes.c.id, sort_by_parameter_order=True), rows
-        )
-        node_ids = [int(node_id) for node_id in result.scalars()]
-    added = sum(row["token_count"] for row in rows)
-    systems = [m for m in messages if m.get("role") in _SYSTEM_ROLES]
+) -> None:
+    """Count `stored` messages and `added` tokens of the current branch on the locked `conv`,
+    move its head to `head` (None: where it is), note its newest system prompt, count a
+    request's tokens."""
     sent, full = request_tokens or (0, 0)
     await conn.execute(
         _MOVE_HEAD,
         {
             "conversation": conv.id,
-            "new_next_seq": conv.next_seq + len(rows),
+            "stored": stored,
             "added": added,
-            "new_head": hashes[-1] if hashes else None,
-            "new_system": (identity.content_hash(systems[-1].get("content")) if systems else None),
+            "new_head": head[0] if head is not None else None,
+            "new_head_seq": head[1] if head is not None else None,
+            "new_system": identity.content_hash(system) if system is not None else None,
             "requests": 0 if request_tokens is None else 1,
             "sent": sent,
             "full": full,
         },
     )
-    return Appended(
-        conversation=ref,
-        node_ids=node_ids,
-        first_seq=conv.next_seq,
-        token_count=conv.token_count + added,
-        user_id=conv.user_id,
+
+
+@dataclass(frozen=True)
+class _Inserted:
+    node_ids: list[int]
+    tokens: int
+    head: tuple[str, int] | None
+    """The chain hash and seq of the last message inserted."""
+
+
+async def _insert(
+    conn: AsyncConnection,
+    *,
+    tenant_id: int,
+    conv: AnyRow,
+    messages: Sequence[Mapping[str, Any]],
+    after: tuple[str, int | None],
+    model: str,
+    status: str = "complete",
+    created_at: Sequence[datetime | None] | None = None,
+    request_key: str | None = None,
+    replied_by: str | None = None,
+    current: bool = True,
+) -> _Inserted:
+    """Insert `messages` at the end of the locked conversation's storage, chained after
+    `after` (a chain hash and its message's seq); superseded when not `current`."""
+    if not messages:
+        return _Inserted(node_ids=[], tokens=0, head=None)
+    parent, parent_seq = after
+    hashes = identity.chain(messages, parent)
+    now = datetime.now(UTC)
+    rows = []
+    for offset, (original, digest) in enumerate(zip(messages, hashes, strict=True)):
+        # The hash is the original's, so that a client resending it still matches.
+        message, escaped = escape_unstorable(dict(original))
+        seq = conv.next_seq + offset
+        follows = offset == 0 and parent_seq != seq - 1
+        row: dict[str, Any] = {
+            "tenant_id": tenant_id,
+            "conversation_id": conv.id,
+            "level": 0,
+            "seq": seq,
+            "span_start": seq,
+            "span_end": seq,
+            **{field: message.get(field) for field in MESSAGE_FIELDS},
+            "chain_hash": digest,
+            "text": tokens.message_text(message),
+            "token_count": tokens.count_message(message, model=model),
+            "status": status,
+            "escaped": escaped,
+            "meta": {k: v for k, v in message.items() if k not in MESSAGE_FIELDS},
+            "follows_seq": (-1 if parent_seq is None else parent_seq) if follows else None,
+            "request_key": request_key,
+            "model": replied_by,
+            "superseded_at": None if current else now,
+        }
+        if created_at is not None:
+            row["created_at"] = created_at[offset] or now
+        rows.append(row)
+    result = await conn.execute(
+        insert(nodes).returning(nodes.c.id, sort_by_parameter_order=True), rows
     )
+    return _Inserted(
+        node_ids=[int(node_id) for node_id in result.scalars()],
+        tokens=sum(row["token_count"] for row in rows),
+        head=(hashes[-1], conv.next_seq + len(rows) - 1),
+    )
+
+
+def _after(seq: int | None) -> int:
+    return 0 if seq is None else seq + 1
 
 
 def openai_message(row: Any) -> dict[str, Any]:
@@ -355,8 +493,29 @@ def openai_message(row: Any) -> dict[str, Any]:
     return message
 
 
+REPLY_ONLY_FIELDS = frozenset({"annotations", "reasoning_content", "reasoning", "logprobs"})
+"""Fields of a stored reply that an upstream sends but does not take back in a prompt (some
+refuse them: DeepSeek refuses `reasoning_content` in input)."""
+
+
+def prompt_message(row: Any) -> dict[str, Any]:
+    """A stored message as a prompt may carry it back upstream: `openai_message` without the
+    reply-only fields, and a reply's `audio` by its id alone (the form input takes)."""
+    message = {k: v for k, v in openai_message(row).items() if k not in REPLY_ONLY_FIELDS}
+    audio = message.get("audio")
+    if isinstance(audio, dict):
+        if isinstance(audio.get("id"), str):
+            message["audio"] = {"id": audio["id"]}
+        else:
+            del message["audio"]
+    return message
+
+
 def _message_record(row: AnyRow) -> MessageRecord:
     return MessageRecord(
+        superseded_at=row.superseded_at,
+        follows_seq=row.seq - 1 if row.follows_seq is None else row.follows_seq,
+        model=row.model,
         node_id=row.id,
         seq=row.seq,
         role=row.role,
@@ -368,6 +527,7 @@ def _message_record(row: AnyRow) -> MessageRecord:
         token_count=row.token_count,
         created_at=row.created_at,
         meta=row.meta,
+        escaped=row.escaped,
     )
 
 
@@ -392,6 +552,9 @@ class NodeRecord:
     name: str | None
     tool_calls: list[dict[str, Any]] | None
     tool_call_id: str | None
+    # Messages: the message it follows where a branch starts, and when it left the branch.
+    follows_seq: int | None
+    superseded_at: datetime | None
     facts: dict[str, list[str]] | None
     method: str | None
     model: str | None
@@ -553,6 +716,8 @@ def _node_record(row: AnyRow) -> NodeRecord:
         name=row.name,
         tool_calls=row.tool_calls,
         tool_call_id=row.tool_call_id,
+        follows_seq=row.follows_seq,
+        superseded_at=row.superseded_at,
         facts=row.facts,
         method=row.method,
         model=row.model,

@@ -22,6 +22,7 @@ from gateway.openai import chat
 from gateway.routes.admin.models import (
     MAX_ID,
     TEXT_PATTERN,
+    BranchRunPublic,
     CompactQueued,
     ContextPart,
     ContextPublic,
@@ -44,7 +45,7 @@ from gateway.schemas import ImportRequest
 from memory.build import tree
 from memory.db import transaction
 from memory.errors import NotFound
-from memory.write import conversations, identity, store
+from memory.write import branches, conversations, identity, store
 
 router = APIRouter()
 
@@ -256,15 +257,18 @@ def _jsonl(message: dict[str, Any]) -> bytes:
 async def conversation_hierarchy(
     conversation: ConversationPath, engine: EngineDep, tenant_id: ScopeDep
 ) -> HierarchyPublic:
-    """Node counts per level, and every summary with its span, children and method."""
+    """Node counts per level, every summary with its span, children and method, and how the
+    messages branch."""
     async with transaction(engine) as conn:
         ref = await store.find_conversation(conn, tenant_id=tenant_id, external_id=conversation)
         counts = await store.level_counts(conn, tenant_id=tenant_id, conversation_id=ref.id)
         summaries = await store.list_nodes(conn, tenant_id=tenant_id, conversation_id=ref.id)
+        runs = await branches.runs(conn, tenant_id=tenant_id, conversation_id=ref.id)
     return HierarchyPublic(
         conversation=conversation,
         levels={str(level): count for level, count in counts.items()},
         nodes=[node_public(record, conversation) for record in summaries],
+        branches=[BranchRunPublic.model_validate(run) for run in runs],
     )
 
 
@@ -404,6 +408,8 @@ def node_public(record: store.NodeRecord, conversation: str) -> NodePublic:
         name=record.name,
         tool_calls=record.tool_calls,
         tool_call_id=record.tool_call_id,
+        follows_seq=record.follows_seq,
+        superseded_at=record.superseded_at,
         facts=record.facts,
         method=record.method,
         model=record.model,

@@ -9,8 +9,13 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-TENANT_PATTERN = r"^[A-Za-z0-9._-]{1,64}$"
-CONVERSATION_PATTERN = r"^[A-Za-z0-9._:-]{1,128}$"
+from memory.write.identity import CONVERSATION_ID_MAX, CONVERSATION_ID_PATTERN
+
+# Not dots alone: `.` and `..` name folders in paths and URLs.
+TENANT_PATTERN = r"^[A-Za-z0-9._-]*[A-Za-z0-9_-][A-Za-z0-9._-]*$"
+TENANT_MAX = 64
+CONVERSATION_PATTERN = CONVERSATION_ID_PATTERN
+CONVERSATION_MAX = CONVERSATION_ID_MAX
 # Text Postgres can hold: no NUL characters.
 TEXT_PATTERN = r"^[^\x00]*$"
 MAX_ID = 2**63 - 1
@@ -22,7 +27,11 @@ FROM_RECORD = ConfigDict(from_attributes=True)
 
 
 class TenantCreate(BaseModel):
-    name: str = Field(pattern=TENANT_PATTERN, description="1-64 characters of A-Za-z0-9._-")
+    name: str = Field(
+        pattern=TENANT_PATTERN,
+        max_length=TENANT_MAX,
+        description="1-64 characters of A-Za-z0-9._-, not dots alone",
+    )
 
 
 class TenantPublic(BaseModel):
@@ -127,6 +136,21 @@ class MessagePublic(BaseModel):
     status: str
     token_count: int
     created_at: datetime
+    escaped: bool = Field(
+        default=False,
+        description="Text Postgres cannot hold (NUL, unpaired surrogates) was stored escaped",
+    )
+    follows_seq: int = Field(
+        description="The message this one follows in its branch (-1: the conversation's root); "
+        "not the one just before it where a branch starts"
+    )
+    superseded_at: datetime | None = Field(
+        description="When the message left the current branch (an edit or a regenerated "
+        "answer branched off before it); null: it is on the current branch"
+    )
+    model: str | None = Field(
+        description="The model whose reply the gateway recorded; null: the client sent it"
+    )
 
 
 class MessagesPublic(BaseModel):
@@ -157,6 +181,13 @@ class NodePublic(BaseModel):
     name: str | None = None
     tool_calls: list[dict[str, Any]] | None = None
     tool_call_id: str | None = None
+    follows_seq: int | None = Field(
+        default=None,
+        description="A message where a branch starts: the message it follows (-1: the root)",
+    )
+    superseded_at: datetime | None = Field(
+        default=None, description="When a message left the current branch; null: it is on it"
+    )
     facts: dict[str, list[str]] | None
     method: str | None
     model: str | None
@@ -176,10 +207,26 @@ class NodePathPublic(BaseModel):
     )
 
 
+class BranchRunPublic(BaseModel):
+    """Consecutive stored messages on one branch: `first_seq` follows `follows_seq` (-1: the
+    root), each later one the one before it."""
+
+    model_config = FROM_RECORD
+
+    first_seq: int
+    last_seq: int
+    follows_seq: int
+    superseded: bool
+
+
 class HierarchyPublic(BaseModel):
     conversation: str
     levels: dict[str, int]
     nodes: list[NodePublic]
+    branches: list[BranchRunPublic] = Field(
+        description="The messages (level 0) as runs on one branch each, in seq order: one run "
+        "when the conversation never branched"
+    )
 
 
 class TreePagePublic(BaseModel):

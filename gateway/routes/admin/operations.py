@@ -8,6 +8,7 @@ from fastapi import APIRouter, Query
 
 from gateway.deps import EngineDep, StateDep
 from gateway.routes.admin.models import (
+    CONVERSATION_MAX,
     CONVERSATION_PATTERN,
     TEXT_PATTERN,
     HitPublic,
@@ -36,7 +37,12 @@ async def search(
     tenant_id: ScopeDep,
     q: Annotated[str, Query(min_length=1, max_length=2000, pattern=TEXT_PATTERN)],
     conversation: Annotated[
-        str | None, Query(pattern=CONVERSATION_PATTERN, description="Only this conversation")
+        str | None,
+        Query(
+            pattern=CONVERSATION_PATTERN,
+            max_length=CONVERSATION_MAX,
+            description="Only this conversation",
+        ),
     ] = None,
     level: Annotated[
         list[int] | None, Query(description="Only these levels (0: messages); repeatable")
@@ -44,7 +50,8 @@ async def search(
     limit: Annotated[int, Query(ge=1, le=100)] = 10,
 ) -> SearchResults:
     """Hybrid search (vector + full text) over messages and summaries, best first: in one
-    conversation, or in the tenant's 1,000 most recently active ones."""
+    conversation, or in the tenant's 1,000 most recently active ones; messages of abandoned
+    branches included."""
     levels = [value for value in level or [] if 0 <= value <= 32767] or None
     if level and levels is None:
         return SearchResults(query=q, data=[])
@@ -65,6 +72,7 @@ async def search(
             query_vector=vector,
             limit=limit,
             levels=levels,
+            abandoned=True,  # an operator sees every branch
         )
     return SearchResults(
         query=q,

@@ -6,7 +6,13 @@ from typing import Annotated, Any
 from fastapi import Depends, Path, Query
 
 from gateway.deps import EngineDep, StateDep
-from gateway.routes.admin.models import CONVERSATION_PATTERN, MAX_ID, TENANT_PATTERN
+from gateway.routes.admin.models import (
+    CONVERSATION_MAX,
+    CONVERSATION_PATTERN,
+    MAX_ID,
+    TENANT_MAX,
+    TENANT_PATTERN,
+)
 from memory.db import transaction
 from memory.write import tenants
 
@@ -14,6 +20,7 @@ TenantQuery = Annotated[
     str | None,
     Query(
         pattern=TENANT_PATTERN,
+        max_length=TENANT_MAX,
         description="The tenant to act within (its name); the default tenant when omitted",
         openapi_examples={"default": {"summary": "The default tenant", "value": "default"}},
     ),
@@ -22,6 +29,7 @@ TenantPath = Annotated[
     str,
     Path(
         pattern=TENANT_PATTERN,
+        max_length=TENANT_MAX,
         description="The tenant's name",
         openapi_examples={"default": {"summary": "The default tenant", "value": "default"}},
     ),
@@ -30,7 +38,8 @@ ConversationPath = Annotated[
     str,
     Path(
         pattern=CONVERSATION_PATTERN,
-        description="The conversation's id (1-128 characters of A-Za-z0-9._:-)",
+        max_length=CONVERSATION_MAX,
+        description="The conversation's id (1-128 characters of A-Za-z0-9._:-, not dots alone)",
         openapi_examples={"chat": {"summary": "A conversation id", "value": "chat-42"}},
     ),
 ]

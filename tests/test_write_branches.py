@@ -1,0 +1,143 @@
+"""Branches below the HTTP edge (`memory.write.branches`): what moving the current branch does
+to the summary tree, and what recall may read, against a real Postgres, real local
+embeddings and the extractive summarizer."""
+
+import uuid
+from typing import Any
+
+import pytest
+from sqlalchemy import select
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from memory.build import tree
+from memory.build.segments import SegmentPolicy
+from memory.build.summarize import ExtractiveSummarizer
+from memory.embeddings import LocalEmbedder
+from memory.recall import retrieval
+from memory.schema import nodes
+from memory.write import identity, store
+
+MODEL = "gpt-4o"
+# Segments of two messages, so that a short conversation has a tree.
+PAIRS = SegmentPolicy(shift_threshold=2.0, max_messages=2)
+
+Message = dict[str, Any]
+
+
+@pytest.fixture(scope="module")
+async def config() -> tree.TreeConfig:
+    embedder = LocalEmbedder()
+    await embedder.warmup()
+    return tree.TreeConfig(embedder=embedder, summarizer=ExtractiveSummarizer(MODEL), policy=PAIRS)
+
+
+async def turn(
+    engine: AsyncEngine, tenant_id: int, external_id: str, sent: list[Message], answer: str
+) -> store.Appended:
+    """One request: `sent` stored as the gateway stores a request, then its reply recorded."""
+    async with engine.begin() as conn:
+        found = await identity.identify(
+            conn, tenant_id=tenant_id, external_id=external_id, user=None, messages=sent
+        )
+        stored = await store.store_new(
+            conn, tenant_id=tenant_id, found=found, messages=sent, model=MODEL
+        )
+        await store.append(
+            conn,
+            tenant_id=tenant_id,
+            conversation_id=stored.conversation.id,
+            messages=[{"role": "assistant", "content": answer}],
+            model=MODEL,
+            request_tokens=(0, 0),
+            reply_to=stored.reply_to,
+        )
+    return stored
+
+
+async def level_one(engine: AsyncEngine, conversation_id: int) -> list[tuple[int, int]]:
+    async with engine.connect() as conn:
+        rows = await conn.execute(
+            select(nodes.c.span_start, nodes.c.span_end)
+            .where(nodes.c.conversation_id == conversation_id, nodes.c.level == 1)
+            .order_by(nodes.c.seq)
+        )
+        return [(row.span_start, row.span_end) for row in rows]
+
+
+async def test_a_branch_drops_the_summaries_over_it_and_the_rebuild_skips_the_abandoned(
+    engine: AsyncEngine, tenant_id: int, config: tree.TreeConfig
+) -> None:
+    external_id = f"branch-tree-{uuid.uuid4().hex}"
+    topics = ["volcano basalt", "glacier moraine", "coral atoll", "desert erg"]
+    history: list[Message] = []
+    for index, topic in enumerate(topics):
+        history.append({"role": "user", "content": f"Tell me about the {topic}."})
+        stored = await turn(engine, tenant_id, external_id, history, f"The {topic} answer {index}.")
+        history.append({"role": "assistant", "content": f"The {topic} answer {index}."})
+    conversation_id = stored.conversation.id
+    await tree.build(
+        engine, tenant_id=tenant_id, conversation_id=conversation_id, config=config, final=True
+    )
+    assert await level_one(engine, conversation_id) == [(0, 1), (2, 3), (4, 5), (6, 7)]
+
+    # The client edits the third question: messages 4-7 leave the branch.
+    edited = [*history[:4], {"role": "user", "content": "Tell me about the tundra permafrost."}]
+    branched = await turn(engine, tenant_id, external_id, edited, "The tundra answer.")
+    assert (branched.first_seq, branched.branched_at) == (8, 4)
+    assert await level_one(engine, conversation_id) == [(0, 1), (2, 3)]
+    edited.append({"role": "assistant", "content": "The tundra answer."})
+    edited.append({"role": "user", "content": "And the steppe grassland?"})
+    await turn(engine, tenant_id, external_id, edited, "The steppe answer.")
+    await tree.build(
+        engine, tenant_id=tenant_id, conversation_id=conversation_id, config=config, final=True
+    )
+
+    assert await level_one(engine, conversation_id) == [(0, 1), (2, 3), (8, 9), (10, 11)]
+    async with engine.connect() as conn:
+        rows = (
+            await conn.execute(
+                select(
+                    nodes.c.seq, nodes.c.parent_id, nodes.c.superseded_at, nodes.c.embedding
+                ).where(nodes.c.conversation_id == conversation_id, nodes.c.level == 0)
+            )
+        ).all()
+    abandoned = {row.seq for row in rows if row.superseded_at is not None}
+    assert abandoned == {4, 5, 6, 7}
+    assert all(row.parent_id is None for row in rows if row.seq in abandoned)
+    assert all(row.parent_id is not None for row in rows if row.seq not in abandoned)
+    # Abandoned messages stay searchable: they are embedded all the same.
+    assert all(row.embedding is not None for row in rows)
+    async with engine.begin() as conn:
+        history_now = await store.history(
+            conn, tenant_id=tenant_id, conversation_id=conversation_id, before_seq=100
+        )
+    assert [m["content"] for m in history_now] == [m["content"] for m in edited] + [
+        "The steppe answer."
+    ]
+
+
+async def test_recall_reads_abandoned_branches_only_when_asked(
+    engine: AsyncEngine, tenant_id: int, config: tree.TreeConfig
+) -> None:
+    external_id = f"branch-recall-{uuid.uuid4().hex}"
+    opening = [{"role": "user", "content": "Name a mineral."}]
+    first = await turn(engine, tenant_id, external_id, opening, "Zanzibarite, a rare mineral.")
+    await turn(engine, tenant_id, external_id, opening, "Quartz, a common mineral.")  # regenerated
+    conversation_id = first.conversation.id
+    await tree.build(engine, tenant_id=tenant_id, conversation_id=conversation_id, config=config)
+    [vector] = await config.embedder.embed(["zanzibarite"])
+
+    async def found(abandoned: bool) -> list[str]:
+        async with engine.begin() as conn:
+            hits = await retrieval.search(
+                conn,
+                tenant_id=tenant_id,
+                conversation_ids=[conversation_id],
+                query="zanzibarite",
+                query_vector=vector,
+                abandoned=abandoned,
+            )
+        return [hit.text for hit in hits]
+
+    assert "Zanzibarite, a rare mineral." not in await found(False)
+    assert "Zanzibarite, a rare mineral." in await found(True)
