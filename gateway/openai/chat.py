@@ -15,6 +15,7 @@ or assembly step, the request is forwarded unchanged or refused with 503, as
 """
 
 import functools
+import logging
 import time
 from datetime import timedelta
 from typing import Any
@@ -32,7 +33,7 @@ from gateway.openai.turn import CONVERSATION_HEADER, Turn
 from gateway.schemas import ChatCompletionRequest
 from gateway.settings import Settings
 from gateway.state import State
-from memory import tokens
+from memory import stages, tokens
 from memory.db import transaction
 from memory.errors import StorageUnavailable
 from memory.recall.assemble import (
@@ -45,6 +46,8 @@ from memory.recall.assemble import (
 )
 from memory.recall.assemble import dry_run as memory_dry_run
 from memory.write import identity, store
+
+log = logging.getLogger(__name__)
 
 BUDGET_HEADER = "X-Memstrata-Budget"
 IDEMPOTENCY_HEADER = "Idempotency-Key"
@@ -85,45 +88,55 @@ async def complete(request: Request, state: State, *, tenant_id: int) -> Respons
         idempotency_key=request.headers.get(IDEMPOTENCY_HEADER),
         retry_count=request.headers.get(RETRY_COUNT_HEADER),
     )
-    try:
-        async with transaction(state.engine) as conn:
-            stored, appended = await store_turn(
-                conn,
-                tenant_id=tenant_id,
-                external_id=external_id,
-                user=chat.user,
-                messages=body["messages"],
-                model=model,
-                budget=budget,
-                request=request_key,
-                window=timedelta(seconds=state.settings.idempotency_window_seconds),
-            )
-    except StorageUnavailable as exc:
-        return await unchanged(exc, external_id=external_id)
-    turn = Turn(
-        tenant_id=tenant_id,
-        conversation_id=stored.conversation_id,
-        external_id=appended.conversation.external_id,
-        model=chat.model,
-        started=started,
-        reply_to=appended.reply_to,
-    )
-    try:
-        assembled = await recall(state, stored, budget, tools_guide=tools_room > 0)
-    except StorageUnavailable as exc:
-        return await unchanged(exc, external_id=turn.external_id, stored=turn)
+    with stages.recording() as timings:
+        try:
+            with stages.stage("store"):
+                async with transaction(state.engine) as conn:
+                    stored, appended = await store_turn(
+                        conn,
+                        tenant_id=tenant_id,
+                        external_id=external_id,
+                        user=chat.user,
+                        messages=body["messages"],
+                        model=model,
+                        budget=budget,
+                        request=request_key,
+                        window=timedelta(seconds=state.settings.idempotency_window_seconds),
+                    )
+        except StorageUnavailable as exc:
+            return await unchanged(exc, external_id=external_id)
+        turn = Turn(
+            tenant_id=tenant_id,
+            conversation_id=stored.conversation_id,
+            external_id=appended.conversation.external_id,
+            model=chat.model,
+            started=started,
+            reply_to=appended.reply_to,
+        )
+        try:
+            with stages.stage("assemble"):
+                assembled = await recall(state, stored, budget, tools_guide=tools_room > 0)
+        except StorageUnavailable as exc:
+            return await unchanged(exc, external_id=turn.external_id, stored=turn)
     turn.sent(assembled)
-    prompt = (
-        body if assembled.messages is body["messages"] else {**body, "messages": assembled.messages}
-    )
+    _report(state, timings)
+    messages = assembled.messages
     return await relay.forward(
         state,
         turn,
         client_headers=request.headers,
         query=request.url.query,
-        body=prompt,
+        body=body if messages is body["messages"] else {**body, "messages": messages},
         stream=bool(chat.stream),
     )
+
+
+def _report(state: State, timings: stages.Record) -> None:
+    """The request path's stages, to `/metrics` and, at DEBUG, to the log."""
+    state.metrics.observe_stages(timings)
+    if log.isEnabledFor(logging.DEBUG):
+        spent = {name: round(seconds * 1000, 2) for name, seconds in timings.items()}
+        log.debug("request stages", extra={"stages_ms": spent})
 
 
 async def store_turn(

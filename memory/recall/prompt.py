@@ -40,6 +40,7 @@ from memory import tokens
 from memory.errors import ContextOverflow
 from memory.recall import explain, fusion, retrieval
 from memory.recall.memory_block import MemoryBlock
+from memory.stages import staged
 from memory.write import store
 
 __all__ = [
@@ -423,6 +424,7 @@ def _preamble(messages: int | None, stored_tokens: int | None, guide: str | None
 # -- the parts -------------------------------------------------------------------------------
 
 
+@staged("recent")
 async def _calls_of(
     conn: AsyncConnection,
     tenant_id: int,
@@ -455,6 +457,7 @@ async def _calls_of(
     return []
 
 
+@staged("recent")
 async def _recent(
     conn: AsyncConnection,
     tenant_id: int,

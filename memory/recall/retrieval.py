@@ -50,6 +50,7 @@ from memory.recall.query import (
     websearch_query,
     without_names,
 )
+from memory.stages import staged
 
 __all__ = [
     "Candidates",
@@ -236,6 +237,7 @@ def _scope_params(
     }
 
 
+@staged("fulltext")
 async def fulltext_candidates(
     conn: AsyncConnection,
     *,
@@ -270,6 +272,7 @@ async def fulltext_candidates(
     return _candidates(rows)
 
 
+@staged("vector")
 async def vector_candidates(
     conn: AsyncConnection,
     *,
@@ -324,6 +327,7 @@ async def vector_candidates(
     return found
 
 
+@staged("passages")
 async def passage_candidates(
     conn: AsyncConnection, *, tenant_id: int, query_vector: Sequence[float], whole: Candidates
 ) -> Candidates:
@@ -495,6 +499,7 @@ async def search(
     ]
 
 
+@staged("load")
 async def load(
     conn: AsyncConnection,
     *,
@@ -523,6 +528,7 @@ async def load(
     return sorted(hits, key=lambda hit: (-hit.score, -hit.seq, hit.node_id))
 
 
+@staged("load")
 async def load_nodes(conn: AsyncConnection, *, tenant_id: int, ids: Sequence[int]) -> list[Hit]:
     """Nodes by id (of this tenant), scored 0."""
     if not ids:

@@ -148,18 +148,21 @@ def _function(function: Mapping[str, Any]) -> dict[str, Any]:
     return {"name": function.get("name"), "arguments": arguments}
 
 
-def _dumps(value: Any) -> str:
-    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+def _dumps(value: Any) -> bytes:
+    # surrogatepass: an upstream's reply may hold an unpaired surrogate (stored escaped, still
+    # hashed as it came); for any other text it is plain UTF-8.
+    text = json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return text.encode("utf-8", "surrogatepass")
 
 
 def content_hash(content: Any) -> str:
     """A fingerprint of a message's content (a string or a list of parts), canonical."""
-    return hashlib.sha256(_dumps(canonical_content(content)).encode()).hexdigest()
+    return hashlib.sha256(_dumps(canonical_content(content))).hexdigest()
 
 
 def chain_hash(parent: str, message: Mapping[str, Any]) -> str:
     """The chain hash of `message` following a message whose chain hash is `parent`."""
-    return hashlib.sha256(f"{parent}\n{_dumps(canonical(message))}".encode()).hexdigest()
+    return hashlib.sha256(f"{parent}\n".encode() + _dumps(canonical(message))).hexdigest()
 
 
 def chain(messages: Sequence[Mapping[str, Any]], parent: str = ROOT_HASH) -> list[str]:
@@ -203,7 +206,7 @@ class RequestKey:
         if idempotency_key:
             digest = hashlib.sha256(idempotency_key.encode()).hexdigest()
             return cls(value=f"key:{digest}", explicit=True, retrying=retrying)
-        digest = hashlib.sha256(_dumps(body).encode()).hexdigest()
+        digest = hashlib.sha256(_dumps(body)).hexdigest()
         return cls(value=f"body:{digest}", explicit=False, retrying=retrying)
 
 
