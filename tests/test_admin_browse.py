@@ -198,6 +198,12 @@ async def test_jobs_of_one_conversation_name_it(app: App, admin: httpx.AsyncClie
     assert only["depth"] == every["depth"]  # the depth stays the tenant's
     missing = await admin.get("/admin/jobs", params={"tenant": tenant, "conversation": "nope"})
     assert missing.status_code == 404
+    # The listing says what each conversation still has to do.
+    listed = (await admin.get("/admin/conversations", params={"tenant": tenant})).json()["data"]
+    assert {item["conversation"]: item["pending_jobs"] for item in listed} == {
+        "other": {"queued": 1},
+        conversation: {"queued": 1},
+    }
 
 
 async def test_the_dry_run_labels_its_parts_and_says_why_each_message_is_quoted(

@@ -165,6 +165,7 @@ async def test_the_list_shows_the_tenants_conversations_newest_first(
     row = page.locator("tr", has=page.get_by_role("link", name=data.trip, exact=True))
     await expect(row.locator("td[data-label=Messages]")).to_have_text("300")
     await expect(row.locator("td[data-label=User]")).to_have_text("alice")
+    await expect(row.locator("td[data-label='Pending jobs']")).to_have_text("1 dead")
 
     await page.fill("input[name=user]", "bob")
     await page.click("form.filters button[type=submit]")

@@ -193,21 +193,35 @@ async def stats(conn: AsyncConnection, *, tenant_id: int, external_id: str) -> C
     for level, count, token_sum in rows:
         levels[int(level)] = int(count)
         level_tokens[int(level)] = int(token_sum)
-    pending = await conn.execute(
-        select(jobs.c.status, func.count())
-        .where(
-            jobs.c.tenant_id == tenant_id,
-            jobs.c.conversation_id == summary.id,
-            jobs.c.status != "done",
-        )
-        .group_by(jobs.c.status)
-    )
+    pending = await pending_jobs(conn, tenant_id=tenant_id, ids=[summary.id])
     return ConversationStats(
         conversation=summary,
         levels=levels,
         level_tokens=level_tokens,
-        pending_jobs={str(status): int(count) for status, count in pending},
+        pending_jobs=pending.get(summary.id, {}),
     )
+
+
+async def pending_jobs(
+    conn: AsyncConnection, *, tenant_id: int, ids: Collection[int]
+) -> dict[int, dict[str, int]]:
+    """The jobs not done yet of each of the conversations `ids`, by status (one query for a
+    page of a listing; a conversation with none is left out)."""
+    if not ids:
+        return {}
+    rows = await conn.execute(
+        select(jobs.c.conversation_id, jobs.c.status, func.count())
+        .where(
+            jobs.c.tenant_id == tenant_id,
+            jobs.c.conversation_id.in_(list(ids)),
+            jobs.c.status.in_(["queued", "running", "dead"]),
+        )
+        .group_by(jobs.c.conversation_id, jobs.c.status)
+    )
+    found: dict[int, dict[str, int]] = {}
+    for conversation_id, status, count in rows:
+        found.setdefault(int(conversation_id), {})[str(status)] = int(count)
+    return found
 
 
 async def export_messages(

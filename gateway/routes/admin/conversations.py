@@ -122,8 +122,14 @@ async def list_conversations(
             updated_after=_aware(active_after),
             updated_before=_aware(active_before),
         )
+        pending = await conversations.pending_jobs(
+            conn, tenant_id=tenant_id, ids=[item.id for item in page.items]
+        )
     return ConversationList(
-        data=[ConversationPublic(**_public(item)) for item in page.items],
+        data=[
+            ConversationPublic(**_public(item), pending_jobs=pending.get(item.id, {}))
+            for item in page.items
+        ],
         has_more=page.next_before is not None,
         next_cursor=_cursor(page.next_before) if page.next_before is not None else None,
     )

@@ -93,6 +93,7 @@ class ConversationPublic(BaseModel):
     tokens_full: int = Field(description="Tokens their whole histories would have cost")
     created_at: datetime
     last_activity: datetime
+    pending_jobs: dict[str, int] = Field(description="Jobs not done yet, by status")
 
 
 class ConversationList(BaseModel):
@@ -110,7 +111,6 @@ class ConversationStats(ConversationPublic):
     compression_ratio: float | None = Field(
         description="tokens_full / tokens_sent (null before the first answered request)"
     )
-    pending_jobs: dict[str, int] = Field(description="Jobs not done yet, by status")
 
 
 class ConversationDeleted(BaseModel):

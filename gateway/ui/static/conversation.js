@@ -3,6 +3,7 @@
 
 import { api } from "./api.js";
 import { confirmDialog, errorPanel, h, levelName, number, percent, ratio, replace, stat, timeTag } from "./dom.js";
+import { pending as pendingJobs } from "./conversations.js";
 import { flash, go, link } from "./nav.js";
 import { showGraph } from "./graph.js";
 import { jobsPanel } from "./jobs.js";
@@ -46,7 +47,6 @@ async function loadFigures(target, id) {
 
 function figures(stats) {
   const levels = Object.entries(stats.levels || {}).sort(([a], [b]) => Number(b) - Number(a));
-  const pending = Object.entries(stats.pending_jobs || {}).filter(([, n]) => n > 0);
   const extra = [];
   if (stats.memory_reuse !== undefined) extra.push(stat("Memory reuse", percent(stats.memory_reuse), "Share of a prompt that repeats the previous prompt's prefix"));
   if (stats.tokens_cached !== undefined) extra.push(stat("Cached tokens", number(stats.tokens_cached), "Prompt tokens the upstream reported as cached"));
@@ -67,7 +67,7 @@ function figures(stats) {
     stat("Compression", ratio(stats.compression_ratio), "Tokens the whole histories would have cost ÷ tokens sent"),
     stat("Requests", number(stats.requests)),
     ...extra,
-    stat("Pending jobs", pending.length ? pending.map(([status, n]) => `${n} ${status}`).join(", ") : "none"),
+    stat("Pending jobs", pendingJobs(stats.pending_jobs)),
     stat("User", stats.user || "–"),
     stat("Last activity", timeTag(stats.last_activity)),
   );

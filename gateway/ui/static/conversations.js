@@ -74,6 +74,14 @@ async function page(list, filters, cursor) {
   }
 }
 
+// "1 dead, 2 queued", or a dash.
+export function pending(jobs) {
+  const counts = Object.entries(jobs || {}).filter(([, n]) => n > 0);
+  if (!counts.length) return h("span", { class: "muted" }, "none");
+  return h("span", { class: counts.some(([status]) => status === "dead") ? "bad" : null },
+    counts.map(([status, n]) => `${n} ${status}`).join(", "));
+}
+
 function rows(conversations) {
   const reuse = conversations.some((c) => c.tokens_reused !== undefined || c.tokens_cached !== undefined);
   const columns = [
@@ -85,6 +93,7 @@ function rows(conversations) {
     ["Compression", (c) => (c.tokens_sent ? ratio(c.tokens_full / c.tokens_sent) : "–")],
     ...(reuse ? [["Cached tokens", (c) => number(c.tokens_cached)]] : []),
     ["Requests", (c) => number(c.requests)],
+    ["Pending jobs", (c) => pending(c.pending_jobs)],
     ["Last activity", (c) => timeTag(c.last_activity)],
   ];
   return table(columns, conversations, { caption: "Conversations, newest first" });
