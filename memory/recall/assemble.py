@@ -134,9 +134,9 @@ class StoredTurn:
 class Assembled:
     """The prompt's messages, their tokens, the whole history's tokens, and whether the
     prompt was rebuilt from memory rather than forwarded as the client sent it; what each
-    message is (`labels`: system, memory, verbatim, new; `history` for a forwarded turn's); a
-    dry run adds the tokens of each message (`counts`; the prompt's
-    `tokens` adds the reply priming) and why each recalled message was picked (`why`)."""
+    message is (`labels`: system, memory, verbatim, new; `history` for a forwarded turn's). A
+    dry run adds the tokens of each message (`counts`: the prompt's `tokens` add the reply
+    priming) and why each message the memory message quotes was picked (`why`)."""
 
     messages: list[Message]
     tokens: int

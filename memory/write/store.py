@@ -19,25 +19,14 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from sqlalchemy import (
-    Integer,
-    Text,
-    bindparam,
-    case,
-    exists,
-    func,
-    insert,
-    literal,
-    select,
-    update,
-)
+from sqlalchemy import Integer, Select, Text, bindparam, case, func, insert, select, update
 from sqlalchemy.dialects.postgresql import aggregate_order_by
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from memory import tokens
 from memory.build import tree
 from memory.db import AnyRow
-from memory.errors import InvalidInput, NotFound
+from memory.errors import NotFound
 from memory.schema import DEFAULT_TENANT, conversations, nodes, tenants
 from memory.text import escape_unstorable
 from memory.write import branches, identity
@@ -589,7 +578,7 @@ async def list_nodes(
     max_level: int | None = None,
 ) -> list[NodeRecord]:
     """The conversation's nodes from `min_level` up (summaries by default), with children."""
-    query = select(nodes, *_node_extras()).where(
+    query = select_nodes().where(
         nodes.c.tenant_id == tenant_id,
         nodes.c.conversation_id == conversation_id,
         nodes.c.level >= min_level,
@@ -597,99 +586,24 @@ async def list_nodes(
     if max_level is not None:
         query = query.where(nodes.c.level <= max_level)
     rows = await conn.execute(query.order_by(nodes.c.level.desc(), nodes.c.seq))
-    return [_node_record(row) for row in rows]
+    return [node_record(row) for row in rows]
 
 
 async def get_node(conn: AsyncConnection, *, tenant_id: int, node_id: int) -> NodeRecord:
     """One node of this tenant, or `NotFound` (also for another tenant's node)."""
     row = (
         await conn.execute(
-            select(nodes, *_node_extras()).where(
-                nodes.c.id == node_id, nodes.c.tenant_id == tenant_id
-            )
+            select_nodes().where(nodes.c.id == node_id, nodes.c.tenant_id == tenant_id)
         )
     ).one_or_none()
     if row is None:
         raise NotFound(f"node {node_id} does not exist")
-    return _node_record(row)
+    return node_record(row)
 
 
-async def node_path(conn: AsyncConnection, *, tenant_id: int, node_id: int) -> list[NodeRecord]:
-    """The node and the summaries above it, the root first; `NotFound` for a node that does not
-    exist for this tenant. One recursive query up the parent links, however deep the tree."""
-    up = (
-        select(nodes.c.id, nodes.c.parent_id, literal(0).label("depth"))
-        .where(nodes.c.id == node_id, nodes.c.tenant_id == tenant_id)
-        .cte("up", recursive=True)
-    )
-    up = up.union_all(
-        select(nodes.c.id, nodes.c.parent_id, (up.c.depth + 1).label("depth")).where(
-            nodes.c.id == up.c.parent_id, nodes.c.tenant_id == tenant_id
-        )
-    )
-    rows = await conn.execute(
-        select(nodes, *_node_extras()).join(up, up.c.id == nodes.c.id).order_by(up.c.depth.desc())
-    )
-    path = [_node_record(row) for row in rows]
-    if not path:
-        raise NotFound(f"node {node_id} does not exist")
-    return path
-
-
-@dataclass(frozen=True)
-class TreePage:
-    """Consecutive siblings of the tree, in time order, and whether more lie on either side."""
-
-    nodes: list[NodeRecord]
-    more_before: bool
-    more_after: bool
-
-
-async def tree_page(
-    conn: AsyncConnection,
-    *,
-    tenant_id: int,
-    conversation_id: int,
-    parent_id: int | None,
-    after_span: int | None = None,
-    before_span: int | None = None,
-    limit: int = 50,
-) -> TreePage:
-    """Up to `limit` nodes directly under `parent_id` (None: the roots, what no summary covers
-    yet), by the first message they cover: those starting after message `after_span`, else
-    those just before message `before_span`, else the first ones.
-
-    Siblings cover disjoint runs of messages, so the first message they cover orders them and
-    pages them: one page costs one indexed read however large the conversation (its tree is
-    never read whole)."""
-    if not 1 <= limit <= 1000:
-        raise InvalidInput("limit must be between 1 and 1000", param="limit")
-    under = nodes.c.parent_id.is_(None) if parent_id is None else nodes.c.parent_id == parent_id
-    siblings = [nodes.c.tenant_id == tenant_id, nodes.c.conversation_id == conversation_id, under]
-    backwards = after_span is None and before_span is not None
-    if backwards:
-        edge = nodes.c.span_start < before_span
-        beyond = nodes.c.span_start >= before_span
-        order = nodes.c.span_start.desc()
-    else:
-        start = -1 if after_span is None else after_span
-        edge = nodes.c.span_start > start
-        beyond = nodes.c.span_start <= start
-        order = nodes.c.span_start.asc()
-    rows = (
-        await conn.execute(
-            select(nodes, *_node_extras()).where(*siblings, edge).order_by(order).limit(limit + 1)
-        )
-    ).all()
-    found = [_node_record(row) for row in rows[:limit]]
-    more = len(rows) > limit
-    behind = bool(await conn.scalar(select(exists().where(*siblings, beyond))))
-    if backwards:
-        return TreePage(nodes=found[::-1], more_before=more, more_after=behind)
-    return TreePage(nodes=found, more_before=behind, more_after=more)
-
-
-def _node_extras() -> list[Any]:
+def select_nodes() -> Select[Any]:
+    """A select of whole nodes as `node_record` reads them: with their children's ids, in
+    order, and whether they have a vector."""
     child = nodes.alias("child")
     children = (
         select(func.array_agg(aggregate_order_by(child.c.id, child.c.seq)))
@@ -697,10 +611,10 @@ def _node_extras() -> list[Any]:
         .scalar_subquery()
         .label("children")
     )
-    return [children, nodes.c.embedding.is_not(None).label("embedded")]
+    return select(nodes, children, nodes.c.embedding.is_not(None).label("embedded"))
 
 
-def _node_record(row: AnyRow) -> NodeRecord:
+def node_record(row: AnyRow) -> NodeRecord:
     return NodeRecord(
         id=row.id,
         conversation_id=row.conversation_id,

@@ -45,7 +45,7 @@ from gateway.schemas import ImportRequest
 from memory.build import tree
 from memory.db import transaction
 from memory.errors import NotFound
-from memory.write import branches, conversations, identity, store
+from memory.write import branches, conversations, identity, store, tree_pages
 
 router = APIRouter()
 
@@ -306,7 +306,7 @@ async def conversation_tree(
             above = await store.get_node(conn, tenant_id=tenant_id, node_id=parent)
             if above.conversation_id != ref.id:
                 raise NotFound(f"node {parent} is not in conversation {conversation!r}")
-        page = await store.tree_page(
+        page = await tree_pages.tree_page(
             conn,
             tenant_id=tenant_id,
             conversation_id=ref.id,
@@ -390,7 +390,7 @@ async def node_path(
     """The node's place in its conversation's tree: the summaries above it, the root first,
     then the node."""
     async with transaction(engine) as conn:
-        path = await store.node_path(conn, tenant_id=tenant_id, node_id=node_id)
+        path = await tree_pages.node_path(conn, tenant_id=tenant_id, node_id=node_id)
         external_id = await store.external_id(
             conn, tenant_id=tenant_id, conversation_id=path[0].conversation_id
         )
