@@ -67,6 +67,11 @@ function tokenDialog(reason) {
 
 function wire() {
   const dialog = document.getElementById("token-dialog");
+  // The page's routes live in the hash: the skip link moves the focus instead of going there.
+  document.getElementById("skip").addEventListener("click", (event) => {
+    event.preventDefault();
+    main.focus();
+  });
   document.getElementById("token-button").addEventListener("click", () => tokenDialog());
   document.getElementById("token-form").addEventListener("submit", (event) => {
     event.preventDefault();
