@@ -3,7 +3,8 @@
 The lifespan owns every resource of the process: the embedded Postgres when no
 `MEMSTRATA_DATABASE_URL` is set (started, and stopped on exit if this process started it), the
 database engine (checked for pgvector and migrated at start), the pooled upstream clients, and
-the in-process background workers. Routes reach them through `gateway.deps`.
+the background workers (a child process by default: `gateway.worker_process`). Routes reach
+them through `gateway.deps`.
 """
 
 import asyncio
@@ -13,7 +14,7 @@ from contextlib import AsyncExitStack, asynccontextmanager
 
 from fastapi import FastAPI
 
-from gateway import background, mcp
+from gateway import background, mcp, worker_process
 from gateway.errors import install_handlers
 from gateway.key_grace import KeyGrace
 from gateway.logs import RequestIdMiddleware
@@ -60,7 +61,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             async with transaction(engine) as conn:
                 default_tenant = await store.tenant_id_by_name(conn)
             embed = background.embedder(settings, upstream_api)
-            if settings.workers > 0:
+            if settings.workers > 0 and settings.worker_process == "on":
+                await stack.enter_async_context(
+                    worker_process.running(settings, url, observe=app_metrics.observe_job)
+                )
+            elif settings.workers > 0:
                 config = background.tree_config(settings, upstream_api, embed)
                 runner = background.worker(
                     engine,

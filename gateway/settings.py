@@ -43,6 +43,7 @@ class Settings(BaseSettings):
 
     # Background work
     workers: int = Field(default=1, ge=0, le=64)
+    worker_process: OnOff = "on"
     job_lease_seconds: float = Field(default=60.0, gt=0)
 
     # Embeddings
