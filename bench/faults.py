@@ -331,11 +331,10 @@ def soak(*, minutes: float, rate: float, conversations: int = 32) -> dict[str, A
         async def run() -> None:
             origin = time.perf_counter()
             latencies: list[float] = []
-            errors = 0
+            errors: dict[str, int] = {}
             minute_start = origin
 
             async def one(number: int, client: httpx.AsyncClient) -> None:
-                nonlocal errors
                 conversation = f"soak-{number % conversations}"
                 body = {
                     "model": "m",
@@ -352,9 +351,10 @@ def soak(*, minutes: float, rate: float, conversations: int = 32) -> dict[str, A
                     ) as response:
                         await response.aread()
                     if response.status_code != 200:
-                        errors += 1
-                except httpx.HTTPError:
-                    errors += 1
+                        key = str(response.status_code)
+                        errors[key] = errors.get(key, 0) + 1
+                except httpx.HTTPError as exc:
+                    errors[type(exc).__name__] = errors.get(type(exc).__name__, 0) + 1
                 latencies.append((time.perf_counter() - began) * 1000)
 
             async with httpx.AsyncClient(
@@ -374,14 +374,14 @@ def soak(*, minutes: float, rate: float, conversations: int = 32) -> dict[str, A
                             {
                                 "minute": len(per_minute) + 1,
                                 "requests": len(latencies),
-                                "errors": errors,
+                                "errors": dict(errors),
                                 "p95_ms": round(percentile(latencies, 95) or 0, 1),
                                 "rss_mib": memory["rss_mib"],
                             }
                         )
                         h.log(f"soak: {per_minute[-1]}")
                         latencies.clear()
-                        errors = 0
+                        errors.clear()
                         minute_start = time.perf_counter()
                 await asyncio.gather(*tasks)
 
@@ -392,7 +392,11 @@ def soak(*, minutes: float, rate: float, conversations: int = 32) -> dict[str, A
         "minutes": minutes,
         "rate": rate,
         "requests": sum(m["requests"] for m in per_minute),
-        "errors": sum(m["errors"] for m in per_minute),
+        "errors": sum(sum(m["errors"].values()) for m in per_minute),
+        "error_kinds": {
+            kind: sum(m["errors"].get(kind, 0) for m in per_minute)
+            for kind in {kind for m in per_minute for kind in m["errors"]}
+        },
         "rss_growth_pct": round(100 * (rss[-1] - rss[0]) / rss[0], 1) if len(rss) > 1 else None,
         "p95_first_ms": p95[0] if p95 else None,
         "p95_last_ms": p95[-1] if p95 else None,
@@ -449,7 +453,8 @@ def render(results: dict[str, Any]) -> str:
         lines += [
             f"**Soak**: {soak_['requests']:,} requests at {soak_['rate']:g}/s for "
             f"{soak_['minutes']:g} min, default `serve` (in-process worker): {soak_['errors']} "
-            f"errors (must be 0); RSS growth after the first minute {soak_['rss_growth_pct']}% "
+            f"errors {soak_['error_kinds'] or ''} (must be 0); RSS growth after the first "
+            f"minute {soak_['rss_growth_pct']}% "
             f"(goal < 10%); p95 {soak_['p95_first_ms']} ms in the first minute, "
             f"{soak_['p95_last_ms']} ms in the last (median {soak_['p95_median_ms']} ms).",
             "",

@@ -1,7 +1,8 @@
 """Hostile input for the chat endpoint, as hypothesis strategies: the fuzz test
 (`tests/test_fuzz.py`) and the fault benchmark (`bench.faults`) draw from the same ones.
 
-`payloads` are request bodies as bytes: JSON bodies of every shape (valid messages, wrong types,
+`payloads` are request bodies as bytes: JSON bodies of every shape (valid chats with odd
+extras, valid messages, wrong types,
 NUL and unpaired surrogates, huge and non-finite numbers) encoded as a client's JSON library
 would, and raw bytes (garbage, deep nesting, `1e999`). `header_sets` are extra request headers
 (conversation ids, budgets, content types), given as latin-1 text as they travel.
@@ -57,6 +58,27 @@ bodies = st.fixed_dictionaries(
 )
 
 
+# Valid messages with hostile company: most of these are answered, so answers are fuzzed too.
+_plain = st.fixed_dictionaries(
+    {
+        "model": st.just("m"),
+        "messages": st.lists(
+            st.fixed_dictionaries(
+                {"role": st.just("user"), "content": st.text(min_size=1, max_size=40)}
+            ),
+            min_size=1,
+            max_size=3,
+        ),
+    },
+    optional={
+        "stream": st.booleans(),
+        "metadata": values,
+        "user": st.text(max_size=10),
+        "stop": values,
+    },
+)
+
+
 def _encoded(body: Any) -> bytes:
     # As a client's JSON library sends it: escapes for whatever is not ASCII.
     return json.dumps(body, ensure_ascii=True).encode()
@@ -70,8 +92,11 @@ def nested(depth: int) -> bytes:
 raw = st.binary(max_size=200) | st.sampled_from(
     [nested(70), nested(1500), b'{"model": "m", "temperature": 1e999, "messages": []}']
 )
-payloads = bodies.map(_encoded) | raw
-_latin1 = st.text(alphabet=st.characters(codec="latin-1"), max_size=12)
+payloads = _plain.map(_encoded) | bodies.map(_encoded) | raw
+# Printable, not starting or ending with a space: other values cannot travel in a header at all.
+_latin1 = st.text(
+    alphabet=st.characters(codec="latin-1", exclude_categories=["Cc"]), max_size=12
+).map(str.strip)
 header_sets = st.fixed_dictionaries(
     {},
     optional={

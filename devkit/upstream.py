@@ -1,7 +1,8 @@
 """Run the fake OpenAI-compatible upstream (``devkit/upstream_server.py``) as a subprocess.
 
-``UpstreamServer(chunk_delay=0.0, latency=0.0)`` starts ``python -m devkit.upstream_server`` on
-a free 127.0.0.1 port as soon as it is constructed and returns once ``GET /v1/models`` answers
+``UpstreamServer(chunk_delay=0.0, latency=0.0, responses=True)`` starts ``python -m
+devkit.upstream_server`` on a free 127.0.0.1 port (``responses=False``: one without the
+Responses API) as soon as it is constructed and returns once ``GET /v1/models`` answers
 200 (within ``startup_timeout`` seconds, 20 by default; otherwise it stops the process and raises
 :class:`devkit.service.ServiceStartError` with what the process wrote). The readiness probes are
 then cleared from the recorded requests, so ``requests()`` starts empty.
@@ -41,6 +42,7 @@ class UpstreamServer(Service):
         latency: float = 0.0,
         host: str = "127.0.0.1",
         startup_timeout: float = 20.0,
+        responses: bool = True,
     ) -> None:
         self.port = free_port(host)
         self.root_url = f"http://{host}:{self.port}"
@@ -49,6 +51,8 @@ class UpstreamServer(Service):
         argv = [sys.executable, "-m", "devkit.upstream_server", "--host", host]
         argv += ["--port", str(self.port), "--chunk-delay", str(chunk_delay)]
         argv += ["--latency", str(latency)]
+        if not responses:  # an upstream without the Responses API
+            argv.append("--no-responses")
         super().__init__(
             "the fake upstream",
             argv,

@@ -1,9 +1,9 @@
 """A real, scriptable OpenAI-compatible upstream server for end-to-end tests and benchmarks.
 
 Run it with ``python -m devkit.upstream_server --host 127.0.0.1 --port P
-[--chunk-delay S] [--latency S] [--max-recorded N]`` (uvicorn, log level warning, no access
-log), or build the ASGI app with :func:`create_upstream_app`. ``devkit/upstream.py`` runs it
-as a subprocess for the tests and the benchmarks.
+[--chunk-delay S] [--latency S] [--max-recorded N] [--no-responses]`` (uvicorn, log level
+warning, no access log), or build the ASGI app with :func:`create_upstream_app`.
+``devkit/upstream.py`` runs it as a subprocess for the tests and the benchmarks.
 
 OpenAI surface (every request under ``/v1`` is recorded and consumes one scripted behaviour):
 
@@ -19,7 +19,12 @@ OpenAI surface (every request under ``/v1`` is recorded and consumes one scripte
   ``content: null`` and finish_reason ``"tool_calls"``; stream: per call, a first delta with
   ``index``, ``id``, ``type`` and ``function.name`` + ``arguments: ""``, then deltas carrying
   argument fragments.
-* ``GET /v1/models`` -- a list of a few models.
+* ``POST /v1/responses`` -- the Responses API (``devkit/upstream_responses.py``), unless
+  ``--no-responses``: then it answers 404 as an unknown path does (an upstream without it).
+* ``GET /v1/models`` -- a list of a few models; ``GET /v1/models/{id}`` -- one of them (404
+  for another id).
+* ``POST /v1/audio/speech`` -- ``audio/mpeg`` bytes (``input`` encoded, in 8 pieces,
+  ``chunk_delay`` apart): a stream that is not server-sent events.
 * ``POST /v1/embeddings`` -- deterministic unit vectors seeded by the SHA-256 of each input,
   dimension ``dimensions`` or 384, ``encoding_format`` ``float`` or ``base64`` (float32
   little-endian, which the official SDK requests by default), with ``index`` and ``usage``.
@@ -65,6 +70,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response, Strea
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
+from devkit.upstream_responses import responses_endpoint
 from devkit.upstream_script import (
     DEFAULT_EMBEDDING_DIMENSIONS,
     Behaviour,
@@ -139,12 +145,17 @@ async def _abort_connection(request: Request) -> None:
 
 
 def create_upstream_app(
-    *, chunk_delay: float = 0.0, latency: float = 0.0, max_recorded: int = 100_000
+    *,
+    chunk_delay: float = 0.0,
+    latency: float = 0.0,
+    max_recorded: int = 100_000,
+    responses: bool = True,
 ) -> Starlette:
     """Build the fake upstream ASGI app.
 
     ``chunk_delay``: seconds between stream chunks; ``latency``: seconds slept before every
-    ``/v1`` answer; ``max_recorded``: how many requests are kept (oldest dropped first).
+    ``/v1`` answer; ``max_recorded``: how many requests are kept (oldest dropped first);
+    ``responses``: whether ``POST /v1/responses`` is served.
     """
     state = UpstreamState(chunk_delay=chunk_delay, latency=latency, max_recorded=max_recorded)
 
@@ -454,6 +465,41 @@ def create_upstream_app(
             },
         )
 
+    async def model(request: Request) -> Response:
+        _, behaviour = await record(request, lambda _b: "")
+        if (scripted := scripted_response(request, behaviour)) is not None:
+            return scripted
+        name = request.path_params["model"]
+        if name not in MODELS:
+            return _error_response(
+                f"The model '{name}' does not exist",
+                status=404,
+                code="model_not_found",
+                headers=headers_for(request, behaviour),
+            )
+        listed = {"id": name, "object": "model", "created": 1_700_000_000, "owned_by": "system"}
+        return json_response(request, behaviour, listed)
+
+    async def speech(request: Request) -> Response:
+        body, behaviour = await record(
+            request, lambda b: str(b.get("input", "")) if isinstance(b, dict) else ""
+        )
+        if (scripted := scripted_response(request, behaviour)) is not None:
+            return scripted
+        audio = str(body.get("input", "") if isinstance(body, dict) else "").encode()
+        delay = float(behaviour.get("chunk_delay", state.chunk_delay))
+
+        async def pieces() -> AsyncIterator[bytes]:
+            step = max(1, -(-len(audio) // 8))
+            for start in range(0, len(audio), step):
+                if start and delay:
+                    await asyncio.sleep(delay)
+                yield audio[start : start + step]
+
+        return StreamingResponse(
+            pieces(), headers=headers_for(request, behaviour), media_type="audio/mpeg"
+        )
+
     async def unknown_v1(request: Request) -> Response:
         _, behaviour = await record(request, lambda _b: "")
         if (scripted := scripted_response(request, behaviour)) is not None:
@@ -494,7 +540,26 @@ def create_upstream_app(
         routes=[
             Route("/v1/chat/completions", chat_completions, methods=["POST"]),
             Route("/v1/embeddings", embeddings, methods=["POST"]),
+            *(
+                [
+                    Route(
+                        "/v1/responses",
+                        responses_endpoint(
+                            record=record,
+                            scripted_response=scripted_response,
+                            headers_for=headers_for,
+                            abort=_abort_connection,
+                            chunk_delay=lambda: state.chunk_delay,
+                        ),
+                        methods=["POST"],
+                    )
+                ]
+                if responses
+                else []
+            ),
             Route("/v1/models", models, methods=["GET"]),
+            Route("/v1/models/{model}", model, methods=["GET"]),
+            Route("/v1/audio/speech", speech, methods=["POST"]),
             Route(
                 "/v1/{rest:path}",
                 unknown_v1,
@@ -517,9 +582,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--chunk-delay", type=float, default=0.0)
     parser.add_argument("--latency", type=float, default=0.0)
     parser.add_argument("--max-recorded", type=int, default=100_000)
+    parser.add_argument("--no-responses", action="store_true", help="no /v1/responses")
     args = parser.parse_args(argv)
     app = create_upstream_app(
-        chunk_delay=args.chunk_delay, latency=args.latency, max_recorded=args.max_recorded
+        chunk_delay=args.chunk_delay,
+        latency=args.latency,
+        max_recorded=args.max_recorded,
+        responses=not args.no_responses,
     )
     uvicorn.run(
         app,

@@ -39,11 +39,15 @@ async def read_json(
     *,
     max_bytes: int,
     then: Callable[[Any], T] | None = None,
+    before: Callable[[bytes], None] | None = None,
 ) -> Any:
     """The request's JSON body, checked (see the module docstring); with `then`, what `then`
-    makes of it, computed in the same place (a worker thread for a large body)."""
+    makes of it, computed in the same place (a worker thread for a large body). `before` may
+    refuse the raw bytes first, while that costs less than parsing them."""
     _check_content_type(request.headers.get("content-type"))
     raw = await read_bytes(request, max_bytes=max_bytes)
+    if before is not None:
+        before(raw)
 
     def parse() -> Any:
         body = loads(raw)

@@ -47,7 +47,18 @@ class ToolCall(BaseModel):
     function: ToolCallFunction
 
 
-class ChatMessage(BaseModel):
+class _Storable(BaseModel):
+    """A body or message whose every string Postgres can hold."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _storable_text(cls, data: Any) -> Any:
+        if not _storable(data):
+            raise ValueError(_UNSTORABLE)
+        return data
+
+
+class ChatMessage(_Storable):
     """One message of `messages`."""
 
     model_config = ConfigDict(extra="allow")
@@ -56,13 +67,6 @@ class ChatMessage(BaseModel):
     name: str | None = None
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
-
-    @model_validator(mode="before")
-    @classmethod
-    def _storable_text(cls, data: Any) -> Any:
-        if not _storable(data):
-            raise ValueError(_UNSTORABLE)
-        return data
 
     @model_validator(mode="after")
     def _required_parts(self) -> "ChatMessage":
@@ -95,6 +99,19 @@ class ChatCompletionRequest(BaseModel):
         if not _storable(value):
             raise ValueError(_UNSTORABLE)
         return value
+
+
+class ResponsesRequest(_Storable):
+    """The body of `POST /v1/responses` (its `input` is read by `gateway.openai.translate`)."""
+
+    model_config = ConfigDict(extra="allow")
+    model: str = Field(min_length=1)
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    previous_response_id: str | None = Field(default=None, min_length=1)
+    store: StrictBool | None = None
+    stream: StrictBool | None = None
+    user: str | None = None
 
 
 class ImportMessage(ChatMessage):

@@ -40,6 +40,8 @@ class Settings(BaseSettings):
     upstream_timeout: float = Field(default=600.0, gt=0)
     upstream_connect_timeout: float = Field(default=10.0, gt=0)
     background_retries: int = Field(default=2, ge=0, le=10)
+    # Whether the upstream serves `POST /responses` (`gateway.openai.responses`).
+    upstream_responses: Literal["auto", "on", "off"] = "auto"
 
     # Background work
     workers: int = Field(default=1, ge=0, le=64)

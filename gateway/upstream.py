@@ -4,8 +4,9 @@ One client shared by many concurrent requests does not scale: its connection poo
 proportional to the requests waiting on it for each one it serves (encode/httpx#3215), so a
 process keeps `CLIENTS` of them (`make_clients`) and sends each request through the next.
 
-`Upstream.open(method, path, ...)` sends a request and returns the response with its body not
-yet read, so that a stream can be relayed chunk by chunk; transport failures become
+`Upstream.open(method, path, ...)` sends a request (a JSON body, or raw bytes as they come, and
+the client's query string, such as Azure's `api-version`) and returns the response with its
+body not yet read, so that a stream can be relayed chunk by chunk; transport failures become
 `UpstreamUnavailable` (502) or `UpstreamTimeout` (504). An upstream *answer* with an error
 status is not an exception here: the caller relays its status, body and `Retry-After` as they are.
 Every call is timed to its response headers and reported to the `observe` callback (the
@@ -15,7 +16,7 @@ never while gateway keys are in use (`forward_client_auth=False`): that header i
 
 import itertools
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import AsyncIterable, Callable, Mapping, Sequence
 from typing import Any, Final
 
 import httpx
@@ -46,6 +47,8 @@ CLIENTS: Final = 8
 _KEEPALIVE_SECONDS: Final = 4.0
 # Client headers worth passing on besides the body: auth is decided separately.
 _FORWARDED_REQUEST_HEADERS = ("openai-organization", "openai-project", "openai-beta")
+# What describes a body relayed as raw bytes (a multipart upload's boundary, its size).
+_BODY_HEADERS = ("content-type", "content-length", "accept")
 
 
 Observer = Callable[[str, float, str], None]
@@ -58,7 +61,8 @@ class Upstream:
 
     `forward_client_auth`: without an `api_key`, pass the client's own `Authorization` on (only
     while gateway authentication is off: with it on, the client's header holds a gateway key,
-    which must never leave the gateway)."""
+    which must never leave the gateway). `serves_responses`: whether the upstream serves the
+    Responses API, None while not known (`gateway.openai.responses` finds out)."""
 
     def __init__(
         self,
@@ -68,6 +72,7 @@ class Upstream:
         api_key: str | None,
         forward_client_auth: bool = True,
         observe: Observer | None = None,
+        serves_responses: bool | None = None,
     ) -> None:
         if not clients:
             raise ValueError("Upstream needs at least one client")
@@ -76,14 +81,16 @@ class Upstream:
         self._api_key = api_key
         self._forward_client_auth = forward_client_auth
         self._observe = observe
+        self.serves_responses = serves_responses
+        """Whether `POST /responses` is served there: None until known (learnt once)."""
 
-    def headers_for(self, client_headers: Mapping[str, str]) -> dict[str, str]:
-        """Headers to send upstream: our key if we have one, else the client's own."""
-        headers = {
-            name: client_headers[name]
-            for name in _FORWARDED_REQUEST_HEADERS
-            if name in client_headers
-        }
+    def headers_for(
+        self, client_headers: Mapping[str, str], *, raw_body: bool = False
+    ) -> dict[str, str]:
+        """Headers to send upstream: the OpenAI ones the client sent (and, for a `raw_body`,
+        those describing it), with our key if we have one, else the client's own."""
+        names = (*_FORWARDED_REQUEST_HEADERS, *(_BODY_HEADERS if raw_body else ()))
+        headers = {name: client_headers[name] for name in names if name in client_headers}
         if self._api_key:
             headers["authorization"] = f"Bearer {self._api_key}"
         elif self._forward_client_auth and "authorization" in client_headers:
@@ -97,18 +104,25 @@ class Upstream:
         *,
         headers: Mapping[str, str],
         json: Any = None,
+        content: AsyncIterable[bytes] | None = None,
+        query: str = "",
         stream: bool = False,
+        observed_as: str | None = None,
     ) -> httpx.Response:
-        """Send a request; the caller must `aclose()` the response (its body is unread)."""
+        """Send a request (`json`, or the raw `content`, with the client's `query` string);
+        the caller must `aclose()` the response (its body is unread). `observed_as`: the path
+        the call is reported as (a relayed path is the client's, of any number of values)."""
         client = next(self._clients)
         request = client.build_request(
             method,
-            f"{self._base_url}{path}",
+            f"{self._base_url}{path}?{query}" if query else f"{self._base_url}{path}",
             json=json,
+            content=content,
             # SSE must arrive as written, not gzip-buffered.
             headers={**headers, "accept-encoding": "identity"} if stream else dict(headers),
         )
         started = time.perf_counter()
+        path = observed_as or path
         try:
             response = await client.send(request, stream=True)
         except httpx.TimeoutException as exc:

@@ -170,6 +170,28 @@ passages = Table(
     Column("embedding", Vector(EMBEDDING_DIM), nullable=False),
 )
 
+responses = Table(
+    "responses",
+    metadata,
+    # A Responses API answer (`memory.write.responses`): the conversation it continued, where it
+    # ended (the seq of its last stored message, the conversation's head hash after it), the
+    # response object as the client saw it and the input items of its request (migration 0007).
+    Column("tenant_id", BigInteger, ForeignKey("tenants.id", ondelete="CASCADE"), primary_key=True),
+    Column("response_id", Text, primary_key=True),
+    Column(
+        "conversation_id",
+        BigInteger,
+        ForeignKey("conversations.id", ondelete="CASCADE"),
+        nullable=False,
+    ),
+    Column("last_seq", Integer, nullable=False),
+    Column("head_hash", Text),
+    Column("body", JSONB, nullable=False),
+    Column("input_items", JSONB, nullable=False),
+    _created_at(),
+    Index("ix_responses_conversation", "conversation_id"),
+)
+
 jobs = Table(
     "jobs",
     metadata,

@@ -10,17 +10,34 @@ Counts follow OpenAI's chat-format accounting (the openai-cookbook recipe): ever
 fixed overhead plus its fields, and the reply is primed with a few more tokens. For models that
 do not use a tiktoken encoding (llama, mistral, ...) ``cl100k_base`` stands in: the number is an
 estimate, which is all the memory budget needs.
+
+Parts that are not text are never counted as the text of their payload (a few seconds of base64
+audio would "cost" some 10^5 tokens). Each has its own rule:
+
+* ``image_url`` / ``input_image``: a low-detail image, a flat ``IMAGE_PART_TOKENS`` (85).
+* ``input_audio``: ``AUDIO_TOKENS_PER_SECOND`` (10: OpenAI's realtime accounting of user audio,
+  one token per 100 ms) times the clip's length: read from a WAV header, else estimated from
+  the encoded size at ``AUDIO_BYTES_PER_SECOND`` (16,000: 128 kbit/s, a typical MP3).
+* ``file`` / ``input_file``: a PDF is given to the model as the text and an image of each page,
+  so each page costs ``FILE_PAGE_TOKENS`` (an 85-token image plus some 500 tokens of text);
+  pages are counted in inline PDF data (its ``/Type /Page`` objects); a file named by id, or
+  data that is not a PDF, counts as one page.
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
 import functools
 import gzip
 import hashlib
 import importlib.util
 import json
 import logging
+import math
 import os
+import re
+import struct
 import tempfile
 import threading
 from collections import OrderedDict
@@ -31,6 +48,9 @@ from typing import Any
 import tiktoken
 
 __all__ = [
+    "AUDIO_BYTES_PER_SECOND",
+    "AUDIO_TOKENS_PER_SECOND",
+    "FILE_PAGE_TOKENS",
     "IMAGE_PART_TOKENS",
     "LONG_TEXT",
     "REPLY_PRIMING_TOKENS",
@@ -59,6 +79,12 @@ REPLY_PRIMING_TOKENS = 3
 #: cost more (170 per 512px tile), but that depends on the image's pixel size, which we would have
 #: to download and decode to know; 85 is the floor every image costs and keeps counting pure.
 IMAGE_PART_TOKENS = 85
+#: Audio input: one token per 100 ms (OpenAI's accounting of user audio in the Realtime API).
+AUDIO_TOKENS_PER_SECOND = 10
+#: Encoded audio whose length cannot be read from a header: 128 kbit/s, a typical MP3.
+AUDIO_BYTES_PER_SECOND = 16_000
+#: One page of a file: its image (the low-detail floor) and ~500 tokens of extracted text.
+FILE_PAGE_TOKENS = IMAGE_PART_TOKENS + 500
 #: Each tool call is rendered with framing around its name and JSON arguments (a call id, the
 #: ``functions.`` namespace, delimiters). OpenAI does not publish the exact template; measured
 #: prompts come out at roughly this many extra tokens per call.
@@ -290,12 +316,75 @@ def _count_content(enc: tiktoken.Encoding, content: Any) -> int:
                 total += _count(enc, part)
             elif isinstance(part, Mapping) and part.get("type") == "text":
                 total += _count(enc, str(part.get("text") or ""))
-            elif isinstance(part, Mapping) and part.get("type") == "image_url":
-                total += IMAGE_PART_TOKENS
+            elif isinstance(part, Mapping):
+                total += _count_part(enc, part)
             else:
                 total += _count(enc, _json(part))
         return total
     return _count(enc, _json(content))
+
+
+def _count_part(enc: tiktoken.Encoding, part: Mapping[str, Any]) -> int:
+    """A content part other than text (see the module docstring for each rule)."""
+    kind = part.get("type")
+    if kind in ("image_url", "input_image"):
+        return IMAGE_PART_TOKENS
+    if kind == "input_audio":
+        audio = part.get("input_audio")
+        # Chat Completions nests the clip under `input_audio`; the Responses API does not.
+        audio = audio if isinstance(audio, Mapping) else part
+        return _audio_tokens(audio.get("data"), audio.get("format"))
+    if kind in ("file", "input_file"):
+        file = part.get("file")
+        file = file if isinstance(file, Mapping) else part
+        return FILE_PAGE_TOKENS * _pdf_pages(file.get("file_data"))
+    return _count(enc, _json(part))
+
+
+def _decoded(data: Any) -> bytes:
+    """The bytes of base64 `data` (a `data:` URL's payload too); b"" if it is not base64."""
+    if not isinstance(data, str):
+        return b""
+    payload = data.partition(",")[2] if data.startswith("data:") else data
+    try:
+        return base64.b64decode(payload, validate=False)
+    except (binascii.Error, ValueError):
+        return b""
+
+
+def _audio_tokens(data: Any, audio_format: Any) -> int:
+    clip = _decoded(data)
+    seconds = _wav_seconds(clip) if audio_format == "wav" or clip[:4] == b"RIFF" else None
+    if seconds is None:
+        seconds = len(clip) / AUDIO_BYTES_PER_SECOND
+    return max(1, math.ceil(seconds * AUDIO_TOKENS_PER_SECOND))
+
+
+def _wav_seconds(clip: bytes) -> float | None:
+    """The length of a RIFF/WAVE clip from its `fmt ` byte rate, or None if unreadable."""
+    if len(clip) < 44 or clip[:4] != b"RIFF" or clip[8:12] != b"WAVE":
+        return None
+    offset, byte_rate, data_size = 12, 0, 0
+    while offset + 8 <= len(clip):
+        chunk, size = clip[offset : offset + 4], struct.unpack_from("<I", clip, offset + 4)[0]
+        if chunk == b"fmt " and offset + 16 <= len(clip):
+            byte_rate = struct.unpack_from("<I", clip, offset + 16)[0]
+        elif chunk == b"data":
+            data_size = min(size, len(clip) - offset - 8)
+            break
+        offset += 8 + size + (size & 1)
+    return data_size / byte_rate if byte_rate else None
+
+
+_PDF_PAGE = re.compile(rb"/Type\s*/Page(?![a-zA-Z])")
+
+
+def _pdf_pages(data: Any) -> int:
+    """Pages of inline PDF data; 1 for a file named by id or data that is not a PDF."""
+    document = _decoded(data)
+    if not document.startswith(b"%PDF"):
+        return 1
+    return max(1, len(_PDF_PAGE.findall(document)))
 
 
 def _count_call(enc: tiktoken.Encoding, function: Any) -> int:

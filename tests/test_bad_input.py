@@ -28,6 +28,7 @@ from gateway.settings import Settings
 from gateway.state import State
 from memory.db import connect
 from memory.schema import conversations, jobs, nodes
+from tests.inprocess import running_app
 
 MAX_BODY = 4096
 CHAT = "/v1/chat/completions"
@@ -514,7 +515,9 @@ async def test_unknown_route_is_404_openai_shape(client: httpx.AsyncClient) -> N
 
 
 async def test_wrong_method_is_405_openai_shape(client: httpx.AsyncClient) -> None:
-    _assert_openai_error(await client.get(CHAT), 405)
+    # Not a /v1 path: every method of those is the upstream's to answer (GET /v1/chat/completions
+    # lists OpenAI's stored completions), so they are relayed.
+    _assert_openai_error(await client.post("/healthz"), 405)
 
 
 async def test_healthz_and_readyz(client: httpx.AsyncClient) -> None:
@@ -536,3 +539,19 @@ async def test_readyz_answers_503_when_the_database_is_unreachable(gateway: InPr
     assert healthz.status_code == 200  # the process is up ...
     assert readyz.status_code == 503  # ... but not ready
     assert readyz.json()["status"] == "unavailable"
+
+
+async def test_too_many_messages_is_413_before_anything_is_stored(
+    database_url: str, engine: AsyncEngine, upstream: UpstreamServer
+) -> None:
+    settings = Settings(
+        database_url=database_url, upstream_base_url=upstream.url, workers=0, max_messages=3
+    )
+    async with running_app(settings) as app, app.client() as client:
+        refused = _Refused(engine, app.state, upstream)
+        for count in (4, 7):  # over the limit; over twice the limit (refused unparsed)
+            body = {"model": "m", "messages": _user() * count}
+            error = await refused(413, functools.partial(client.post, CHAT, json=body))
+            assert (error["code"], error["param"]) == ("too_many_messages", "messages")
+        response = await client.post(CHAT, json={"model": "m", "messages": _user() * 3})
+        assert response.status_code == 200, response.text

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import base64
 import hashlib
+import io
 import json
 import os
+import wave
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, NoReturn
@@ -16,6 +19,9 @@ from tiktoken_ext import openai_public
 
 from memory import tokens
 from memory.tokens import (
+    AUDIO_BYTES_PER_SECOND,
+    AUDIO_TOKENS_PER_SECOND,
+    FILE_PAGE_TOKENS,
     IMAGE_PART_TOKENS,
     TOKENS_PER_TOOL_CALL,
     count_message,
@@ -256,10 +262,66 @@ def test_content_parts() -> None:
     }
     assert count_message(message, model="gpt-4o") == 3 + 1 + 2 + IMAGE_PART_TOKENS
 
-    audio = {"type": "input_audio", "input_audio": {"data": "UklGRg==", "format": "wav"}}
-    as_json = json.dumps(audio, separators=(",", ":"))
-    with_audio = {"role": "user", "content": [audio]}
-    assert count_message(with_audio, model="gpt-4o") == 3 + 1 + count_text(as_json, model="gpt-4o")
+    unknown = {"type": "custom_part", "value": "a b c"}
+    as_json = json.dumps(unknown, separators=(",", ":"))
+    with_unknown = {"role": "user", "content": [unknown]}
+    assert count_message(with_unknown, model="gpt-4o") == 3 + 1 + count_text(
+        as_json, model="gpt-4o"
+    )
+
+
+def wav(seconds: float, *, rate: int = 24_000) -> str:
+    """A silent 16-bit mono WAV clip, base64."""
+    buffer = io.BytesIO()
+    with wave.open(buffer, "wb") as clip:
+        clip.setnchannels(1)
+        clip.setsampwidth(2)
+        clip.setframerate(rate)
+        clip.writeframes(b"\0\0" * int(rate * seconds))
+    return base64.b64encode(buffer.getvalue()).decode()
+
+
+def pdf(pages: int) -> str:
+    objects = "".join(
+        f"{n + 3} 0 obj << /Type /Page /Parent 2 0 R >> endobj\n" for n in range(pages)
+    )
+    document = f"%PDF-1.4\n2 0 obj << /Type /Pages /Count {pages} >> endobj\n{objects}%%EOF"
+    return base64.b64encode(document.encode()).decode()
+
+
+def only_part(part: dict[str, Any]) -> int:
+    """Tokens of a user message holding `part` alone, framing and role left out."""
+    return count_message({"role": "user", "content": [part]}, model="gpt-4o") - 3 - 1
+
+
+@pytest.mark.parametrize("seconds", [0.5, 3.0, 30.0])
+def test_audio_costs_its_length_never_its_base64(seconds: float) -> None:
+    data = wav(seconds)
+    chat = {"type": "input_audio", "input_audio": {"data": data, "format": "wav"}}
+    responses = {"type": "input_audio", "data": data, "format": "wav"}
+    expected = round(seconds * AUDIO_TOKENS_PER_SECOND)
+    assert only_part(chat) == only_part(responses) == expected
+    assert count_text(data, model="gpt-4o") > 20 * expected  # what the payload's text costs
+
+
+def test_audio_of_another_format_is_estimated_from_its_size() -> None:
+    data = base64.b64encode(b"\xff\xfb" * AUDIO_BYTES_PER_SECOND * 2).decode()  # 4 s of bytes
+    part = {"type": "input_audio", "input_audio": {"data": data, "format": "mp3"}}
+    assert only_part(part) == 4 * AUDIO_TOKENS_PER_SECOND
+    broken = {"type": "input_audio", "input_audio": {"data": "not base64!", "format": "wav"}}
+    assert only_part(broken) >= 1
+
+
+def test_files_cost_per_page() -> None:
+    inline = {"type": "file", "file": {"filename": "a.pdf", "file_data": pdf(3)}}
+    data_url = {"type": "input_file", "file_data": f"data:application/pdf;base64,{pdf(2)}"}
+    by_id = {"type": "file", "file": {"file_id": "file-abc"}}
+    assert only_part(inline) == 3 * FILE_PAGE_TOKENS
+    assert only_part(data_url) == 2 * FILE_PAGE_TOKENS
+    assert only_part(by_id) == FILE_PAGE_TOKENS
+    assert only_part({"type": "input_image", "image_url": "https://example.com/a.png"}) == (
+        IMAGE_PART_TOKENS
+    )
 
 
 def test_tool_calls_and_tool_results_are_counted() -> None:

@@ -18,6 +18,7 @@ from fastapi import Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from pydantic import ValidationError
+from sqlalchemy.ext.asyncio import AsyncConnection
 
 from gateway.bodies import read_json
 from gateway.errors import GatewayError
@@ -29,7 +30,14 @@ from gateway.state import State
 from memory import tokens
 from memory.db import transaction
 from memory.errors import StorageUnavailable
-from memory.recall.assemble import Budget, BudgetRules, StoredTurn, assemble, check_fits
+from memory.recall.assemble import (
+    Assembled,
+    Budget,
+    BudgetRules,
+    StoredTurn,
+    assemble,
+    check_fits,
+)
 from memory.recall.assemble import dry_run as memory_dry_run
 from memory.write import identity, store
 
@@ -56,6 +64,7 @@ async def complete(request: Request, state: State, *, tenant_id: int) -> Respons
         degraded.forward,
         state,
         client_headers=request.headers,
+        query=request.url.query,
         body=body,
         tenant_id=tenant_id,
         model=chat.model,
@@ -64,36 +73,26 @@ async def complete(request: Request, state: State, *, tenant_id: int) -> Respons
     )
     try:
         async with transaction(state.engine) as conn:
-            found = await identity.identify(
+            stored, stored_id = await store_turn(
                 conn,
                 tenant_id=tenant_id,
                 external_id=external_id,
                 user=chat.user,
                 messages=body["messages"],
+                model=model,
+                budget=budget,
             )
-            appended = await store.store_new(
-                conn, tenant_id=tenant_id, found=found, messages=body["messages"], model=model
-            )
-            stored = StoredTurn.of(body["messages"], appended, tenant_id=tenant_id, model=model)
-            check_fits(stored, budget)  # inside the transaction: refused, nothing is stored
     except StorageUnavailable as exc:
         return await unchanged(exc, external_id=external_id)
     turn = Turn(
         tenant_id=tenant_id,
         conversation_id=stored.conversation_id,
-        external_id=appended.conversation.external_id,
+        external_id=stored_id,
         model=chat.model,
         started=started,
     )
     try:
-        assembled = await assemble(
-            state.engine,
-            stored,
-            budget,
-            embedder=state.embedder,
-            cross_conversation=state.settings.cross_conversation == "on",
-            tools_guide=tools_room > 0,
-        )
+        assembled = await recall(state, stored, budget, tools_guide=tools_room > 0)
     except StorageUnavailable as exc:
         return await unchanged(exc, external_id=turn.external_id, stored=turn)
     turn.sent(assembled)
@@ -101,7 +100,50 @@ async def complete(request: Request, state: State, *, tenant_id: int) -> Respons
         body if assembled.messages is body["messages"] else {**body, "messages": assembled.messages}
     )
     return await relay.forward(
-        state, turn, client_headers=request.headers, body=prompt, stream=bool(chat.stream)
+        state,
+        turn,
+        client_headers=request.headers,
+        query=request.url.query,
+        body=prompt,
+        stream=bool(chat.stream),
+    )
+
+
+async def store_turn(
+    conn: AsyncConnection,
+    *,
+    tenant_id: int,
+    external_id: str | None,
+    user: str | None,
+    messages: list[dict[str, Any]],
+    model: str,
+    budget: Budget,
+) -> tuple[StoredTurn, str]:
+    """Identify and store: the request's new `messages` stored in `conn`'s transaction, and
+    the id of the conversation they went to. A turn that cannot fit `budget` is refused here,
+    inside the transaction, so that it stores nothing."""
+    found = await identity.identify(
+        conn, tenant_id=tenant_id, external_id=external_id, user=user, messages=messages
+    )
+    appended = await store.store_new(
+        conn, tenant_id=tenant_id, found=found, messages=messages, model=model
+    )
+    stored = StoredTurn.of(messages, appended, tenant_id=tenant_id, model=model)
+    check_fits(stored, budget)
+    return stored, appended.conversation.external_id
+
+
+async def recall(
+    state: State, stored: StoredTurn, budget: Budget, *, tools_guide: bool
+) -> Assembled:
+    """Assemble: the prompt for a stored turn, within its budget (`memory.recall.assemble`)."""
+    return await assemble(
+        state.engine,
+        stored,
+        budget,
+        embedder=state.embedder,
+        cross_conversation=state.settings.cross_conversation == "on",
+        tools_guide=tools_guide,
     )
 
 
@@ -116,13 +158,7 @@ async def parse(
             raise GatewayError(400, "the body must be a JSON object", code="invalid_value")
         messages = body.get("messages")
         if isinstance(messages, list) and len(messages) > settings.max_messages:
-            raise GatewayError(
-                413,
-                f"the body holds {len(messages)} messages, more than {settings.max_messages} "
-                "(MEMSTRATA_MAX_MESSAGES); send the new messages with X-Memstrata-Conversation",
-                param="messages",
-                code="too_many_messages",
-            )
+            raise _too_many(settings.max_messages, str(len(messages)))
         try:
             chat = ChatCompletionRequest.model_validate(body)
         except ValidationError as exc:
@@ -131,8 +167,14 @@ async def parse(
         tokens.precount(body["messages"], model=chat.model)
         return body, chat
 
+    def few_enough(raw: bytes) -> None:
+        # Parsing 100,000 messages holds the GIL for a third of a second even in a thread:
+        # counted in the raw bytes first (with room for "role" quoted inside contents).
+        if raw.count(b'"role"') > 2 * settings.max_messages:
+            raise _too_many(settings.max_messages, "more than twice")
+
     parsed: tuple[dict[str, Any], ChatCompletionRequest] = await read_json(
-        request, max_bytes=settings.max_body_bytes, then=validate
+        request, max_bytes=settings.max_body_bytes, then=validate, before=few_enough
     )
     return parsed
 
@@ -161,6 +203,16 @@ async def dry_run(
         model=model,
     )
     return assembled.messages, assembled.tokens
+
+
+def _too_many(limit: int, count: str) -> GatewayError:
+    return GatewayError(
+        413,
+        f"the body holds {count} messages, more than {limit} (MEMSTRATA_MAX_MESSAGES); send "
+        "only the new messages, with X-Memstrata-Conversation",
+        param="messages",
+        code="too_many_messages",
+    )
 
 
 def budget_rules(settings: Settings) -> BudgetRules:

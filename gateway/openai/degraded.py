@@ -61,6 +61,7 @@ async def forward(
     cause: StorageUnavailable,
     *,
     client_headers: Mapping[str, str],
+    query: str,
     body: dict[str, Any],
     tenant_id: int,
     external_id: str | None,
@@ -84,4 +85,6 @@ async def forward(
         stored=stored,
     )
     turn.overhead = time.perf_counter() - started
-    return await relay.forward(state, turn, client_headers=client_headers, body=body, stream=stream)
+    return await relay.forward(
+        state, turn, client_headers=client_headers, query=query, body=body, stream=stream
+    )

@@ -31,13 +31,17 @@ async def forward(
     turn: Turn,
     *,
     client_headers: Mapping[str, str],
+    query: str,
     body: dict[str, Any],
     stream: bool,
 ) -> Response:
-    """Send `body` upstream and answer the client with what comes back."""
+    """Send `body` upstream (with the client's `query` string) and answer the client with what
+    comes back."""
     offer = toolloop.offer(state.settings, turn, body)
     if offer is not None:
-        loop = toolloop.ToolLoop(state, turn, client_headers=client_headers, body=body, offer=offer)
+        loop = toolloop.ToolLoop(
+            state, turn, client_headers=client_headers, query=query, body=body, offer=offer
+        )
         return await (loop.stream() if stream else loop.complete())
     upstream = state.upstream
     try:
@@ -46,6 +50,7 @@ async def forward(
             "/chat/completions",
             headers=upstream.headers_for(client_headers),
             json=body,
+            query=query,
             stream=stream,
         )
         if stream and response.is_success:

@@ -1,11 +1,15 @@
 """The assistant's reply, rebuilt from an upstream answer so that it can be stored.
 
-A non-stream answer carries the message whole (`from_completion`). A stream carries it in
-deltas: `StreamedReply.feed(bytes)` takes the raw SSE bytes as they are relayed, in whatever
-pieces the network delivers, and rebuilds content, refusal and tool calls (whose arguments
-arrive in fragments keyed by index). `complete` says whether the stream reached its end: a
-finish_reason or `[DONE]`; a stream cut before that yields a reply marked incomplete.
-Only the first choice is stored: memory follows one line of conversation.
+Every field of the message is kept (`audio`, `annotations`, `reasoning_content`, `refusal`,
+`function_call`, a provider's own): only fields without a value (null, an empty list or object)
+are left out. A non-stream answer carries the message whole (`from_completion`). A stream
+carries it in deltas: `StreamedReply.feed(bytes)` takes the raw SSE bytes as they are relayed,
+in whatever pieces the network delivers, and rebuilds the message: tool calls from fragments
+keyed by index; every other field by merging its deltas (text is concatenated, such as
+`content`, `reasoning_content`, `audio.transcript` or the deprecated `function_call.arguments`;
+lists are extended; anything else keeps its latest value). `complete` says whether the stream
+reached its end: a finish_reason or `[DONE]`; a stream cut before that yields a reply marked
+incomplete. Only the first choice is stored: memory follows one line of conversation.
 """
 
 import json
@@ -23,17 +27,48 @@ def from_completion(body: Any) -> dict[str, Any] | None:
     message = choice.get("message") if isinstance(choice, dict) else None
     if not isinstance(message, dict):
         return None
-    content = message.get("content")
+    return _well_formed(_kept({**message, "role": "assistant"}))
+
+
+def _kept(message: dict[str, Any]) -> dict[str, Any]:
+    """The message without its fields that hold no value (`content` is always kept)."""
+    return {
+        key: value
+        for key, value in message.items()
+        if key == "content" or value not in (None, [], {})
+    }
+
+
+def _well_formed(reply: dict[str, Any]) -> dict[str, Any]:
+    """`reply` as it can be stored and sent back, whatever an upstream put in it: `content` a
+    string, a list of parts or None (anything else as its JSON text); `tool_calls` only when
+    they are a list of objects. The client is relayed the upstream's answer untouched."""
+    content = reply.get("content")
     if not (content is None or isinstance(content, str | list)):
-        content = json.dumps(content, ensure_ascii=False)
-    reply: dict[str, Any] = {"role": "assistant", "content": content}
-    calls = message.get("tool_calls")
-    if isinstance(calls, list) and calls and all(isinstance(call, dict) for call in calls):
-        reply["tool_calls"] = calls
-    refusal = message.get("refusal")
-    if isinstance(refusal, str) and refusal:
-        reply["refusal"] = refusal
+        reply["content"] = json.dumps(content, ensure_ascii=False)
+    calls = reply.get("tool_calls")
+    if calls is not None and not (
+        isinstance(calls, list) and all(isinstance(call, dict) for call in calls)
+    ):
+        del reply["tool_calls"]
     return reply
+
+
+def _merge(into: dict[str, Any], delta: dict[str, Any]) -> None:
+    """Add one delta's fields to what the earlier deltas made (see the module docstring); a
+    value of another type than the field's so far is an upstream's mistake, and left out."""
+    for key, value in delta.items():
+        previous = into.get(key)
+        if previous is not None and value is not None and type(value) is not type(previous):
+            continue
+        if isinstance(value, str) and isinstance(previous, str):
+            into[key] = previous + value
+        elif isinstance(value, list) and isinstance(previous, list):
+            previous.extend(value)
+        elif isinstance(value, dict) and isinstance(previous, dict):
+            _merge(previous, value)
+        elif value is not None:
+            into[key] = value.copy() if isinstance(value, dict | list) else value
 
 
 class StreamedReply:
@@ -41,8 +76,7 @@ class StreamedReply:
 
     def __init__(self) -> None:
         self._buffer = b""
-        self._content: list[str] = []
-        self._refusal: list[str] = []
+        self._fields: dict[str, Any] = {}
         self._tool_calls: dict[int, dict[str, Any]] = {}
         self.finish_reason: str | None = None
         self.done = False
@@ -59,17 +93,12 @@ class StreamedReply:
 
     def message(self) -> dict[str, Any] | None:
         """The reply so far, or None if nothing of it arrived."""
-        if not (self._content or self._refusal or self._tool_calls):
-            return None
-        reply: dict[str, Any] = {
-            "role": "assistant",
-            "content": "".join(self._content) if self._content else None,
-        }
+        reply = _well_formed(_kept({"content": None, **self._fields, "role": "assistant"}))
         if self._tool_calls:
             reply["tool_calls"] = [self._tool_calls[index] for index in sorted(self._tool_calls)]
-        if self._refusal:
-            reply["refusal"] = "".join(self._refusal)
-        return reply
+        if reply["content"] == "":
+            reply["content"] = None
+        return reply if len(reply) > 2 or reply["content"] is not None else None
 
     def _line(self, line: bytes) -> None:
         if not line.startswith(b"data:"):
@@ -89,14 +118,13 @@ class StreamedReply:
             return
         delta = choice.get("delta")
         if isinstance(delta, dict):
-            if isinstance(content := delta.get("content"), str):
-                self._content.append(content)
-            if isinstance(refusal := delta.get("refusal"), str):
-                self._refusal.append(refusal)
             calls = delta.get("tool_calls")
             for call in calls if isinstance(calls, list) else []:
                 if isinstance(call, dict):
                     self._tool_call(call)
+            _merge(
+                self._fields, {k: v for k, v in delta.items() if k not in ("role", "tool_calls")}
+            )
         if isinstance(reason := choice.get("finish_reason"), str) and reason:
             self.finish_reason = reason
 

@@ -106,12 +106,14 @@ class ToolLoop:
         turn: Turn,
         *,
         client_headers: Mapping[str, str],
+        query: str,
         body: dict[str, Any],
         offer: Offer,
     ) -> None:
         self._state = state
         self._turn = turn
         self._headers = state.upstream.headers_for(client_headers)
+        self._query = query
         self._body = body
         self._offer = offer
         self._messages: list[Any] = list(body["messages"])
@@ -232,6 +234,7 @@ class ToolLoop:
                 "/chat/completions",
                 headers=self._headers,
                 json=self._request(final=final),
+                query=self._query,
                 stream=stream,
             )
         except GatewayError as exc:

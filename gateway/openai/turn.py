@@ -22,13 +22,13 @@ import logging
 import time
 from collections.abc import AsyncGenerator, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar, Protocol
 
 import anyio
 import httpx
 from fastapi.responses import Response, StreamingResponse
+from sqlalchemy.ext.asyncio import AsyncConnection
 
-from gateway.openai.replies import StreamedReply
 from gateway.state import State
 from gateway.upstream import relayed_headers
 from memory.db import transaction
@@ -52,6 +52,18 @@ class Mark(enum.Enum):
 REPLY_COMPLETE = Mark.REPLY_COMPLETE
 
 Chunks = AsyncGenerator[bytes | Mark, None]
+
+
+class Reply(Protocol):
+    """A reply rebuilt from a stream as it is relayed (`gateway.openai.replies.StreamedReply`,
+    `gateway.openai.response_events.ResponseReply`)."""
+
+    @property
+    def complete(self) -> bool:
+        """Whether the stream reached its end."""
+
+    def message(self) -> dict[str, Any] | None:
+        """The assistant message so far, or None."""
 
 
 @dataclass
@@ -107,7 +119,7 @@ class Turn:
         )
 
     def stream(
-        self, state: State, response: httpx.Response, chunks: Chunks, reply: StreamedReply
+        self, state: State, response: httpx.Response, chunks: Chunks, reply: Reply
     ) -> StreamingResponse:
         """A stream relayed as `chunks` come; `reply` is what they add up to (see the module
         docstring for when it is recorded)."""
@@ -124,7 +136,7 @@ class Turn:
         )
 
     async def _recording(
-        self, state: State, chunks: Chunks, reply: StreamedReply
+        self, state: State, chunks: Chunks, reply: Reply
     ) -> AsyncGenerator[bytes, None]:
         recorded = False
         try:
@@ -146,14 +158,16 @@ class Turn:
         self, state: State, reply: Mapping[str, Any] | None, *, complete: bool
     ) -> None:
         """Store the assistant's reply after the conversation (the write path queues its build)
-        and count the request's tokens (the conversation's statistics and the metrics)."""
-        if reply is None:
+        and count the request's tokens (the conversation's statistics and the metrics); then,
+        in the same transaction, what a subclass keeps beside it (`recorded`)."""
+        if reply is None and not self.records_without_reply:
             return
         began = time.perf_counter()
         try:
             await self.store_reply(state, reply, complete=complete)
         except StorageUnavailable:
-            state.spawn(_record_when_back(state, self, dict(reply), complete=complete))
+            held = None if reply is None else dict(reply)
+            state.spawn(_record_when_back(state, self, held, complete=complete))
         except Exception:
             # Whatever failed, the client gets (or has) its answer: the stored copy's loss is
             # logged loudly rather than turned into an error the client would see instead.
@@ -161,24 +175,35 @@ class Turn:
         finally:
             self.overhead += time.perf_counter() - began
 
-    async def store_reply(self, state: State, reply: Mapping[str, Any], *, complete: bool) -> None:
+    # A turn whose answer is worth keeping even without a reply message (a response object).
+    records_without_reply: ClassVar[bool] = False
+
+    async def recorded(self, conn: AsyncConnection) -> None:
+        """What a kind of turn keeps beside its reply, in the transaction that stored it."""
+
+    async def store_reply(
+        self, state: State, reply: Mapping[str, Any] | None, *, complete: bool
+    ) -> None:
         """`record`'s work, raising what went wrong (`StorageUnavailable` while the database
-        is down)."""
+        is down): the reply, then what the turn keeps beside it, in one transaction."""
         async with transaction(state.engine) as conn:
-            await store.append(
-                conn,
-                tenant_id=self.tenant_id,
-                conversation_id=self.conversation_id,
-                messages=[reply],
-                model=self.model,
-                status="complete" if complete else "incomplete",
-                request_tokens=(self.context_tokens or 0, self.full_tokens or 0),
-            )
-        state.metrics.observe_tokens(sent=self.context_tokens or 0, full=self.full_tokens or 0)
+            if reply is not None:
+                await store.append(
+                    conn,
+                    tenant_id=self.tenant_id,
+                    conversation_id=self.conversation_id,
+                    messages=[reply],
+                    model=self.model,
+                    status="complete" if complete else "incomplete",
+                    request_tokens=(self.context_tokens or 0, self.full_tokens or 0),
+                )
+            await self.recorded(conn)
+        if reply is not None:
+            state.metrics.observe_tokens(sent=self.context_tokens or 0, full=self.full_tokens or 0)
 
 
 async def _record_when_back(
-    state: State, turn: Turn, reply: dict[str, Any], *, complete: bool
+    state: State, turn: Turn, reply: dict[str, Any] | None, *, complete: bool
 ) -> None:
     deadline = time.monotonic() + RECORD_RETRY_SECONDS
     delay = 0.25

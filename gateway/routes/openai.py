@@ -1,14 +1,20 @@
-"""The OpenAI-compatible surface: chat completions with memory; models and embeddings relayed."""
+"""The OpenAI-compatible surface: chat completions and responses with memory; every other
+`/v1` path relayed to the upstream unchanged (`gateway.openai.passthrough`)."""
 
-from fastapi import APIRouter, Depends, Request
+from typing import Annotated, Any, Literal
+
+from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import Response
 
 from gateway.bodies import read_json
 from gateway.deps import StateDep, TenantDep, UpstreamDep, get_tenant_id
-from gateway.openai import chat
-from gateway.upstream import relayed_headers
+from gateway.errors import GatewayError
+from gateway.openai import chat, passthrough, responses
 
 router = APIRouter(prefix="/v1", tags=["openai"])
+
+# A gateway key is needed while auth is on, also for what is only relayed.
+_KEYED = [Depends(get_tenant_id)]
 
 
 @router.post("/chat/completions", summary="Chat completion with memory")
@@ -16,30 +22,55 @@ async def chat_completions(request: Request, state: StateDep, tenant_id: TenantD
     return await chat.complete(request, state, tenant_id=tenant_id)
 
 
-@router.get(
-    "/models",
-    summary="Models of the upstream, relayed",
-    dependencies=[Depends(get_tenant_id)],  # a gateway key is needed while auth is on
-)
+@router.post("/responses", summary="A response (the Responses API) with memory")
+async def create_response(request: Request, state: StateDep, tenant_id: TenantDep) -> Response:
+    return await responses.create(request, state, tenant_id=tenant_id)
+
+
+@router.get("/responses/{response_id}", summary="A stored response, as the client saw it")
+async def get_response(response_id: str, state: StateDep, tenant_id: TenantDep) -> dict[str, Any]:
+    return await responses.retrieve(state, tenant_id=tenant_id, response_id=response_id)
+
+
+@router.get("/responses/{response_id}/input_items", summary="The input items of a stored response")
+async def get_input_items(
+    response_id: str,
+    state: StateDep,
+    tenant_id: TenantDep,
+    limit: Annotated[int, Query(ge=1, le=100)] = 20,
+    order: Literal["asc", "desc"] = "desc",
+    after: str | None = None,
+) -> dict[str, Any]:
+    return await responses.input_items(
+        state, tenant_id=tenant_id, response_id=response_id, limit=limit, order=order, after=after
+    )
+
+
+@router.get("/models", summary="Models of the upstream, relayed", dependencies=_KEYED)
 async def models(request: Request, upstream: UpstreamDep) -> Response:
-    return await _relay(request, upstream, "GET", "/models", body=None)
+    return await passthrough.relay(request, upstream, "/models")
 
 
-@router.post(
-    "/embeddings",
-    summary="Embeddings of the upstream, relayed",
-    dependencies=[Depends(get_tenant_id)],  # a gateway key is needed while auth is on
-)
+@router.post("/embeddings", summary="Embeddings of the upstream, relayed", dependencies=_KEYED)
 async def embeddings(request: Request, state: StateDep, upstream: UpstreamDep) -> Response:
     body = await read_json(request, max_bytes=state.settings.max_body_bytes)
-    return await _relay(request, upstream, "POST", "/embeddings", body=body)
+    if not isinstance(body, dict):
+        raise GatewayError(400, "the body must be a JSON object", code="invalid_value")
+    return await passthrough.relay(request, upstream, "/embeddings", json=body)
 
 
-async def _relay(
-    request: Request, upstream: UpstreamDep, method: str, path: str, *, body: object
-) -> Response:
-    response = await upstream.open(
-        method, path, headers=upstream.headers_for(request.headers), json=body
+async def relayed(path: str, request: Request, upstream: UpstreamDep) -> Response:
+    # Reported to the metrics as one path: the client's paths are any number of values.
+    return await passthrough.relay(request, upstream, f"/{path}", observed_as="/*")
+
+
+# One route per method, so that each has its own operation in the OpenAPI document.
+for _method in ("GET", "POST", "PUT", "PATCH", "DELETE"):
+    router.add_api_route(
+        "/{path:path}",
+        relayed,
+        methods=[_method],
+        operation_id=f"relay_{_method.lower()}",
+        summary="Any other path of the upstream, relayed unchanged (no memory)",
+        dependencies=_KEYED,
     )
-    content = await upstream.read(response)
-    return Response(content, status_code=response.status_code, headers=relayed_headers(response))

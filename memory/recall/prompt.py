@@ -220,7 +220,7 @@ async def build(
     limit = budget - reserved_tokens
     must = await _calls_of(conn, tenant_id, conversation_id, new_messages, new_from)
     head = [dict(m) for m in system]
-    tail_new = [*(store.openai_message(row) for row in must), *(dict(m) for m in new_messages)]
+    tail_new = [*(store.prompt_message(row) for row in must), *(dict(m) for m in new_messages)]
     first_kept = must[0].seq if must else new_from
     fixed = tokens.count_messages([*head, *tail_new], model=model)
     if fixed > limit:
@@ -328,7 +328,7 @@ async def build(
             block.add_milestone(hit)
     room = available - sum(row.token_count for row in recent) - block.total
     found = int(available * shares.found_summaries)
-    recent_messages = [store.openai_message(row) for row in recent]
+    recent_messages = [store.prompt_message(row) for row in recent]
     for _ in range(2):  # the second pass fills what the estimates (which run high) left over
         found = _fill(block, hits, room=room, found=found, cap=cap)
         while True:

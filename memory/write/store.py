@@ -222,8 +222,8 @@ async def list_messages(
 async def history(
     conn: AsyncConnection, *, tenant_id: int, conversation_id: int, before_seq: int
 ) -> list[dict[str, Any]]:
-    """Stored messages before seq `before_seq`, in OpenAI's format, as the client sent them
-    (only the columns a prompt needs: the request path reads this)."""
+    """Stored messages before seq `before_seq`, as a prompt carries them back upstream
+    (`prompt_message`; only the columns a prompt needs: the request path reads this)."""
     rows = await conn.execute(
         select(
             nodes.c.role,
@@ -241,7 +241,7 @@ async def history(
         )
         .order_by(nodes.c.seq)
     )
-    return [openai_message(row) for row in rows]
+    return [prompt_message(row) for row in rows]
 
 
 # -- internals ---------------------------------------------------------------------------
@@ -358,6 +358,24 @@ def openai_message(row: Any) -> dict[str, Any]:
     for key in ("name", "tool_calls", "tool_call_id"):
         if getattr(row, key) is not None:
             message[key] = getattr(row, key)
+    return message
+
+
+REPLY_ONLY_FIELDS = frozenset({"annotations", "reasoning_content", "reasoning", "logprobs"})
+"""Fields of a stored reply that an upstream sends but does not take back in a prompt (some
+refuse them: DeepSeek refuses `reasoning_content` in input)."""
+
+
+def prompt_message(row: Any) -> dict[str, Any]:
+    """A stored message as a prompt may carry it back upstream: `openai_message` without the
+    reply-only fields, and a reply's `audio` by its id alone (the form input takes)."""
+    message = {k: v for k, v in openai_message(row).items() if k not in REPLY_ONLY_FIELDS}
+    audio = message.get("audio")
+    if isinstance(audio, dict):
+        if isinstance(audio.get("id"), str):
+            message["audio"] = {"id": audio["id"]}
+        else:
+            del message["audio"]
     return message
 
 

@@ -4,8 +4,8 @@ An upstream answer may carry a NUL character or an unpaired surrogate, which Pos
 and `jsonb` refuse; such a message is stored with those characters escaped (`\\u0000`,
 `\\ud800`) and marked, instead of being lost.
 
-Revision ID: 0010
-Revises: 0006
+Revision ID: 0008
+Revises: 0007
 Create Date: 2026-11-24 03:00:00.000000
 """
 
@@ -14,8 +14,8 @@ from collections.abc import Sequence
 import sqlalchemy as sa
 from alembic import op
 
-revision: str = "0010"
-down_revision: str | None = "0006"
+revision: str = "0008"
+down_revision: str | None = "0007"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 

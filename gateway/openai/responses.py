@@ -1,0 +1,454 @@
+"""The Responses API with memory: `POST /v1/responses`, `GET /v1/responses/{id}` and its
+`input_items`.
+
+A response request goes the chat path's way (`gateway.openai.chat`): its `instructions` and
+`input` are read as chat messages (`gateway.openai.translate`), then identified and stored
+(`chat.store_turn`), the prompt assembled (`chat.recall`), forwarded, and the reply recorded by
+the turn. The conversation is the one `previous_response_id` names (404 if it names none of
+this tenant's), else the one `X-Memstrata-Conversation` names, else the one whose stored chain
+the messages extend: a client that resends the whole input each time (openai-agents does) is
+recognised as a chat client is. Continuing a response that is no longer its conversation's
+latest sends its history and the new input whole, so the write path continues the conversation
+from that point. `store: false` stores nothing: the request reads memory (the history of
+`previous_response_id`, if named) and goes upstream, and the response cannot be retrieved or
+continued later. The memory tools are not offered on this path.
+
+Upstream, the request goes as a Responses request when the upstream serves the API: the
+client's own body when the prompt is its input unchanged, else with the assembled prompt as
+`input` (and no `previous_response_id`: the upstream gets the history itself). Otherwise it is
+translated to a chat completion and the answer back to a response object or Responses events.
+Whether the upstream serves it is `MEMSTRATA_UPSTREAM_RESPONSES`: `on`, `off`, or `auto`: on
+for OpenAI's own API, else learnt from the first request: an answer of 404, 405 or 501 (other
+than an unknown model's) means it does not, remembered by the process. Upstream error answers
+are relayed with their status and body, as on the chat path.
+
+What is stored for a response (`memory.write.responses`): the response object as the client
+saw it and the request's input items, beside the messages the conversation holds.
+"""
+
+import json
+import logging
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+from urllib.parse import urlsplit
+
+import httpx
+from fastapi import Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import Response
+from pydantic import ValidationError
+from sqlalchemy.ext.asyncio import AsyncConnection
+
+from gateway.bodies import read_json
+from gateway.errors import GatewayError
+from gateway.openai import chat, translate
+from gateway.openai.response_events import ChatEvents, ResponseReply
+from gateway.openai.streams import EventReader, sse_error
+from gateway.openai.turn import CONVERSATION_HEADER, REPLY_COMPLETE, Chunks, Turn
+from gateway.schemas import ResponsesRequest
+from gateway.settings import Settings
+from gateway.state import State
+from memory import tokens
+from memory.db import transaction
+from memory.errors import StorageUnavailable
+from memory.recall.assemble import Budget, StoredTurn, leading_system
+from memory.write import identity, store
+from memory.write import responses as stored_responses
+
+log = logging.getLogger(__name__)
+
+_NOT_SERVED = (404, 405, 501)
+_OPENAI_HOST = "api.openai.com"
+
+
+def serves_responses(settings: Settings) -> bool | None:
+    """What is known, at start, of whether the upstream serves the Responses API."""
+    if settings.upstream_responses != "auto":
+        return settings.upstream_responses == "on"
+    return True if urlsplit(settings.upstream_url).hostname == _OPENAI_HOST else None
+
+
+@dataclass
+class ResponseTurn(Turn):
+    """A turn whose answer is a response: kept with its input items when it is recorded."""
+
+    records_without_reply: ClassVar[bool] = True
+    store: bool = True
+    input_items: list[dict[str, Any]] = field(default_factory=list)
+    response: dict[str, Any] | None = None
+    streamed: ResponseReply | None = None
+
+    def headers(self) -> dict[str, str]:
+        headers = super().headers()
+        if not self.external_id:
+            del headers[CONVERSATION_HEADER]
+        return headers
+
+    async def record(
+        self, state: State, reply: Mapping[str, Any] | None, *, complete: bool
+    ) -> None:
+        if self.store:
+            await super().record(state, reply, complete=complete)
+
+    async def recorded(self, conn: AsyncConnection) -> None:
+        body = self.streamed.response() if self.streamed is not None else self.response
+        if body is None or not isinstance(body.get("id"), str):
+            return
+        await stored_responses.save(
+            conn,
+            tenant_id=self.tenant_id,
+            conversation_id=self.conversation_id,
+            response_id=body["id"],
+            body=body,
+            input_items=self.input_items,
+        )
+
+
+async def create(request: Request, state: State, *, tenant_id: int) -> Response:
+    """Handle `POST /v1/responses`."""
+    started = time.perf_counter()
+    body = await read_json(request, max_bytes=state.settings.max_body_bytes)
+    if not isinstance(body, dict):
+        raise GatewayError(400, "the body must be a JSON object", code="invalid_value")
+    try:
+        parsed = ResponsesRequest.model_validate(body)
+    except ValidationError as exc:
+        raise RequestValidationError(exc.errors()) from exc
+    messages = translate.input_messages(body)
+    header = request.headers.get(CONVERSATION_HEADER)
+    external_id = identity.validate_conversation_id(header) if header is not None else None
+    budget = Budget.of(
+        {"model": parsed.model, "tools": body.get("tools"), "max_tokens": parsed_max(body)},
+        chat.budget_rules(state.settings),
+        requested=chat.parse_budget(request.headers.get(chat.BUDGET_HEADER)),
+        tools_room=0,
+    )
+    turn = ResponseTurn(
+        tenant_id=tenant_id,
+        conversation_id=0,
+        external_id=external_id or "",
+        model=parsed.model,
+        started=started,
+        store=parsed.store is not False,
+        input_items=translate.stored_items(body),
+    )
+    previous = parsed.previous_response_id
+    try:
+        if turn.store:
+            stored = await _store(
+                state, turn, messages, budget, previous=previous, user=parsed.user
+            )
+        elif previous is not None:
+            stored = await _unstored(state, turn, messages, previous=previous)
+        else:
+            stored = None
+        assembled = await chat.recall(state, stored, budget, tools_guide=False) if stored else None
+    except StorageUnavailable:
+        if state.settings.fail_open != "on" or previous is not None:
+            raise
+        log.warning("database unavailable, forwarding a response request without memory")
+        state.metrics.degraded.inc()
+        turn.store, assembled = False, None
+    if assembled is not None:
+        turn.sent(assembled)
+    else:
+        turn.overhead = time.perf_counter() - started
+    prompt = messages if assembled is None else assembled.messages
+    forwarder = _Forward(state, turn, request=request, body=body, stream=bool(parsed.stream))
+    return await forwarder.send(prompt, as_sent=prompt is messages)
+
+
+def parsed_max(body: Mapping[str, Any]) -> int | None:
+    value = body.get("max_output_tokens")
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+async def _store(
+    state: State,
+    turn: ResponseTurn,
+    messages: list[dict[str, Any]],
+    budget: Budget,
+    *,
+    previous: str | None,
+    user: str | None,
+) -> StoredTurn:
+    """Identify and store the request's messages (see the module docstring)."""
+    async with transaction(state.engine) as conn:
+        if previous is not None:
+            found = await _previous(conn, turn, previous, lock=True)
+            if not found.at_head:
+                history = await store.history(
+                    conn,
+                    tenant_id=turn.tenant_id,
+                    conversation_id=found.conversation_id,
+                    before_seq=found.last_seq + 1,
+                )
+                new = messages[len(leading_system(messages)) if leading_system(history) else 0 :]
+                messages = [*history, *new]
+        stored, turn.external_id = await chat.store_turn(
+            conn,
+            tenant_id=turn.tenant_id,
+            external_id=turn.external_id or None,
+            user=user,
+            messages=messages,
+            model=turn.model,
+            budget=budget,
+        )
+    turn.conversation_id = stored.conversation_id
+    return stored
+
+
+async def _unstored(
+    state: State, turn: ResponseTurn, messages: list[dict[str, Any]], *, previous: str
+) -> StoredTurn:
+    """`store: false` continuing a response: its history read, nothing written."""
+    async with transaction(state.engine) as conn:
+        found = await _previous(conn, turn, previous, lock=False)
+    system = leading_system(messages)
+    new = messages[len(system) :]
+    turn.conversation_id = found.conversation_id
+    return StoredTurn(
+        tenant_id=turn.tenant_id,
+        conversation_id=found.conversation_id,
+        model=turn.model,
+        system=system,
+        new_messages=new,
+        first_seq=found.last_seq + 1,
+        whole=None,
+        unstored_tokens=tokens.count_messages(new, model=turn.model),
+    )
+
+
+async def _previous(
+    conn: AsyncConnection, turn: ResponseTurn, response_id: str, *, lock: bool
+) -> stored_responses.ResponseRecord:
+    """The response `previous_response_id` names, which sets the turn's conversation."""
+    found = await stored_responses.find(
+        conn, tenant_id=turn.tenant_id, response_id=response_id, lock=lock
+    )
+    if turn.external_id and turn.external_id != found.external_id:
+        raise GatewayError(
+            400,
+            f"previous_response_id {response_id!r} belongs to another conversation than "
+            f"{CONVERSATION_HEADER} names",
+            param="previous_response_id",
+            code="invalid_value",
+        )
+    turn.external_id = found.external_id
+    return found
+
+
+class _Forward:
+    """One response request's way upstream, and its answer's way back."""
+
+    def __init__(
+        self,
+        state: State,
+        turn: ResponseTurn,
+        *,
+        request: Request,
+        body: dict[str, Any],
+        stream: bool,
+    ) -> None:
+        self._state = state
+        self._turn = turn
+        self._upstream = state.upstream
+        self._headers = state.upstream.headers_for(request.headers)
+        self._query = request.url.query
+        self._body = body
+        self._stream = stream
+
+    async def send(self, prompt: list[dict[str, Any]], *, as_sent: bool) -> Response:
+        """Send `prompt` (`as_sent`: the client's own input, unchanged) upstream."""
+        if self._upstream.serves_responses is not False:
+            body = self._body if as_sent else self._responses_body(prompt)
+            response = await self._open("/responses", body)
+            if self._upstream.serves_responses is None:
+                answer = await self._learn(response)
+                if answer is not None:
+                    return answer
+            if self._upstream.serves_responses:
+                return await self._relay(response)
+        return await self._translated(prompt)
+
+    async def _learn(self, response: httpx.Response) -> Response | None:
+        """Learn whether the upstream serves the Responses API from its first answer; the
+        answer to relay when it had to be read to tell (an unknown model's 404), else None."""
+        if response.status_code not in _NOT_SERVED:
+            self._upstream.serves_responses = True
+            return None
+        content = await self._read(response)
+        error = _json(content)
+        code = error.get("error", {}).get("code") if isinstance(error, dict) else None
+        if isinstance(code, str) and code == "model_not_found":
+            self._upstream.serves_responses = True
+            return await self._turn.answer(self._state, content, response)
+        log.info("the upstream does not serve the Responses API: translating to chat completions")
+        self._upstream.serves_responses = False
+        return None
+
+    def _responses_body(self, prompt: list[dict[str, Any]]) -> dict[str, Any]:
+        instructions = self._body.get("instructions")
+        if instructions and prompt and prompt[0] == translate.instructions_message(instructions):
+            prompt = prompt[1:]
+        body = {**self._body, "input": translate.input_items(prompt)}
+        body.pop("previous_response_id", None)
+        return body
+
+    async def _open(self, path: str, body: dict[str, Any]) -> httpx.Response:
+        try:
+            return await self._upstream.open(
+                "POST",
+                path,
+                headers=self._headers,
+                json=body,
+                query=self._query,
+                stream=self._stream,
+            )
+        except GatewayError as exc:
+            exc.headers.update(self._turn.headers())
+            raise
+
+    async def _read(self, response: httpx.Response) -> bytes:
+        try:
+            return await self._upstream.read(response)
+        except GatewayError as exc:
+            exc.headers.update(self._turn.headers())
+            raise
+
+    async def _relay(self, response: httpx.Response) -> Response:
+        """The upstream's Responses answer, relayed as it is."""
+        if self._stream and response.is_success:
+            streamed = self._turn.streamed = ResponseReply()
+            chunks = self._passed(response, streamed)
+            return self._turn.stream(self._state, response, chunks, streamed)
+        content = await self._read(response)
+        answer = _json(content)
+        reply = None
+        if response.is_success and isinstance(answer, dict):
+            self._turn.response = answer
+            reply = translate.reply_message(answer.get("output"))
+        return await self._turn.answer(self._state, content, response, reply)
+
+    async def _passed(self, response: httpx.Response, reply: ResponseReply) -> Chunks:
+        reader = EventReader()
+        try:
+            async for data in response.aiter_bytes():
+                for event in reader.feed(data):
+                    final = reply.ends(event)
+                    reply.feed(event.raw)
+                    if final:
+                        yield REPLY_COMPLETE
+                    yield event.raw
+            for event in reader.close():
+                reply.feed(event.raw)
+                yield event.raw
+        except httpx.HTTPError as exc:
+            yield self._interrupted(exc)
+        finally:
+            await response.aclose()
+
+    async def _translated(self, prompt: list[dict[str, Any]]) -> Response:
+        """The request as a chat completion; its answer as a response."""
+        response = await self._open("/chat/completions", translate.chat_request(self._body, prompt))
+        response_id = translate.new_id("resp")
+        if self._stream and response.is_success:
+            streamed = self._turn.streamed = ResponseReply()
+            skeleton = translate.response_skeleton(
+                self._body, response_id=response_id, model=str(self._body.get("model"))
+            )
+            events = ChatEvents(skeleton)
+            chunks = self._converted(response, events, streamed)
+            return self._turn.stream(self._state, response, chunks, streamed)
+        content = await self._read(response)
+        converted = translate.response_object(_json(content), self._body, response_id=response_id)
+        if not response.is_success or converted is None:
+            return await self._turn.answer(self._state, content, response)
+        self._turn.response = converted
+        reply = translate.reply_message(converted["output"])
+        return await self._turn.answer(self._state, translate.dumps(converted), response, reply)
+
+    async def _converted(
+        self, response: httpx.Response, events: ChatEvents, reply: ResponseReply
+    ) -> Chunks:
+        def sent(data: bytes) -> bytes:
+            reply.feed(data)
+            return data
+
+        reader = EventReader()
+        try:
+            yield sent(events.start())
+            async for data in response.aiter_bytes():
+                for event in reader.feed(data):
+                    if out := events.event(event):
+                        yield sent(out)
+            for event in reader.close():
+                if out := events.event(event):
+                    yield sent(out)
+            final = events.finish()
+            reply.feed(final)
+            yield REPLY_COMPLETE
+            yield final
+        except httpx.HTTPError as exc:
+            yield sent(self._interrupted(exc))
+        finally:
+            await response.aclose()
+
+    def _interrupted(self, exc: httpx.HTTPError) -> bytes:
+        log.warning(
+            "upstream stream interrupted: %s",
+            type(exc).__name__,
+            extra={"conversation": self._turn.external_id},
+        )
+        return sse_error(
+            f"the upstream stream was interrupted ({type(exc).__name__}); "
+            "the partial reply was kept",
+            code="upstream_stream_interrupted",
+        )
+
+
+# -- reading stored responses ------------------------------------------------------------------
+
+
+async def retrieve(state: State, *, tenant_id: int, response_id: str) -> dict[str, Any]:
+    """`GET /v1/responses/{id}`: the response as the client saw it."""
+    async with transaction(state.engine) as conn:
+        found = await stored_responses.find(conn, tenant_id=tenant_id, response_id=response_id)
+    return found.body
+
+
+async def input_items(
+    state: State,
+    *,
+    tenant_id: int,
+    response_id: str,
+    limit: int,
+    order: str,
+    after: str | None,
+) -> dict[str, Any]:
+    """`GET /v1/responses/{id}/input_items`: a page of the request's input items."""
+    async with transaction(state.engine) as conn:
+        found = await stored_responses.find(conn, tenant_id=tenant_id, response_id=response_id)
+    items = found.input_items if order == "asc" else found.input_items[::-1]
+    if after is not None:
+        ids = [item.get("id") for item in items]
+        if after not in ids:
+            raise GatewayError(404, f"No item with id '{after}' found.", param="after")
+        items = items[ids.index(after) + 1 :]
+    page = items[:limit]
+    return {
+        "object": "list",
+        "data": page,
+        "first_id": page[0]["id"] if page else None,
+        "last_id": page[-1]["id"] if page else None,
+        "has_more": len(items) > limit,
+    }
+
+
+def _json(content: bytes) -> Any:
+    try:
+        return json.loads(content)
+    except ValueError:
+        return None

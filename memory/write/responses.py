@@ -1,0 +1,97 @@
+"""Responses of the Responses API: which conversation each continued, and where it ended.
+
+A response is kept beside the messages it stored (they are stored as any chat turn's are), so
+that a later request naming it as `previous_response_id` continues its conversation from that
+point, and so that it can be read back as the client saw it (`body`, its `input_items`). Every
+function is scoped by `tenant_id`: another tenant's response behaves as missing. `save` runs
+in the transaction that recorded the reply, after the conversation's row was locked by it, so
+the point it records (`last_seq`, `head_hash`) is the one the reply made.
+"""
+
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy import select
+from sqlalchemy.dialects.postgresql import insert
+from sqlalchemy.ext.asyncio import AsyncConnection
+
+from memory.errors import NotFound
+from memory.schema import conversations, responses
+
+
+@dataclass(frozen=True)
+class ResponseRecord:
+    """A stored response, with its conversation as it is now."""
+
+    response_id: str
+    conversation_id: int
+    external_id: str
+    last_seq: int
+    """The seq of the response's last stored message."""
+    at_head: bool
+    """Whether the conversation has not moved on since: nothing was stored after it."""
+    body: dict[str, Any]
+    input_items: list[dict[str, Any]]
+
+
+async def save(
+    conn: AsyncConnection,
+    *,
+    tenant_id: int,
+    conversation_id: int,
+    response_id: str,
+    body: dict[str, Any],
+    input_items: list[dict[str, Any]],
+) -> None:
+    """Keep a response as ending where its conversation's head is now (a response id seen
+    again keeps its first record)."""
+    head = (
+        await conn.execute(
+            select(conversations.c.next_seq, conversations.c.head_hash).where(
+                conversations.c.id == conversation_id, conversations.c.tenant_id == tenant_id
+            )
+        )
+    ).one()
+    await conn.execute(
+        insert(responses)
+        .values(
+            tenant_id=tenant_id,
+            response_id=response_id,
+            conversation_id=conversation_id,
+            last_seq=head.next_seq - 1,
+            head_hash=head.head_hash,
+            body=body,
+            input_items=input_items,
+        )
+        .on_conflict_do_nothing()
+    )
+
+
+async def find(
+    conn: AsyncConnection, *, tenant_id: int, response_id: str, lock: bool = False
+) -> ResponseRecord:
+    """The response `response_id` of this tenant, or `NotFound`; `lock` locks its
+    conversation's row until the transaction ends."""
+    query = (
+        select(
+            responses,
+            conversations.c.external_id,
+            (conversations.c.head_hash == responses.c.head_hash).label("at_head"),
+        )
+        .join(conversations, conversations.c.id == responses.c.conversation_id)
+        .where(responses.c.tenant_id == tenant_id, responses.c.response_id == response_id)
+    )
+    if lock:
+        query = query.with_for_update(of=conversations)
+    row = (await conn.execute(query)).one_or_none()
+    if row is None:
+        raise NotFound(f"Response with id '{response_id}' not found.")
+    return ResponseRecord(
+        response_id=row.response_id,
+        conversation_id=row.conversation_id,
+        external_id=row.external_id,
+        last_seq=row.last_seq,
+        at_head=bool(row.at_head),
+        body=row.body,
+        input_items=row.input_items,
+    )

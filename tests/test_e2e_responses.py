@@ -1,0 +1,362 @@
+"""End to end: the Responses API through the real `openai` SDK → a gateway process → the fake
+upstream process, on both ways upstream: forwarded as Responses (an upstream that serves them)
+and translated to chat completions (an upstream without them, learnt by `auto` from its 404).
+
+Each test checks what the client received, what the upstream received, and what Postgres holds
+(the admin API). Conversations are told apart by unique text.
+"""
+
+import time
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from devkit.gateway import GatewayProcess
+from devkit.upstream import UpstreamServer
+
+CLIENT_KEY = "sk-client-responses-0123456789"
+HEADER = "X-Memstrata-Conversation"
+TOOLS = [
+    {
+        "type": "function",
+        "name": "get_weather",
+        "description": "Weather of a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}},
+            "required": ["city"],
+            "additionalProperties": False,
+        },
+        "strict": True,
+    }
+]
+
+
+def unique(text: str) -> str:
+    return f"{text} {uuid.uuid4().hex[:10]}"
+
+
+class Way:
+    """One way upstream: the fake upstream, a gateway in front of it, and where prompts land."""
+
+    def __init__(self, name: str, upstream: UpstreamServer, gateway: GatewayProcess) -> None:
+        self.name = name
+        self.upstream = upstream
+        self.gateway = gateway
+        self.path = "/v1/responses" if name == "forward" else "/v1/chat/completions"
+
+    def prompts(self) -> list[list[dict[str, Any]]]:
+        """What each request upstream held as its prompt, chat messages or input items."""
+        key = "input" if self.name == "forward" else "messages"
+        prompts = [request["body"][key] for request in self.upstream.requests(self.path)]
+        # An input sent as it came may be a string: one user message.
+        return [[{"role": "user", "content": p}] if isinstance(p, str) else p for p in prompts]
+
+
+@pytest.fixture(scope="module")
+def ways(database_url: str) -> Iterator[dict[str, Way]]:
+    with (
+        UpstreamServer(chunk_delay=0.002) as serving,
+        UpstreamServer(chunk_delay=0.002, responses=False) as chat_only,
+        GatewayProcess(
+            database_url=database_url,
+            upstream_url=serving.url,
+            workers=0,
+            upstream_responses="on",
+        ) as forward,
+        GatewayProcess(database_url=database_url, upstream_url=chat_only.url, workers=0) as auto,
+    ):
+        yield {
+            "forward": Way("forward", serving, forward),
+            "translate": Way("translate", chat_only, auto),
+        }
+
+
+@pytest.fixture(params=["forward", "translate"])
+def way(request: pytest.FixtureRequest, ways: dict[str, Way]) -> Way:
+    chosen = ways[request.param]
+    chosen.upstream.reset()
+    return chosen
+
+
+@pytest.fixture
+def client(way: Way) -> Iterator[openai.OpenAI]:
+    with openai.OpenAI(
+        base_url=way.gateway.url, api_key=CLIENT_KEY, max_retries=0, timeout=15
+    ) as sdk:
+        yield sdk
+
+
+@pytest.fixture
+def http(way: Way) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=way.gateway.root_url, timeout=15) as raw:
+        yield raw
+
+
+def stored(http: httpx.Client, conversation: str, count: int | None = None) -> list[Any]:
+    """The stored messages as (role, content) pairs (waiting for `count` of them)."""
+    deadline = time.monotonic() + 5
+    while True:
+        response = http.get(f"/admin/conversations/{conversation}/messages")
+        assert response.status_code == 200, response.text
+        messages = response.json()["messages"]
+        if count is None or len(messages) >= count or time.monotonic() > deadline:
+            return [(m["role"], m["content"]) for m in messages]
+        time.sleep(0.02)
+
+
+def streamed_text(stream: Any) -> tuple[str, Any]:
+    """The text of a Responses stream and its final response."""
+    pieces: list[str] = []
+    final = None
+    for event in stream:
+        if event.type == "response.output_text.delta":
+            pieces.append(event.delta)
+        elif event.type == "response.completed":
+            final = event.response
+    return "".join(pieces), final
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_five_turns_through_previous_response_id(
+    way: Way, client: openai.OpenAI, http: httpx.Client, stream: bool
+) -> None:
+    texts = [unique(f"turn {n} of five") for n in range(5)]
+    previous: str | None = None
+    ids: list[str] = []
+    conversation = None
+    for text in texts:
+        extra: dict[str, Any] = {"previous_response_id": previous} if previous else {}
+        raw = client.responses.with_raw_response.create(
+            model="gpt-4o-mini", input=text, instructions="Be brief.", stream=stream, **extra
+        )
+        conversation = conversation or raw.headers[HEADER]
+        assert raw.headers[HEADER] == conversation
+        if stream:
+            answer, final = streamed_text(raw.parse())
+            assert final is not None and final.output_text == answer
+            response_id = final.id
+        else:
+            parsed = raw.parse()
+            answer, response_id = parsed.output_text, parsed.id
+        assert answer == f"echo: {text}"
+        ids.append(response_id)
+        previous = response_id
+        stored(http, conversation, 1 + 2 * len(ids))  # the reply of a stream is stored as it ends
+
+    assert conversation is not None
+    replies = [("assistant", f"echo: {text}") for text in texts]
+    history = [m for pair in zip([("user", t) for t in texts], replies, strict=True) for m in pair]
+    assert stored(http, conversation) == [("system", "Be brief."), *history]
+
+    # The upstream got the whole history each time (it stores nothing itself), once each.
+    prompts = way.prompts()
+    assert len(prompts) == 5
+    for turn, prompt in enumerate(prompts):
+        as_pairs = [(m["role"], m["content"]) for m in prompt]
+        if way.name == "forward":
+            assert as_pairs == history[: 2 * turn + 1]  # instructions go as `instructions`
+        else:
+            assert as_pairs == [("system", "Be brief."), *history[: 2 * turn + 1]]
+    if way.name == "forward":
+        requests = way.upstream.requests(way.path)
+        assert all("previous_response_id" not in r["body"] for r in requests)
+        assert all(r["body"]["instructions"] == "Be brief." for r in requests)
+
+    # Read back from what is stored.
+    for response_id, text in zip(ids, texts, strict=True):
+        again = client.responses.retrieve(response_id)
+        assert again.id == response_id
+        assert again.output_text == f"echo: {text}"
+    items = list(client.responses.input_items.list(ids[-1]))
+    assert len(items) == 1
+    assert items[0].type == "message" and items[0].role == "user"
+    assert items[0].content[0].text == texts[-1]  # type: ignore[union-attr]
+
+
+def test_whole_input_resent_is_stored_once(
+    way: Way, client: openai.OpenAI, http: httpx.Client
+) -> None:
+    first = unique("what is the weather")
+    history: list[Any] = [{"role": "user", "content": first}]
+    raw = client.responses.with_raw_response.create(model="gpt-4o-mini", input=history)
+    conversation = raw.headers[HEADER]
+    reply = raw.parse()
+    # As openai-agents does: the output items go back as input, with the next message.
+    history += [item.model_dump(exclude_none=True) for item in reply.output]
+    second = unique("and tomorrow")
+    history.append({"role": "user", "content": second})
+    again = client.responses.with_raw_response.create(model="gpt-4o-mini", input=history)
+    assert again.headers[HEADER] == conversation
+    assert stored(http, conversation) == [
+        ("user", first),
+        ("assistant", f"echo: {first}"),
+        ("user", second),
+        ("assistant", f"echo: {second}"),
+    ]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_function_call_round_trip(
+    way: Way, client: openai.OpenAI, http: httpx.Client, stream: bool
+) -> None:
+    way.upstream.script(
+        {
+            "path": way.path,  # not the probe of a gateway that has not learnt its upstream yet
+            "tool_calls": [{"name": "get_weather", "arguments": {"city": "Paris"}, "id": "call_7"}],
+        }
+    )
+    question = unique("weather in Paris")
+    raw = client.responses.with_raw_response.create(
+        model="gpt-4o-mini",
+        input=question,
+        tools=TOOLS,
+        stream=stream,  # type: ignore[arg-type]
+    )
+    conversation = raw.headers[HEADER]
+    if stream:
+        _, first = streamed_text(raw.parse())
+    else:
+        first = raw.parse()
+    [call] = first.output
+    assert call.type == "function_call"
+    assert (call.name, call.call_id, call.arguments) == (
+        "get_weather",
+        "call_7",
+        '{"city": "Paris"}',
+    )
+    stored(http, conversation, 2)
+    followup = client.responses.create(
+        model="gpt-4o-mini",
+        previous_response_id=first.id,
+        input=[{"type": "function_call_output", "call_id": "call_7", "output": "sunny"}],
+        tools=TOOLS,  # type: ignore[arg-type]
+    )
+    assert followup.output_text == "echo: " + question
+    messages = http.get(f"/admin/conversations/{conversation}/messages").json()["messages"]
+    assert [m["role"] for m in messages] == ["user", "assistant", "tool", "assistant"]
+    assert messages[1]["tool_calls"] == [
+        {
+            "id": "call_7",
+            "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+        }
+    ]
+    assert (messages[2]["tool_call_id"], messages[2]["content"]) == ("call_7", "sunny")
+    last = way.prompts()[-1]
+    if way.name == "forward":
+        assert [item.get("type", "message") for item in last] == [
+            "message",
+            "function_call",
+            "function_call_output",
+        ]
+    else:
+        assert [m["role"] for m in last] == ["user", "assistant", "tool"]
+        tools = way.upstream.requests(way.path)[-1]["body"]["tools"]
+        assert tools[0]["function"]["name"] == "get_weather"
+
+
+def test_store_false_keeps_nothing(way: Way, client: openai.OpenAI, http: httpx.Client) -> None:
+    text = unique("remember me")
+    kept = client.responses.with_raw_response.create(model="gpt-4o-mini", input=text)
+    conversation = kept.headers[HEADER]
+    first = kept.parse()
+    secret = unique("do not keep this")
+    unstored = client.responses.create(
+        model="gpt-4o-mini", input=secret, previous_response_id=first.id, store=False
+    )
+    assert unstored.output_text == f"echo: {secret}"
+    # It read the history it continued, and stored nothing of its own.
+    first_sent = way.prompts()[-1][0]
+    assert (first_sent["role"], first_sent["content"]) == ("user", text)
+    assert stored(http, conversation) == [("user", text), ("assistant", f"echo: {text}")]
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(unstored.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.create(model="gpt-4o-mini", input="x", previous_response_id=unstored.id)
+
+
+def test_unknown_previous_response_is_404_and_stores_nothing(
+    way: Way, client: openai.OpenAI
+) -> None:
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.responses.create(model="gpt-4o-mini", input="hi", previous_response_id="resp_nope")
+    assert "resp_nope" in missing.value.message
+    assert way.upstream.requests() == []
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"model": "m"}, "input"),
+        ({"model": "m", "input": []}, "input"),
+        ({"model": "m", "input": [{"type": "item_reference", "id": "msg_1"}]}, "input"),
+        ({"model": "m", "input": [{"role": "robot", "content": "x"}]}, "input"),
+        ({"model": "m", "input": "x", "stream": "yes"}, "stream"),
+        ({"model": "", "input": "x"}, "model"),
+    ],
+)
+def test_bad_requests_are_400_and_store_nothing(
+    way: Way, http: httpx.Client, body: dict[str, Any], param: str
+) -> None:
+    response = http.post("/v1/responses", json=body)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["param"] == param
+    assert way.upstream.requests() == []
+
+
+def test_upstream_errors_are_relayed(way: Way, client: openai.OpenAI) -> None:
+    way.upstream.script({"path": way.path, "status": 429, "headers": {"Retry-After": "7"}})
+    with pytest.raises(openai.RateLimitError) as limited:
+        client.responses.create(model="gpt-4o-mini", input=unique("too fast"))
+    assert limited.value.response.headers["retry-after"] == "7"
+    assert limited.value.body["code"] == "rate_limit_exceeded"  # type: ignore[index]
+
+
+def test_a_cut_stream_keeps_the_partial_reply(way: Way, http: httpx.Client) -> None:
+    way.upstream.script({"path": way.path, "cut_after": 2})
+    text = unique("one two three four five")
+    with http.stream(
+        "POST", "/v1/responses", json={"model": "m", "input": text, "stream": True}
+    ) as response:
+        conversation = response.headers[HEADER]
+        body = b"".join(response.iter_bytes())
+    assert b"upstream_stream_interrupted" in body
+    messages = http.get(f"/admin/conversations/{conversation}/messages").json()["messages"]
+    assert [(m["role"], m["status"]) for m in messages] == [
+        ("user", "complete"),
+        ("assistant", "incomplete"),
+    ]
+    assert f"echo: {text}".startswith(messages[1]["content"])
+
+
+def test_auto_learns_once_that_the_upstream_has_no_responses(ways: dict[str, Way]) -> None:
+    way = ways["translate"]
+    with openai.OpenAI(base_url=way.gateway.url, api_key=CLIENT_KEY, max_retries=0) as sdk:
+        sdk.responses.create(model="gpt-4o-mini", input=unique("probe"))  # learnt by now
+        way.upstream.reset()
+        for _ in range(2):
+            sdk.responses.create(model="gpt-4o-mini", input=unique("probe"))
+    assert way.upstream.requests("/v1/responses") == []
+    assert len(way.upstream.requests("/v1/chat/completions")) == 2
+
+
+def test_auto_probe_on_a_fresh_gateway(database_url: str) -> None:
+    with (
+        UpstreamServer(responses=False) as chat_only,
+        GatewayProcess(database_url=database_url, upstream_url=chat_only.url, workers=0) as gw,
+        openai.OpenAI(base_url=gw.url, api_key=CLIENT_KEY, max_retries=0) as sdk,
+    ):
+        answers = [sdk.responses.create(model="gpt-4o-mini", input=unique("probe")) for _ in "ab"]
+        assert [a.output_text.startswith("echo: probe") for a in answers] == [True, True]
+        assert [r["path"] for r in chat_only.requests()] == [
+            "/v1/responses",
+            "/v1/chat/completions",
+            "/v1/chat/completions",
+        ]

@@ -1,0 +1,94 @@
+"""End to end: the openai Node SDK (`node`, `tests/node/client.mjs`) as a client of a gateway
+process in front of the fake upstream: chat completions and the Responses API, streamed and not.
+
+The SDK is installed from npm into `tests/node/node_modules` (`npm ci`, pinned by
+`tests/node/package-lock.json`) the first time the test runs. The test is skipped, saying why,
+only where `node` or `npm` is missing or npm cannot reach its registry.
+"""
+
+import json
+import os
+import shutil
+import subprocess
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from devkit.gateway import GatewayProcess
+from devkit.upstream import UpstreamServer
+
+NODE_PROJECT = Path(__file__).resolve().parent / "node"
+
+
+@pytest.fixture(scope="module")
+def node_sdk() -> str:
+    """The `node` binary, with the SDK installed beside the client script."""
+    node, npm = shutil.which("node"), shutil.which("npm")
+    if node is None or npm is None:
+        pytest.skip("the openai Node SDK test needs node and npm, which are not installed")
+    if not (NODE_PROJECT / "node_modules" / "openai").is_dir():
+        installed = subprocess.run(
+            [npm, "ci", "--no-audit", "--no-fund"],
+            cwd=NODE_PROJECT,
+            capture_output=True,
+            text=True,
+            timeout=300,
+            check=False,
+        )
+        if installed.returncode != 0:
+            pytest.skip(f"npm could not install the openai Node SDK:\n{installed.stderr[-2000:]}")
+    return node
+
+
+@pytest.fixture(scope="module")
+def gateway(database_url: str) -> Iterator[tuple[UpstreamServer, GatewayProcess]]:
+    with (
+        UpstreamServer() as upstream,
+        GatewayProcess(database_url=database_url, upstream_url=upstream.url, workers=0) as gw,
+    ):
+        yield upstream, gw
+
+
+def test_the_node_sdk_chats_and_responds_through_the_gateway(
+    node_sdk: str, gateway: tuple[UpstreamServer, GatewayProcess]
+) -> None:
+    upstream, gw = gateway
+    tag = uuid.uuid4().hex
+    run = subprocess.run(
+        [node_sdk, str(NODE_PROJECT / "client.mjs")],
+        env={**os.environ, "GATEWAY_URL": gw.url, "TAG": tag},
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert run.returncode == 0, run.stderr
+    out = json.loads(run.stdout)
+
+    assert out["chat"] == f"echo: node chat {tag}"
+    assert out["chatStream"] == f"echo: node stream {tag}"
+    words = ("one", "two", "three")
+    assert out["responses"] == [f"echo: node responses {w} {tag}" for w in words]
+    assert out["retrieved"] == out["responses"][-1]
+
+    # The chat history resent whole continued the first conversation, each message once.
+    with httpx.Client(base_url=gw.root_url, timeout=10) as http:
+        chat = http.get(f"/admin/conversations/{out['chatConversation']}/messages").json()
+    assert [m["content"] for m in chat["messages"]] == [
+        f"node chat {tag}",
+        out["chat"],
+        f"node stream {tag}",
+        out["chatStream"],
+    ]
+    # The third response's request carried the whole history upstream.
+    last = upstream.requests("/v1/responses")[-1]["body"]["input"]
+    assert [item["content"] for item in last] == [
+        f"node responses one {tag}",
+        out["responses"][0],
+        f"node responses two {tag}",
+        out["responses"][1],
+        f"node responses three {tag}",
+    ]
