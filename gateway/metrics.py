@@ -22,7 +22,7 @@ No metric carries a tenant, a conversation or any content as a label.
 import contextlib
 import logging
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Final
 
 from prometheus_client import (
@@ -107,6 +107,13 @@ class Metrics:
             buckets=_FAST_BUCKETS,
             registry=registry,
         )
+        self.stage_seconds = Histogram(
+            "memstrata_request_stage_seconds",
+            "Time a chat request spent in each stage of the request path (`memory.stages`)",
+            ["stage"],
+            buckets=_FAST_BUCKETS,
+            registry=registry,
+        )
         self.upstream_latency = Histogram(
             "memstrata_upstream_latency_seconds",
             "Time until the upstream's response headers, by path and outcome",
@@ -158,6 +165,10 @@ class Metrics:
     def observe_tokens(self, *, sent: int, full: int) -> None:
         self.prompt_tokens.inc(max(sent, 0))
         self.history_tokens.inc(max(full, 0))
+
+    def observe_stages(self, record: Mapping[str, float]) -> None:
+        for name, seconds in record.items():
+            self.stage_seconds.labels(name).observe(seconds)
 
     def observe_job(self, kind: str, seconds: float, outcome: str) -> None:
         self.job_seconds.labels(kind, outcome).observe(seconds)

@@ -47,6 +47,8 @@ from typing import Any
 
 import tiktoken
 
+from memory.stages import staged
+
 __all__ = [
     "AUDIO_BYTES_PER_SECOND",
     "AUDIO_TOKENS_PER_SECOND",
@@ -429,6 +431,7 @@ def count_message(message: Mapping[str, Any], *, model: str) -> int:
     return _count_message(_encoding_for_model(model), message)
 
 
+@staged("tokens")
 def count_messages(messages: Iterable[Mapping[str, Any]], *, model: str) -> int:
     """Tokens a whole prompt costs: every message plus the reply priming."""
     enc = _encoding_for_model(model)

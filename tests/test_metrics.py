@@ -199,6 +199,32 @@ async def test_summaries_by_level_and_method(
     ) == pytest.approx(2)
 
 
+async def test_request_path_stages_are_timed(client: httpx.AsyncClient) -> None:
+    """Every chat request's stages land in a histogram per stage; one whose history does not
+    fit its budget also times the retrieval legs that rebuilt its prompt."""
+    before = await scrape(client)
+    conversation = {"X-Memstrata-Conversation": f"stages-{uuid.uuid4().hex}"}
+    history = [{"role": "user", "content": f"note {n}: " + "words " * 60} for n in range(12)]
+    for message in history:
+        response = await client.post(
+            "/v1/chat/completions",
+            json={"model": "gpt-4o", "messages": [message]},
+            headers=conversation,
+        )
+        assert response.status_code == 200
+    tight = {**conversation, "X-Memstrata-Budget": "400"}
+    response = await client.post("/v1/chat/completions", json=chat("note 3?"), headers=tight)
+    assert response.status_code == 200, response.text
+    after = await scrape(client)
+
+    def count(stage: str) -> float:
+        name = "memstrata_request_stage_seconds_count"
+        return value(after, name, stage=stage) - value(before, name, stage=stage)
+
+    assert count("store") == count("assemble") == len(history) + 1
+    assert count("fulltext") >= 1 and count("tokens") >= 1  # the rebuilt prompt's legs
+
+
 async def test_request_ids_are_made_or_taken_and_echoed(client: httpx.AsyncClient) -> None:
     made = await client.get("/healthz")
     assert re.fullmatch(r"[0-9a-f]{32}", made.headers["x-request-id"])

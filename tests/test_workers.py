@@ -17,6 +17,7 @@ import itertools
 import json
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -24,7 +25,7 @@ from sqlalchemy import func, select
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from devkit import synthetic
-from devkit.gateway import WorkerProcess
+from devkit.gateway import GatewayProcess, WorkerProcess
 from devkit.upstream import UpstreamServer
 from gateway import importer
 from memory.build.segments import SegmentPolicy
@@ -343,3 +344,57 @@ async def test_a_job_that_kills_its_workers_is_dead_lettered_at_max_attempts(
     assert dead.id == job.id and dead.attempts == job.max_attempts
     assert "worker was lost" in dead.last_error
     await check_no_duplicates(engine, tenant_id)
+
+
+def _children(pid: int) -> set[int]:
+    try:
+        text = Path(f"/proc/{pid}/task/{pid}/children").read_text()
+    except OSError:
+        return set()
+    return {int(child) for child in text.split()}
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().split(") ")[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"  # a zombie has exited; only its entry waits to be reaped
+
+
+async def test_serve_runs_its_jobs_in_a_child_process_that_leaves_with_it(
+    engine: AsyncEngine, database_url: str, tenant_id: int, upstream: UpstreamServer
+) -> None:
+    """`serve`'s background jobs run in a process of their own (off the event loop that
+    answers requests), which builds the trees and is gone once `serve` is, even SIGKILLed."""
+    gateway = GatewayProcess(database_url=database_url, upstream_url=upstream.url, workers=1)
+    try:
+        deadline = time.monotonic() + 60
+        while not (children := _children(gateway.pid)):
+            assert time.monotonic() < deadline, "no worker process was started"
+            await asyncio.sleep(0.2)
+        conversation = synthetic.generate(20, seed=3)
+        await importer.import_messages(
+            engine,
+            tenant_id=tenant_id,
+            external_id="child-process",
+            messages=conversation.messages,
+            created_at=conversation.created_at,
+            model="gpt-4o",
+            batch=20,
+        )
+
+        async def built() -> Any:
+            rows = await job_rows(engine, tenant_id)
+            return rows if rows and all(row.status == "done" for row in rows) else None
+
+        (job,) = await wait_for(built, within=120, what="the child's build", workers=[])
+        assert job.locked_by.split(":")[1] in {str(child) for child in children}
+    finally:
+        gateway.process.kill()
+        gateway.process.wait(timeout=10)
+        gateway.stop()
+    deadline = time.monotonic() + 30
+    while any(_alive(child) for child in children):
+        assert time.monotonic() < deadline, "the worker process outlived serve"
+        await asyncio.sleep(0.2)

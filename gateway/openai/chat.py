@@ -11,6 +11,7 @@ unchanged or refused with 503, as `gateway.openai.degraded` decides.
 """
 
 import functools
+import logging
 import time
 from typing import Any
 
@@ -27,7 +28,7 @@ from gateway.openai.turn import CONVERSATION_HEADER, Turn
 from gateway.schemas import ChatCompletionRequest
 from gateway.settings import Settings
 from gateway.state import State
-from memory import tokens
+from memory import stages, tokens
 from memory.db import transaction
 from memory.errors import StorageUnavailable
 from memory.recall.assemble import (
@@ -40,6 +41,8 @@ from memory.recall.assemble import (
 )
 from memory.recall.assemble import dry_run as memory_dry_run
 from memory.write import identity, store
+
+log = logging.getLogger(__name__)
 
 BUDGET_HEADER = "X-Memstrata-Budget"
 
@@ -71,42 +74,52 @@ async def complete(request: Request, state: State, *, tenant_id: int) -> Respons
         stream=bool(chat.stream),
         started=started,
     )
-    try:
-        async with transaction(state.engine) as conn:
-            stored, stored_id = await store_turn(
-                conn,
-                tenant_id=tenant_id,
-                external_id=external_id,
-                user=chat.user,
-                messages=body["messages"],
-                model=model,
-                budget=budget,
-            )
-    except StorageUnavailable as exc:
-        return await unchanged(exc, external_id=external_id)
-    turn = Turn(
-        tenant_id=tenant_id,
-        conversation_id=stored.conversation_id,
-        external_id=stored_id,
-        model=chat.model,
-        started=started,
-    )
-    try:
-        assembled = await recall(state, stored, budget, tools_guide=tools_room > 0)
-    except StorageUnavailable as exc:
-        return await unchanged(exc, external_id=turn.external_id, stored=turn)
+    with stages.recording() as timings:
+        try:
+            with stages.stage("store"):
+                async with transaction(state.engine) as conn:
+                    stored, stored_id = await store_turn(
+                        conn,
+                        tenant_id=tenant_id,
+                        external_id=external_id,
+                        user=chat.user,
+                        messages=body["messages"],
+                        model=model,
+                        budget=budget,
+                    )
+        except StorageUnavailable as exc:
+            return await unchanged(exc, external_id=external_id)
+        turn = Turn(
+            tenant_id=tenant_id,
+            conversation_id=stored.conversation_id,
+            external_id=stored_id,
+            model=chat.model,
+            started=started,
+        )
+        try:
+            with stages.stage("assemble"):
+                assembled = await recall(state, stored, budget, tools_guide=tools_room > 0)
+        except StorageUnavailable as exc:
+            return await unchanged(exc, external_id=turn.external_id, stored=turn)
     turn.sent(assembled)
-    prompt = (
-        body if assembled.messages is body["messages"] else {**body, "messages": assembled.messages}
-    )
+    _report(state, timings)
+    messages = assembled.messages
     return await relay.forward(
         state,
         turn,
         client_headers=request.headers,
         query=request.url.query,
-        body=prompt,
+        body=body if messages is body["messages"] else {**body, "messages": messages},
         stream=bool(chat.stream),
     )
+
+
+def _report(state: State, timings: stages.Record) -> None:
+    """The request path's stages, to `/metrics` and, at DEBUG, to the log."""
+    state.metrics.observe_stages(timings)
+    if log.isEnabledFor(logging.DEBUG):
+        spent = {name: round(seconds * 1000, 2) for name, seconds in timings.items()}
+        log.debug("request stages", extra={"stages_ms": spent})
 
 
 async def store_turn(

@@ -29,6 +29,7 @@ from memory.embeddings import Embedder
 from memory.errors import ContextOverflow, ProviderError
 from memory.recall import prompt
 from memory.schema import conversations
+from memory.stages import staged
 from memory.write import store
 
 log = logging.getLogger(__name__)
@@ -270,6 +271,7 @@ def query_of(new_messages: Sequence[Mapping[str, Any]]) -> str:
     return "\n".join(t for t in texts if t)[-_QUERY_CHARS:]
 
 
+@staged("read")
 async def _token_count_and_user(conn: AsyncConnection, turn: StoredTurn) -> tuple[int, str | None]:
     row = (
         await conn.execute(
@@ -282,6 +284,7 @@ async def _token_count_and_user(conn: AsyncConnection, turn: StoredTurn) -> tupl
     return int(row.token_count), row.user_id
 
 
+@staged("read")
 async def _related(conn: AsyncConnection, turn: StoredTurn, user: str) -> list[int]:
     """The tenant's other conversations of the same `user`, most recent first."""
     rows = await conn.execute(
@@ -297,18 +300,21 @@ async def _related(conn: AsyncConnection, turn: StoredTurn, user: str) -> list[i
     return [int(row.id) for row in rows]
 
 
+@staged("read")
 async def _stored_system(conn: AsyncConnection, turn: StoredTurn) -> list[Message]:
     """The stored conversation's leading system messages (for clients that send only new
     messages without repeating their system prompt)."""
     return leading_system(await _history(conn, turn, before=_SYSTEM_LOOKAHEAD))
 
 
+@staged("read")
 async def _history(conn: AsyncConnection, turn: StoredTurn, *, before: int) -> list[Message]:
     return await store.history(
         conn, tenant_id=turn.tenant_id, conversation_id=turn.conversation_id, before_seq=before
     )
 
 
+@staged("embed")
 async def _embed(embedder: Embedder, text: str) -> list[float] | None:
     """The query's vector, or None when the embedder fails (retrieval is then full-text)."""
     try:

@@ -32,6 +32,7 @@ from datetime import date, datetime
 from typing import Final
 
 from memory.recall.query import Route
+from memory.stages import staged
 
 __all__ = [
     "CONTIGUITY",
@@ -109,6 +110,7 @@ class Candidates:
     ranked: list[Place]
 
 
+@staged("fuse")
 def fuse(
     legs: Sequence[Candidates],
     *,

@@ -40,6 +40,7 @@ from memory import tokens
 from memory.errors import ContextOverflow
 from memory.recall import fusion, retrieval
 from memory.recall.memory_block import MemoryBlock
+from memory.stages import staged
 from memory.write import store
 
 __all__ = [
@@ -400,6 +401,7 @@ def _preamble(messages: int | None, stored_tokens: int | None, guide: str | None
 # -- the parts -------------------------------------------------------------------------------
 
 
+@staged("recent")
 async def _calls_of(
     conn: AsyncConnection,
     tenant_id: int,
@@ -432,6 +434,7 @@ async def _calls_of(
     return []
 
 
+@staged("recent")
 async def _recent(
     conn: AsyncConnection,
     tenant_id: int,

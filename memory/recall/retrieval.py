@@ -48,6 +48,7 @@ from memory.recall.query import (
     websearch_query,
     without_names,
 )
+from memory.stages import staged
 
 __all__ = [
     "Candidates",
@@ -230,6 +231,7 @@ def _scope_params(
     }
 
 
+@staged("fulltext")
 async def fulltext_candidates(
     conn: AsyncConnection,
     *,
@@ -262,6 +264,7 @@ async def fulltext_candidates(
     return _candidates(rows)
 
 
+@staged("vector")
 async def vector_candidates(
     conn: AsyncConnection,
     *,
@@ -314,6 +317,7 @@ async def vector_candidates(
     return found
 
 
+@staged("passages")
 async def passage_candidates(
     conn: AsyncConnection, *, tenant_id: int, query_vector: Sequence[float], whole: Candidates
 ) -> Candidates:
@@ -477,6 +481,7 @@ async def search(
     return (await load(conn, tenant_id=tenant_id, scores=scores, limit=limit))[:limit]
 
 
+@staged("load")
 async def load(
     conn: AsyncConnection, *, tenant_id: int, scores: Mapping[Key, float], limit: int
 ) -> list[Hit]:
@@ -498,6 +503,7 @@ async def load(
     return sorted(hits, key=lambda hit: (-hit.score, -hit.seq, hit.node_id))
 
 
+@staged("load")
 async def load_nodes(conn: AsyncConnection, *, tenant_id: int, ids: Sequence[int]) -> list[Hit]:
     """Nodes by id (of this tenant), scored 0."""
     if not ids:
