@@ -51,7 +51,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from bench import harness as h
-from bench.locomo_report import update_docs
+from bench.evidence_report import update_docs
 from devkit import hostile
 from devkit.gateway import GatewayProcess
 from devkit.postgres import throwaway_postgres

@@ -29,11 +29,13 @@ counting: the newest turns only (verbatim chat messages), flat embedding top-k (
 all turns) and flat full-text top-k (Postgres `ts_rank_cd` over the question's words joined by
 `or`), the last two as one memory message of `[date speaker] text` lines.
 
-The data is CC BY-NC: it is read from its path and never copied into the repository. Results
-are printed and written to `bench/results/locomo.json`, and the `## Memory quality (LoCoMo)`
-section of docs/benchmarks.md is redrawn (`bench.locomo_report`; `--report-only` redraws it
-from the results alone). `--quick` runs 2 conversations at 4k into `locomo-quick.json`, docs
-untouched; `--data-dir DIR` keeps the database there and reuses it on the next run.
+The replay, the baselines and the scoring are `bench.evidence`'s (shared with
+`bench.longmemeval`). The data is CC BY-NC: it is read from its path and never copied into the
+repository. Results are printed and written to `bench/results/locomo.json`, and the `## Memory
+quality (LoCoMo)` section of docs/benchmarks.md is redrawn (`bench.locomo_report`;
+`--report-only` redraws it from the results alone). `--quick` runs 2 conversations at 4k into
+`locomo-quick.json`, docs untouched; `--data-dir DIR` keeps the database there and reuses it on
+the next run.
 `--conversations` (`0-4`, `5-9`, `0,3`) and `--systems` (methods to score) narrow a run for
 iterating on the policy; such runs write `locomo-quick.json` unless `--output` is given and
 leave the docs untouched.
@@ -46,49 +48,25 @@ import asyncio
 import json
 import os
 import re
-import statistics
 import sys
 import time
-from collections import defaultdict
-from collections.abc import Collection, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
-import numpy as np
-from sqlalchemy import insert, select, text
-from sqlalchemy.ext.asyncio import AsyncEngine
-
-from bench.locomo_report import CATEGORIES, METHODS, ROOT, render, update_docs
-from devkit.postgres import throwaway_postgres
-from devkit.stats import percentile
-from gateway import importer
-from gateway.openai import chat
-from gateway.settings import Settings
-from gateway.state import State
-from memory import tokens
-from memory.build import tree
-from memory.build.summarize import ExtractiveSummarizer
-from memory.db import connect, migrate
+from bench import evidence
+from bench.evidence import METHODS, MODEL, Replayed, Scores, Turn
+from bench.evidence_report import ROOT
+from bench.locomo_report import CATEGORIES, render, update_docs
 from memory.embeddings import LocalEmbedder
-from memory.recall import retrieval, tools
-from memory.schema import nodes, tenants
+from memory.recall import tools
 
 RESULTS = ROOT / "bench" / "results" / "locomo.json"
 DATA = ROOT.parent / "shared" / "data" / "locomo10.json"
 AUDIT = ROOT.parent / "shared" / "data" / "locomo_audit_errors.json"
-MODEL = "gpt-4o"
 _EVIDENCE = re.compile(r"D\s*:?\s*(\d+)\s*[:\s]\s*(\d+)")
-
-
-@dataclass
-class Turn:
-    dia_id: str
-    seq: int
-    speaker: str
-    text: str
-    created_at: datetime
 
 
 @dataclass
@@ -101,16 +79,12 @@ class Question:
     corrected: list[str] | None = None
 
 
-@dataclass
-class Sample:
+@dataclass(kw_only=True)
+class Sample(Replayed):
     number: int
-    external_id: str
     speakers: tuple[str, str]
-    turns: list[Turn]
     questions: list[Question]
     by_dia: dict[str, Turn] = field(default_factory=dict)
-    conversation_id: int = 0
-    embeddings: Any = None
 
 
 def normalize_evidence(raw: Sequence[str]) -> list[str]:
@@ -152,9 +126,12 @@ def load(data: Path, audit: Path | None, limit: int | None) -> list[Sample]:
                     body = f"{body} [shares a photo: {turn['blip_caption']}]"
                 turns.append(
                     Turn(
-                        dia_id=turn["dia_id"],
+                        key=turn["dia_id"],
                         seq=len(turns),
                         speaker=turn["speaker"],
+                        role="user" if turn["speaker"] == speakers[0] else "assistant",
+                        # The name goes in OpenAI's `name` field, out of the searched text.
+                        name=re.sub(r"[^A-Za-z0-9_-]", "_", turn["speaker"])[:64],
                         text=body,
                         created_at=start + timedelta(minutes=offset),
                     )
@@ -174,143 +151,22 @@ def load(data: Path, audit: Path | None, limit: int | None) -> list[Sample]:
                     corrected=corrections.get((number, index)),
                 )
             )
-        sample = Sample(number, f"locomo-{number}", speakers, turns, questions)
-        sample.by_dia = {turn.dia_id: turn for turn in turns}
+        sample = Sample(
+            number=number,
+            external_id=f"locomo-{number}",
+            speakers=speakers,
+            turns=turns,
+            questions=questions,
+        )
+        sample.by_dia = {turn.key: turn for turn in turns}
         samples.append(sample)
     return samples
 
 
-def as_message(sample: Sample, turn: Turn) -> dict[str, Any]:
-    role = "user" if turn.speaker == sample.speakers[0] else "assistant"
-    name = re.sub(r"[^A-Za-z0-9_-]", "_", turn.speaker)[:64]
-    return {"role": role, "name": name, "content": turn.text}
-
-
-# -- baselines -------------------------------------------------------------------------------
-
-
-def _line(turn: Turn) -> str:
-    return f"[{turn.created_at:%Y-%m-%d %H:%M} {turn.speaker}] {turn.text}"
-
-
-def fill_lines(turns: Sequence[Turn], question: str, budget: int) -> list[dict[str, Any]]:
-    """One memory message of `[date speaker] text` lines, in rank order, within `budget`."""
-    ask = {"role": "user", "content": question}
-    chosen: list[Turn] = []
-    used = tokens.count_messages([{"role": "system", "content": ""}, ask], model=MODEL)
-    for turn in turns:
-        cost = tokens.count_text(_line(turn), model=MODEL) + 1
-        if used + cost > budget:
-            continue
-        chosen.append(turn)
-        used += cost
-    content = "\n".join(_line(turn) for turn in sorted(chosen, key=lambda t: t.seq))
-    messages = [{"role": "system", "content": content}, ask]
-    while tokens.count_messages(messages, model=MODEL) > budget and chosen:
-        chosen.pop()
-        content = "\n".join(_line(turn) for turn in sorted(chosen, key=lambda t: t.seq))
-        messages = [{"role": "system", "content": content}, ask]
-    return messages
-
-
-def newest(sample: Sample, question: str, budget: int) -> list[dict[str, Any]]:
-    ask = {"role": "user", "content": question}
-    kept: list[dict[str, Any]] = []
-    for turn in reversed(sample.turns):
-        trial = [as_message(sample, turn), *kept]
-        if tokens.count_messages([*trial, ask], model=MODEL) > budget:
-            break
-        kept = trial
-    return [*kept, ask]
-
-
-async def fulltext_ranked(engine: AsyncEngine, sample: Sample, question: str) -> list[Turn]:
-    async with engine.connect() as conn:
-        rows = await conn.execute(
-            text(
-                "SELECT seq FROM nodes WHERE conversation_id = :c AND level = 0 "
-                "AND tsv @@ websearch_to_tsquery('english', :q) "
-                "ORDER BY ts_rank_cd(tsv, websearch_to_tsquery('english', :q)) DESC, seq"
-            ),
-            {"c": sample.conversation_id, "q": retrieval.websearch_query(question)},
-        )
-        return [sample.turns[row.seq] for row in rows]
-
-
-def embedding_ranked(sample: Sample, vector: Sequence[float]) -> list[Turn]:
-    scores = sample.embeddings @ np.asarray(vector, dtype=np.float32)
-    return [sample.turns[int(i)] for i in np.argsort(-scores, kind="stable")]
-
-
-# -- the run -------------------------------------------------------------------------------
-
-
-def present(messages: Sequence[dict[str, Any]], turns: Sequence[Turn]) -> list[bool]:
-    prompt = "\n".join(tokens.message_text(m) for m in messages)
-    # Surrounding whitespace is not part of what a turn says; the memory message's lines drop it.
-    return [turn.text.strip() in prompt for turn in turns]
-
-
-async def replay(engine: AsyncEngine, tenant: int, sample: Sample, embedder: LocalEmbedder) -> None:
-    messages = [as_message(sample, turn) for turn in sample.turns]
-    await importer.import_messages(
-        engine,
-        tenant_id=tenant,
-        external_id=sample.external_id,
-        messages=messages,
-        created_at=[turn.created_at for turn in sample.turns],
-        model=MODEL,
-        batch=1000,
-    )
-    async with engine.connect() as conn:
-        sample.conversation_id = int(
-            await conn.scalar(
-                text("SELECT id FROM conversations WHERE tenant_id = :t AND external_id = :e"),
-                {"t": tenant, "e": sample.external_id},
-            )
-        )
-    config = tree.TreeConfig(embedder=embedder, summarizer=ExtractiveSummarizer())
-    await tree.build(
-        engine, tenant_id=tenant, conversation_id=sample.conversation_id, config=config, final=True
-    )
-    async with engine.connect() as conn:
-        rows = await conn.execute(
-            select(nodes.c.seq, nodes.c.embedding)
-            .where(nodes.c.conversation_id == sample.conversation_id, nodes.c.level == 0)
-            .order_by(nodes.c.seq)
-        )
-        sample.embeddings = np.asarray([list(row.embedding) for row in rows], dtype=np.float32)
-
-
-async def dry(
-    state: State, sample: Sample, question: Question, budget: int
-) -> tuple[list[dict[str, Any]], int]:
-    return await chat.dry_run(
-        state,
-        tenant_id=state.default_tenant_id,
-        external_id=sample.external_id,
-        query=question.question,
-        budget=budget,
-        model=MODEL,
-    )
-
-
 async def evaluate(
-    state: State,
-    tenant: int,
-    samples: Sequence[Sample],
-    budgets: Sequence[int],
-    with_tools: State | None = None,
-    systems: Collection[str] = METHODS,
+    scores: Scores, samples: Sequence[Sample], budgets: Sequence[int]
 ) -> dict[str, Any]:
-    # scores[variant][method][budget][category] → per-question recalls
-    scores: dict[str, Any] = defaultdict(
-        lambda: defaultdict(lambda: defaultdict(lambda: defaultdict(list)))
-    )
-    prompt_tokens: dict[str, dict[int, list[int]]] = defaultdict(lambda: defaultdict(list))
-    latency: dict[int, list[float]] = defaultdict(list)
     dropped = 0
-    tools_reserved = tools.tool_tokens(MODEL)
     for sample in samples:
         for question in sample.questions:
             variants = {"cited": question.evidence, "corrected": question.corrected}
@@ -322,75 +178,12 @@ async def evaluate(
             dropped += len(question.evidence) - len(resolved["cited"])
             if "corrected" not in resolved:
                 resolved["corrected"] = resolved["cited"]
-            [vector] = await state.embedder.embed([question.question])
-            by_embedding = embedding_ranked(sample, vector)
-            by_fulltext = await fulltext_ranked(state.engine, sample, question.question)
-            for budget in budgets:
-                began = time.perf_counter()
-                built, count = await chat.dry_run(
-                    state,
-                    tenant_id=tenant,
-                    external_id=sample.external_id,
-                    query=question.question,
-                    budget=budget,
-                    model=MODEL,
-                )
-                latency[budget].append((time.perf_counter() - began) * 1000)
-                prompts = {"memstrata": built}
-                if with_tools is not None and "memstrata_tools" in systems:
-                    tooled, _ = await dry(with_tools, sample, question, budget)
-                    prompts["memstrata_tools"] = tooled
-                if "newest" in systems:
-                    prompts["newest"] = newest(sample, question.question, budget)
-                if "flat_embedding" in systems:
-                    prompts["flat_embedding"] = fill_lines(by_embedding, question.question, budget)
-                if "flat_fulltext" in systems:
-                    prompts["flat_fulltext"] = fill_lines(by_fulltext, question.question, budget)
-                for method, messages in prompts.items():
-                    used = tokens.count_messages(messages, model=MODEL)
-                    if method == "memstrata":
-                        assert used == count, (used, count)
-                    limit = budget - (tools_reserved if method == "memstrata_tools" else 0)
-                    assert used <= limit, (method, used, limit)
-                    prompt_tokens[method][budget].append(used)
-                    for variant, turns in resolved.items():
-                        if not turns:
-                            continue
-                        hits = present(messages, turns)
-                        scores[variant][method][budget][question.category].append(
-                            sum(hits) / len(hits)
-                        )
+            group = f"{question.category}_{CATEGORIES[question.category]}"
+            await scores.measure(sample, question.question, group, resolved)
         print(f"sample {sample.number} done", file=sys.stderr, flush=True)
-    table: dict[str, Any] = {}
-    for variant, methods in scores.items():
-        table[variant] = {}
-        for method in (m for m in METHODS if m in methods):
-            table[variant][method] = {}
-            for budget in budgets:
-                per = methods[method][budget]
-                everything = [v for values in per.values() for v in values]
-                table[variant][method][str(budget)] = {
-                    "overall": round(statistics.fmean(everything), 4) if everything else None,
-                    "questions": len(everything),
-                    **{
-                        f"{c}_{CATEGORIES[c]}": round(statistics.fmean(per[c]), 4)
-                        for c in sorted(per)
-                    },
-                }
     return {
-        "recall": table,
-        "prompt_tokens_mean": {
-            method: {str(b): round(statistics.fmean(v), 1) for b, v in per.items()}
-            for method, per in prompt_tokens.items()
-        },
-        "build_latency_ms": {
-            str(b): {
-                "p50": round(percentile(v, 50) or 0.0, 2),
-                "p95": round(percentile(v, 95) or 0.0, 2),
-                "mean": round(statistics.fmean(v), 2),
-            }
-            for b, v in latency.items()
-        },
+        "recall": {variant: scores.table(variant) for variant in scores.recall},
+        **scores.figures(),
         "evidence_ids_unresolved": dropped,
     }
 
@@ -404,39 +197,17 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     embedder = LocalEmbedder()
     await embedder.warmup()
     started = time.perf_counter()
-    # Nothing else runs on the event loop: starting and stopping the server may block it.
-    with throwaway_postgres(prefix="memstrata-locomo-", folder=args.data_dir) as server:
-        engine = connect(server.url)
-        await migrate(engine)
-        async with engine.begin() as conn:
-            found = await conn.scalar(select(tenants.c.id).where(tenants.c.name == "locomo"))
-            if found is None:
-                found = await conn.scalar(
-                    insert(tenants).values(name="locomo").returning(tenants.c.id)
-                )
-            tenant = int(found)
+    async with evidence.database(
+        prefix="memstrata-locomo-", tenant="locomo", folder=args.data_dir
+    ) as (engine, tenant):
         for sample in samples:
-            await replay(engine, tenant, sample, embedder)
+            await evidence.replay(engine, tenant, sample, embedder)
         replayed = time.perf_counter() - started
         print(f"replayed {len(samples)} conversations in {replayed:.0f}s", file=sys.stderr)
-        state = State(
-            settings=Settings(_env_file=None, memory_tools="never"),
-            engine=engine,
-            upstream=cast(Any, None),
-            embedder=embedder,
-            default_tenant_id=tenant,
-        )
-        with_tools = State(
-            settings=Settings(_env_file=None, memory_tools="auto"),
-            engine=engine,
-            upstream=cast(Any, None),
-            embedder=embedder,
-            default_tenant_id=tenant,
-        )
         systems = args.systems.split(",") if args.systems else METHODS
-        report = await evaluate(state, tenant, samples, budgets, with_tools, systems)
+        scores = Scores(evidence.states(engine, embedder, tenant), budgets, systems)
+        report = await evaluate(scores, samples, budgets)
         report["memory_tool_definition_tokens"] = tools.tool_tokens(MODEL)
-        await engine.dispose()
     return {
         "benchmark": "locomo evidence recall",
         "measured": datetime.now(UTC).isoformat(timespec="seconds"),

@@ -7,18 +7,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
+from bench import evidence_report
+from bench.evidence_report import group_table, recall_table, size_table
+
 CATEGORIES = {1: "multi-hop", 2: "temporal", 3: "open-domain", 4: "single-hop"}
-METHODS = ("memstrata", "memstrata_tools", "newest", "flat_embedding", "flat_fulltext")
-DOCS = ROOT / "docs" / "benchmarks.md"
 BEGIN, END = "<!-- locomo:begin -->", "<!-- locomo:end -->"
-LABELS = {
-    "memstrata": "memstrata (memory tools off)",
-    "memstrata_tools": "memstrata, memory tools offered (their definitions reserved)",
-    "newest": "newest turns only",
-    "flat_embedding": "flat MiniLM top-k",
-    "flat_fulltext": "flat full-text top-k",
-}
 
 
 NOTES = """**How the prompt is laid out here.** Past the client's system prompt and before the \
@@ -137,30 +130,17 @@ def render(report: dict[str, Any]) -> str:
         lines += [
             f"### Evidence recall {title}",
             "",
-            "| method | " + " | ".join(f"{int(b) // 1000}k" for b in budgets) + " |",
-            "|---|" + "---|" * len(budgets),
-        ]
-        for method in METHODS:
-            cells = [f"{table[method][b]['overall']:.3f}" for b in budgets]
-            if method == "memstrata":
-                cells = [f"**{c}**" for c in cells]
-            lines.append(f"| {LABELS[method]} | " + " | ".join(cells) + " |")
-        lines += [
+            *recall_table(table, budgets),
             "",
             "Per category (memstrata / with memory tools / newest / flat MiniLM / flat full-text):",
             "",
+            *group_table(
+                table,
+                budgets,
+                [(f"{n}_{name}", f"{n} {name}") for n, name in CATEGORIES.items()],
+                "category",
+            ),
         ]
-        lines += [
-            "| category | " + " | ".join(f"{int(b) // 1000}k" for b in budgets) + " |",
-            "|---|" + "---|" * len(budgets),
-        ]
-        for number, name in CATEGORIES.items():
-            key = f"{number}_{name}"
-            cells = []
-            for b in budgets:
-                values = [table[m][b].get(key) for m in METHODS]
-                cells.append(" / ".join("-" if v is None else f"{v:.2f}" for v in values))
-            lines.append(f"| {number} {name} | " + " | ".join(cells) + " |")
         lines.append("")
     cited = report["recall"]["cited"]["memstrata"]
     lines += ["### Targets", "", "| figure | target | measured | met |", "|---|---|---|---|"]
@@ -173,40 +153,10 @@ def render(report: dict[str, Any]) -> str:
                 f"{value:.3f} | {met} |"
             )
     lines += ["", NOTES.format(tools=report.get("memory_tool_definition_tokens", "?")), ""]
-    tokens_mean = report["prompt_tokens_mean"]
-    latency = report["build_latency_ms"]
-    lines += [
-        "### Prompt size and build time",
-        "",
-        "| budget | memstrata prompt tokens (mean) | flat MiniLM | build p50 ms | build p95 ms |",
-        "|---|---|---|---|---|",
-    ]
-    for b in budgets:
-        lines.append(
-            f"| {int(b):,} | {tokens_mean['memstrata'][b]:,.0f} | "
-            f"{tokens_mean['flat_embedding'][b]:,.0f} | {latency[b]['p50']:.1f} | "
-            f"{latency[b]['p95']:.1f} |"
-        )
-    lines += [
-        "",
-        "Build time is the whole `dry_run`: finding the conversation, embedding the question "
-        "(MiniLM on the CPU), both retrieval legs, loading and laying out the prompt, and exact "
-        f"token counting, on a machine shared with other work (load average "
-        f"{report.get('load_average', '?')} when the run ended).",
-        "",
-    ]
+    lines += size_table(report, budgets)
     return "\n".join(lines)
 
 
-def update_docs(section: str, path: Path = DOCS, *, begin: str = BEGIN, end: str = END) -> None:
-    """Put `section` between the markers `begin` and `end` of docs/benchmarks.md (LoCoMo's by
-    default; appended if absent); the rest of the file is left as it is."""
-    block = f"{begin}\n{section}{end}\n"
-    current = path.read_text(encoding="utf-8") if path.exists() else "# Benchmarks\n\n"
-    if begin in current and end in current:
-        head, rest = current.split(begin, 1)
-        tail = rest.split(end, 1)[1].lstrip("\n")
-        updated = head + block + ("\n" + tail if tail else "")
-    else:
-        updated = current.rstrip("\n") + "\n\n" + block
-    path.write_text(updated, encoding="utf-8")
+def update_docs(section: str, path: Path = evidence_report.DOCS) -> None:
+    """Put `section` between the LoCoMo markers of docs/benchmarks.md."""
+    evidence_report.update_docs(section, begin=BEGIN, end=END, path=path)
