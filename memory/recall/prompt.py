@@ -142,11 +142,12 @@ _TAIL = text(
     "AND conversation_id = :conversation_id AND level = 0 AND seq < :before "
     "ORDER BY seq DESC LIMIT :limit"
 )
-# The summaries the frontier may use: the tree's roots before `before`, and the children of the
-# "spine" (the newest root of level ≥ 2, its newest child of level ≥ 2, and so on down), which
-# are what refining toward the present opens. Never the whole tree: at 10,000 messages it has
-# thousands of nodes.
-_TREE = text(
+# What the memory message opens with, in one statement: the summaries the frontier may use (kind
+# 'tree') and the pinned milestones (kind 'pinned'). The summaries are the tree's roots before
+# `before`, and the children of the "spine" (the newest root of level ≥ 2, its newest child of
+# level ≥ 2, and so on down), which are what refining toward the present opens: never the whole
+# tree (at 10,000 messages it has thousands of nodes), so their text comes along.
+_OPENING = text(
     """
 WITH RECURSIVE spine(id) AS (
     (SELECT id FROM nodes
@@ -161,17 +162,20 @@ WITH RECURSIVE spine(id) AS (
         ORDER BY n.span_end DESC LIMIT 1
     ) child
 )
-SELECT id, level, seq, span_start, span_end, parent_id, token_count FROM nodes
+SELECT 'tree' AS kind, parent_id, id, conversation_id, level, seq, span_start, span_end, role,
+       name, text, created_at, token_count, tool_calls, tool_call_id
+FROM nodes
 WHERE tenant_id = :tenant_id AND conversation_id = :conversation_id AND level > 0
   AND span_start < :before
   AND (parent_id IS NULL OR parent_id IN (SELECT id FROM spine))
+UNION ALL
+(SELECT 'pinned', parent_id, id, conversation_id, level, seq, span_start, span_end, role, name,
+        text, created_at, token_count, tool_calls, tool_call_id
+ FROM nodes
+ WHERE tenant_id = :tenant_id AND conversation_id = :conversation_id AND level = 0 AND pinned
+   AND seq < :before
+ ORDER BY seq DESC LIMIT 32)
 """
-)
-_PINNED = text(
-    "SELECT id, conversation_id, level, seq, span_start, span_end, role, name, text, "
-    "created_at, token_count, tool_calls, tool_call_id FROM nodes "
-    "WHERE tenant_id = :tenant_id AND conversation_id = :conversation_id AND level = 0 "
-    "AND pinned AND seq < :before ORDER BY seq DESC LIMIT 32"
 )
 _TAIL_PAGE = 128
 _TOP_UP = 24  # room left after the exact count worth a second filling pass
@@ -179,13 +183,30 @@ _TOP_UP = 24  # room left after the exact count worth a second filling pass
 
 @dataclass(frozen=True)
 class _TreeNode:
-    id: int
-    level: int
-    seq: int
-    span_start: int
-    span_end: int
+    """A summary the frontier may use."""
+
+    hit: retrieval.Hit
     parent_id: int | None
-    token_count: int
+
+    @property
+    def id(self) -> int:
+        return self.hit.node_id
+
+    @property
+    def level(self) -> int:
+        return self.hit.level
+
+    @property
+    def span_start(self) -> int:
+        return self.hit.span_start
+
+    @property
+    def span_end(self) -> int:
+        return self.hit.span_end
+
+    @property
+    def token_count(self) -> int:
+        return self.hit.token_count
 
 
 # -- building ----------------------------------------------------------------------------
@@ -260,21 +281,8 @@ async def build(
             limit=pool,
             exclude_from=exclude,
         )
-        tree = [
-            _TreeNode(*row)
-            for row in await conn.execute(
-                _TREE,
-                {"tenant_id": tenant_id, "conversation_id": conversation_id, "before": recent_from},
-            )
-        ]
-        pinned = [
-            retrieval.as_hit(row, 0.0)
-            for row in await conn.execute(
-                _PINNED,
-                {"tenant_id": tenant_id, "conversation_id": conversation_id, "before": recent_from},
-            )
-        ]
-        # The summaries do not depend on the query: read them while it is embedded.
+        tree, pinned = await _opening(conn, tenant_id, conversation_id, before=recent_from)
+        # The summaries do not depend on the query: chosen while it is embedded.
         summary_budget = int(available * shares.summaries)
         cap = summary_cap(
             sum(1 for node in tree if node.parent_id is None),
@@ -282,12 +290,6 @@ async def build(
             cap=shares.summary_cap,
         )
         frontier = _frontier(tree, budget=summary_budget, cap=cap)
-        chosen_summaries = {
-            hit.node_id: hit
-            for hit in await retrieval.load_nodes(
-                conn, tenant_id=tenant_id, ids=[node.id for node in frontier]
-            )
-        }
         vector = await vector_task if vector_task is not None else None
     finally:
         if vector_task is not None and not vector_task.done():
@@ -319,8 +321,7 @@ async def build(
     enc = tokens.get_encoding(tokens.encoding_name_for_model(model))
     block = MemoryBlock(enc=enc, primary=conversation_id)
     for node in frontier:
-        if node.id in chosen_summaries:
-            block.add_summary(chosen_summaries[node.id], cap=cap)
+        block.add_summary(node.hit, cap=cap)
     milestone_budget = int(available * shares.milestones)
     # Milestones that bear on the question first, then the newest.
     pinned.sort(key=lambda hit: (-scores.get((hit.conversation_id, 0, hit.seq), 0.0), -hit.seq))
@@ -399,6 +400,25 @@ def _preamble(messages: int | None, stored_tokens: int | None, guide: str | None
 
 
 # -- the parts -------------------------------------------------------------------------------
+
+
+@staged("opening")
+async def _opening(
+    conn: AsyncConnection, tenant_id: int, conversation_id: int, *, before: int
+) -> tuple[list[_TreeNode], list[retrieval.Hit]]:
+    """The summaries the frontier may use, and the newest pinned milestones (`_OPENING`)."""
+    tree: list[_TreeNode] = []
+    pinned: list[retrieval.Hit] = []
+    rows = await conn.execute(
+        _OPENING, {"tenant_id": tenant_id, "conversation_id": conversation_id, "before": before}
+    )
+    for kind, parent_id, *columns in rows:
+        hit = retrieval.as_hit(columns, 0.0)
+        if kind == "tree":
+            tree.append(_TreeNode(hit=hit, parent_id=parent_id))
+        else:
+            pinned.append(hit)
+    return tree, pinned
 
 
 @staged("recent")
