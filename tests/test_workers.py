@@ -27,7 +27,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from devkit import synthetic
 from devkit.gateway import GatewayProcess, WorkerProcess
 from devkit.upstream import UpstreamServer
-from gateway import importer
+from gateway import importer, worker_process
 from memory.build.segments import SegmentPolicy
 from memory.schema import jobs, nodes
 from memory.write import store
@@ -354,6 +354,10 @@ def _children(pid: int) -> set[int]:
     return {int(child) for child in text.split()}
 
 
+def _nice(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().split(") ")[1].split()[16])
+
+
 def _alive(pid: int) -> bool:
     try:
         state = Path(f"/proc/{pid}/stat").read_text().split(") ")[1].split()[0]
@@ -366,7 +370,8 @@ async def test_serve_runs_its_jobs_in_a_child_process_that_leaves_with_it(
     engine: AsyncEngine, database_url: str, tenant_id: int, upstream: UpstreamServer
 ) -> None:
     """`serve`'s background jobs run in a process of their own (off the event loop that
-    answers requests), which builds the trees and is gone once `serve` is, even SIGKILLed."""
+    answers requests, at a lower CPU priority), which builds the trees and is gone once
+    `serve` is, even SIGKILLed."""
     gateway = GatewayProcess(database_url=database_url, upstream_url=upstream.url, workers=1)
     try:
         deadline = time.monotonic() + 60
@@ -389,7 +394,9 @@ async def test_serve_runs_its_jobs_in_a_child_process_that_leaves_with_it(
             return rows if rows and all(row.status == "done" for row in rows) else None
 
         (job,) = await wait_for(built, within=120, what="the child's build", workers=[])
-        assert job.locked_by.split(":")[1] in {str(child) for child in children}
+        worker = int(job.locked_by.split(":")[1])
+        assert worker in children
+        assert _nice(worker) == min(19, _nice(gateway.pid) + worker_process.NICE)
     finally:
         gateway.process.kill()
         gateway.process.wait(timeout=10)
