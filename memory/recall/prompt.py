@@ -188,26 +188,6 @@ class _TreeNode:
     hit: retrieval.Hit
     parent_id: int | None
 
-    @property
-    def id(self) -> int:
-        return self.hit.node_id
-
-    @property
-    def level(self) -> int:
-        return self.hit.level
-
-    @property
-    def span_start(self) -> int:
-        return self.hit.span_start
-
-    @property
-    def span_end(self) -> int:
-        return self.hit.span_end
-
-    @property
-    def token_count(self) -> int:
-        return self.hit.token_count
-
 
 # -- building ----------------------------------------------------------------------------
 
@@ -527,29 +507,29 @@ def _frontier(tree: Sequence[_TreeNode], *, budget: int, cap: int) -> list[_Tree
     start from the roots and open the newest openable node while the budget allows."""
     if not tree or budget <= 0:
         return []
-    ids = {node.id for node in tree}
+    ids = {node.hit.node_id for node in tree}
     children: dict[int, list[_TreeNode]] = {}
     for node in tree:
         if node.parent_id is not None and node.parent_id in ids:
             children.setdefault(node.parent_id, []).append(node)
 
     def cost(node: _TreeNode) -> int:
-        return min(node.token_count, cap) + 16
+        return min(node.hit.token_count, cap) + 16
 
     frontier = sorted(
         (node for node in tree if node.parent_id is None or node.parent_id not in ids),
-        key=lambda node: node.span_start,
+        key=lambda node: node.hit.span_start,
     )
     # Too many roots: keep the coarsest ones (they cover the most history).
     while frontier and sum(cost(node) for node in frontier) > budget:
-        frontier.remove(min(frontier, key=lambda node: (node.level, -node.span_start)))
+        frontier.remove(min(frontier, key=lambda node: (node.hit.level, -node.hit.span_start)))
     total = sum(cost(node) for node in frontier)
     while True:
-        openable = [node for node in frontier if node.id in children]
+        openable = [node for node in frontier if node.hit.node_id in children]
         if not openable:
             break
-        newest = max(openable, key=lambda node: node.span_end)
-        kids = sorted(children[newest.id], key=lambda node: node.span_start)
+        newest = max(openable, key=lambda node: node.hit.span_end)
+        kids = sorted(children[newest.hit.node_id], key=lambda node: node.hit.span_start)
         change = sum(cost(kid) for kid in kids) - cost(newest)
         if total + change > budget:
             break
