@@ -152,7 +152,7 @@ async def main_async(args: argparse.Namespace, output: Path) -> dict[str, Any]:
         raise SystemExit(f"unknown question types {unknown}; known: {', '.join(TYPES)}")
     by_type = index(args.data)
     abstentions = len(list(args.data.glob("*_abs.json")))
-    ids = sample(by_type, args.sample, types, args.seed)
+    ids = args.ids.split(",") if args.ids else sample(by_type, args.sample, types, args.seed)
     budgets = [int(b) for b in args.budgets.split(",")]
     systems = args.systems.split(",") if args.systems else METHODS
     # The dev set's own mix of types: the sample's per-type means weighted by it.
@@ -196,7 +196,10 @@ async def main_async(args: argparse.Namespace, output: Path) -> dict[str, Any]:
         }
 
     async with evidence.database(
-        prefix="memstrata-longmemeval-", tenant="longmemeval", folder=args.data_dir
+        prefix="memstrata-longmemeval-",
+        tenant="longmemeval",
+        folder=args.data_dir,
+        url=args.database_url,
     ) as (engine, tenant):
         scores = Scores(evidence.states(engine, embedder, tenant), budgets, systems)
         for number, question_id in enumerate(ids, start=1):
@@ -318,6 +321,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument(
         "--data-dir", type=Path, default=None, help="keep the database here and reuse it"
     )
+    parser.add_argument("--ids", default=None, help="these question ids instead of a sample")
+    parser.add_argument(
+        "--database-url", default=None, help="a running Postgres (another run's) to use"
+    )
     parser.add_argument(
         "--report-only", action="store_true", help="redraw docs/benchmarks.md from the results"
     )
@@ -327,7 +334,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         update_docs(section, begin=BEGIN, end=END)
         return
     partial = (
-        args.sample < SAMPLE
+        args.ids is not None
+        or args.sample < SAMPLE
         or args.types is not None
         or args.systems is not None
         or args.budgets != BUDGETS
