@@ -237,17 +237,18 @@ async def main_async(args: argparse.Namespace, output: Path) -> dict[str, Any]:
 
 
 NOTES = """**Reading it.** LongMemEval's haystacks are user ↔ AI-assistant chats: long pasted \
-documents, long assistant answers, the evidence one or two turns among ~490 (~120k tokens), \
-the rest distractor sessions. A turn counts only when its whole text is in the prompt, so an \
-evidence turn longer than what the memory message keeps of a message cannot count; the \
-baselines' lines keep every turn whole and skip the ones that do not fit. \
+documents and long assistant answers, the evidence one to six turns among ~490 (~120k tokens), \
+the rest distractor sessions. A turn counts only when its whole text is in the prompt; the \
+gateway puts a retrieved message in whole or not at all, so a long evidence turn takes much of \
+a small budget (each question's evidence sizes are in the results, `evidence_tokens`); the \
+baselines' lines keep every turn whole too and skip the ones that do not fit. \
 `single-session-assistant` questions ask about what the assistant said, \
-`single-session-preference` ones about a preference the user stated in passing \
-(the question does not name it), `knowledge-update` ones have evidence both before and after \
-a change (the newest matters most to an answer, both count here), `multi-session` and \
-`temporal-reasoning` ones have evidence in several sessions. Abstention questions (ids ending \
-`_abs`, {abstentions} in the dev set) have no evidence and are not sampled. The question's date \
-reaches nothing: the dry run has no clock, and today's retrieval reads none."""
+`single-session-preference` ones hinge on a preference the user stated in passing (the question \
+does not name it), `knowledge-update` ones have evidence on the old value and the new one, \
+`multi-session` and `temporal-reasoning` ones have evidence in several sessions. Abstention \
+questions (ids ending `_abs`, {abstentions} in the dev set) have no evidence and are not \
+sampled. The question's date reaches nothing: the dry run has no clock, and today's retrieval \
+reads none."""
 
 
 def render(report: dict[str, Any]) -> str:
