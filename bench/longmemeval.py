@@ -270,6 +270,8 @@ def render(report: dict[str, Any]) -> str:
         f"{report['replay_seconds']:.0f} s of it replaying and building the haystacks). "
         "Raw figures and the sampled ids: `bench/results/longmemeval.json`.",
         "",
+        # A note written into the results by hand, when the run itself needs one.
+        *([report["run_note"], ""] if report.get("run_note") else []),
         "**What is measured.** As on LoCoMo (the section above): each question's haystack is "
         "replayed as one conversation through the import path (sessions in order, each turn "
         "stamped with its session's date, the dataset's roles), its summary tree built "
