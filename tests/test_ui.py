@@ -342,30 +342,49 @@ async def test_the_graph_says_there_is_none_until_the_gateway_builds_one(
 async def test_a_graph_draws_its_concepts_and_lists_the_messages_of_one(
     page: Page, gateway: GatewayProcess, data: Data, http: httpx.AsyncClient
 ) -> None:
-    """`GET /admin/conversations/{id}/graph` comes with the concept graph (issue #14): until
-    then the browser stands in for it, answering with the shape the issue names (concepts with
-    their frequency and `schematic`, edges, a version); the messages a concept lists are real."""
+    """`GET /admin/conversations/{id}/graph` comes with the concept graph (issue #14, its own
+    branch): until it lands the browser stands in for it, answering in that branch's shape
+    (`GraphPublic`); the messages a concept lists are the gateway's, found by search."""
     fact = next(f for f in data.generated.facts if f.kind == "name")
+    scope = "user:alice"
+
+    def concept(id: int, name: str, frequency: int, mentions: int) -> dict[str, Any]:
+        return {
+            "id": id,
+            "name": name,
+            "scope": scope,
+            "frequency": frequency,
+            "schematic": frequency >= 5,
+            "mentions": mentions,
+        }
+
     graph = {
+        "conversation": data.trip,
+        "scope": scope,
         "version": 3,
         "concepts": [
-            {"id": 1, "name": fact.value, "frequency": 7, "schematic": True},
-            {"id": 2, "name": "refund", "frequency": 2, "schematic": False},
-            {"id": 3, "name": "garden", "frequency": 1, "schematic": False},
+            concept(1, fact.value, 7, 9),
+            concept(2, "refund", 2, 2),
+            concept(3, "garden", 1, 1),
         ],
-        "edges": [{"source": 1, "target": 2, "kind": "co-occurs"}, {"source": 2, "target": 3}],
+        "edges": [
+            {"source": 1, "target": 2, "kind": "co_occurs", "weight": 3},
+            {"source": 2, "target": 3, "kind": "precedes", "weight": 1},
+        ],
     }
     await page.route(f"**/admin/conversations/{data.trip}/graph*", lambda r: r.fulfill(json=graph))
     await open_ui(page, gateway.root_url, data.tenant, f"#/c/{data.trip}/graph")
     concepts = page.locator("svg.graph-drawing g.concept")
     await expect(concepts).to_have_count(3)
     await expect(page.locator("svg.graph-drawing line")).to_have_count(2)
+    await expect(page.locator("svg.graph-drawing line.precedes")).to_have_count(1)
     await expect(page.locator("g.concept.schematic")).to_have_count(1)
     await expect(page.locator("g.concept.schematic text")).to_have_text(fact.value)
     await page.locator("g.concept.schematic").focus()
     await page.keyboard.press("Enter")
     mentions = page.locator(".concept-detail ul.mentions > li")
     await expect(mentions.first).to_be_visible()
+    await expect(page.locator(".concept-detail")).to_contain_text("the graph counts 9 mentions")
     found = await http.get(
         "/admin/search",
         params={

@@ -30,26 +30,32 @@ export async function showGraph(panel, id) {
     return;
   }
   const edges = (graph.edges || []).map((edge) => ({
-    source: String(edge.source ?? edge.from ?? edge.a),
-    target: String(edge.target ?? edge.to ?? edge.b),
-    kind: edge.kind || edge.type || "",
+    source: String(edge.source),
+    target: String(edge.target),
+    kind: edge.kind || "",
+    weight: Number(edge.weight ?? 1),
   }));
   const detail = h("div", { class: "concept-detail", "aria-live": "polite" }, h("p", { class: "muted" }, "Choose a concept to list the messages that mention it."));
   replace(
     panel,
     h("p", { class: "muted" }, `${number(concepts.length)} concepts, ${number(edges.length)} edges`,
-      graph.version !== undefined ? ` · version ${graph.version}` : "", " · schematic concepts are highlighted"),
+      graph.version !== undefined ? ` · version ${graph.version}` : "",
+      graph.scope ? ` · scope ${graph.scope}` : "",
+      " · schematic concepts are highlighted; co-occurrence edges solid, precedes dashed"),
     h("div", { class: "graph" }, drawing(concepts, edges, (chosen) => mentions(detail, id, chosen)), detail),
   );
 }
 
+// A concept as `GET /admin/conversations/{id}/graph` gives it: `mentions` counts the nodes of
+// the conversation that mention it (a list of them, where an answer carries one, is used as is).
 function concept(raw) {
   return {
     id: String(raw.id ?? raw.name),
-    name: String(raw.name ?? raw.label ?? raw.concept ?? raw.id),
-    frequency: Number(raw.frequency ?? raw.count ?? 1),
+    name: String(raw.name ?? raw.label ?? raw.id),
+    frequency: Number(raw.frequency ?? 1),
     schematic: Boolean(raw.schematic),
-    mentions: raw.mentions || raw.messages || null,
+    mentioned: typeof raw.mentions === "number" ? raw.mentions : null,
+    mentions: Array.isArray(raw.mentions) ? raw.mentions : null,
   };
 }
 
@@ -80,10 +86,14 @@ function drawing(concepts, edges, choose) {
   const at = place(concepts);
   const extent = Math.max(120, ...[...at.values()].map((p) => Math.max(Math.abs(p.x), Math.abs(p.y)))) + 60;
   const most = Math.max(...concepts.map((c) => c.frequency));
-  const lines = edges.filter((e) => at.has(e.source) && at.has(e.target)).map((e) => svg("line", {
-    x1: at.get(e.source).x, y1: at.get(e.source).y, x2: at.get(e.target).x, y2: at.get(e.target).y,
-    class: `edge ${e.kind}`.trim(),
-  }));
+  const lines = edges.filter((e) => at.has(e.source) && at.has(e.target)).map((e) => {
+    const line = svg("line", {
+      x1: at.get(e.source).x, y1: at.get(e.source).y, x2: at.get(e.target).x, y2: at.get(e.target).y,
+      class: `edge ${e.kind}`.trim(),
+    });
+    line.style.strokeWidth = String(1 + Math.log2(Math.max(1, e.weight)));
+    return line;
+  });
   const dots = concepts.map((c) => {
     const { x, y } = at.get(c.id);
     const group = svg("g", { class: c.schematic ? "concept schematic" : "concept", tabindex: 0, role: "button", "aria-label": `${c.name}, ${c.frequency} mentions${c.schematic ? ", schematic" : ""}`, "data-concept": c.id },
@@ -119,6 +129,7 @@ async function mentions(detail, id, chosen) {
       const found = (await api("/search", { params: { q: chosen.name, conversation: id, level: [0], limit: 50 } })).data;
       items = found.filter((hit) => hit.text.toLowerCase().includes(name));
       note = "Messages that name it, found by searching for it";
+      if (chosen.mentioned !== null) note += ` (the graph counts ${number(chosen.mentioned)} mentions)`;
     }
     replace(
       detail, h("h2", {}, chosen.name),
