@@ -296,7 +296,7 @@ async def test_a_relational_question_takes_the_graph_route(
             which=route(question),
             limit=20,
         )
-    assert taken is Route.RELATIONAL
+    assert taken is Route.GRAPH
     [leg] = legs
     keys = [place.key for place in leg.ranked if place.key[1] == 0]
     # The messages of the concepts it names first; those of their neighbours after (one
@@ -327,7 +327,7 @@ async def test_an_empty_graph_falls_back_to_flat(engine: AsyncEngine, tenant_id:
             query=question,
             query_vector=vector,
         )
-    assert (legs, taken) == ([], Route.FLAT)
+    assert (legs, taken) == ([], Route.RELATIONAL)
     assert node_ids[0] in {hit.node_id for hit in hits}  # flat retrieval still finds it
 
 
@@ -388,7 +388,7 @@ async def test_another_tenants_concept_behaves_as_missing(
             which=Route.RELATIONAL,
             limit=10,
         )
-        assert (legs, taken) == ([], Route.FLAT)
+        assert (legs, taken) == ([], Route.RELATIONAL)
 
 
 # -- the admin API --------------------------------------------------------------------------
@@ -411,6 +411,27 @@ async def _tenant(admin: httpx.AsyncClient) -> tuple[str, int]:
     created = await admin.post("/admin/tenants", json={"name": name})
     assert created.status_code == 201, created.text
     return name, int(created.json()["id"])
+
+
+async def test_the_dry_run_shows_the_graph_route_and_its_fallback(
+    admin: httpx.AsyncClient, engine: AsyncEngine
+) -> None:
+    name, tenant_id = await _tenant(admin)
+    plain = tree.TreeConfig(embedder=PlannedEmbedder(), summarizer=ExtractiveSummarizer(MODEL))
+    # Longer than the budget below leaves once the memory tools' definitions are reserved.
+    history = GARDEN * 6
+    _, with_graph, _ = await conversation(engine, tenant_id, history)
+    _, without, _ = await conversation(engine, tenant_id, history, built=plain)
+    routes = {}
+    for external_id in (with_graph, without):
+        dry = await admin.post(
+            f"/admin/conversations/{external_id}/context",
+            params={"tenant": name},
+            json={"query": "How does the rain barrel relate to blossom end rot?", "budget": 500},
+        )
+        assert dry.status_code == 200, dry.text
+        routes[external_id] = dry.json()["route"]
+    assert routes == {with_graph: "graph", without: "relational"}
 
 
 async def test_admin_graph_and_concepts_are_tenant_scoped(

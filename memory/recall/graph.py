@@ -13,8 +13,8 @@
   concepts reached (each concept's `MENTIONS` most mentioning), a node scoring the sum over
   its concepts of score x mentions x specificity (`1 / √frequency`: a concept found in every
   segment, such as a participant's name, tells little), best first, as one more leg of fusion
-  (`memory.recall.fusion`). An empty graph (no seed) gives an empty leg: retrieval is then
-  flat.
+  (`memory.recall.fusion`), the route then `graph`. An empty graph (no seed) gives no leg:
+  retrieval falls back to the flat legs (the route stays `relational`).
 * **`related`** (the `memory_related` tool): one concept by name, its neighbours (schematic
   ones first) and the messages that mention them.
 * **The admin API**: `conversation_graph` (the concepts one conversation mentions, the edges
@@ -263,7 +263,8 @@ async def leg(
     exclude_from: tuple[int, int] | None = None,
 ) -> tuple[list[Candidates], Route]:
     """The graph leg (none unless the query is relational) and the route retrieval takes: the
-    relational one when the graph knows some of the query's concepts, else the flat one."""
+    graph route when the graph knows some of the query's concepts; else the relational one,
+    without a graph leg (flat retrieval, its summaries raised)."""
     if which is not Route.RELATIONAL or not conversation_ids:
         return [], which
     found = await candidates(
@@ -277,8 +278,8 @@ async def leg(
         exclude_from=exclude_from,
     )
     if not found.ranked:
-        return [], Route.FLAT
-    return [found], which
+        return [], which
+    return [found], Route.GRAPH
 
 
 # -- the memory_related tool ------------------------------------------------------------------

@@ -30,6 +30,7 @@ class Route(StrEnum):
     FLAT = "flat"
     SEQUENTIAL = "sequential"
     RELATIONAL = "relational"
+    GRAPH = "graph"  # relational, answered with the concept graph too (`memory.recall.graph`)
 
 
 _SEQUENTIAL = re.compile(
@@ -52,9 +53,9 @@ _WORD = re.compile(r"[^\s\"()]+")
 def route(query: str) -> Route:
     """The route of a query: sequential ("last time", "earlier", ...) wins over relational
     ("how", "why", "relate", "explain", "cause", "effect", ... or longer than
-    `RELATIONAL_LENGTH`), else flat. A relational query is answered with the concept graph
-    too (`memory.recall.graph`), and falls back to flat when the graph knows none of its
-    concepts."""
+    `RELATIONAL_LENGTH`), else flat. A relational query takes the graph route when the
+    concept graph knows some of its concepts (`memory.recall.graph.leg`); otherwise it falls
+    back to the flat legs, its summaries still raised."""
     if _SEQUENTIAL.search(query):
         return Route.SEQUENTIAL
     if _RELATIONAL.search(query) or len(query.strip()) > RELATIONAL_LENGTH:

@@ -16,8 +16,8 @@
     their own similarity and their best sentence's, so that a message whose one relevant
     sentence is diluted by small talk rises to where that sentence alone would rank;
   - for relational queries, the concept graph (`memory.recall.graph.leg`): the nodes
-    mentioning the concepts a walk from the query's own reaches; when the graph knows none of
-    the query's concepts, retrieval falls back to the flat route;
+    mentioning the concepts a walk from the query's own reaches (the `graph` route); when the
+    graph knows none of the query's concepts, retrieval falls back to the flat legs;
 * messages that have no embedding yet are found by the full-text leg alone: nothing just written
   is invisible;
 * collapsed tree: summaries of every level are searched beside messages (`levels` restricts);

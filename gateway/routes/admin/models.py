@@ -195,8 +195,9 @@ class ContextPublic(BaseModel):
     tokens: int
     messages: list[dict[str, Any]]
     route: str | None = Field(
-        description="The route retrieval took (flat, sequential, relational: with the concept "
-        "graph); null when the history fits and is sent as it is"
+        description="The route retrieval took: flat, sequential, graph (relational, with the "
+        "concept graph's leg) or relational (no concept of the question in the graph); null "
+        "when the history fits and is sent as it is"
     )
 
 
