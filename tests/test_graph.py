@@ -459,3 +459,8 @@ async def test_admin_graph_and_concepts_are_tenant_scoped(
     hidden = await admin.get(f"/admin/conversations/{external_id}/graph", params={"tenant": theirs})
     assert hidden.status_code == 404
     assert stats.json()["tiers"] == {"hot": 0, "warm": 0, "cold": len(GARDEN) + segments}
+    # Deleting the conversation deletes its own graph.
+    gone = await admin.delete(f"/admin/conversations/{external_id}", params={"tenant": mine})
+    assert gone.status_code == 200
+    left = await admin.get("/admin/concepts", params={"tenant": mine, "q": "rain"})
+    assert left.json()["data"] == []

@@ -17,9 +17,10 @@ from typing import Any
 from sqlalchemy import ColumnElement, delete, func, select
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
+from memory.concepts import scope_key
 from memory.db import AnyRow, transaction
 from memory.errors import InvalidInput, NotFound
-from memory.schema import conversations, jobs, nodes
+from memory.schema import concept_graphs, concepts, conversations, jobs, nodes
 from memory.tiers import tier_counts
 from memory.write import store
 
@@ -225,7 +226,8 @@ async def export_messages(
 async def delete_conversation(
     conn: AsyncConnection, *, tenant_id: int, external_id: str
 ) -> Deleted:
-    """Delete the conversation and everything of it (messages, summaries, embeddings, jobs)."""
+    """Delete the conversation and everything of it (messages, summaries, embeddings, jobs,
+    its concept graph when it has one of its own)."""
     conversation_id = await conn.scalar(
         select(conversations.c.id)
         .where(conversations.c.tenant_id == tenant_id, conversations.c.external_id == external_id)
@@ -245,4 +247,11 @@ async def delete_conversation(
         select(func.count()).where(jobs.c.conversation_id == conversation_id)
     )
     await conn.execute(delete(conversations).where(conversations.c.id == conversation_id))
+    # The concept graph of the conversation alone goes with it (a user's graph stays: its
+    # mentions of this conversation went with the nodes).
+    scope = scope_key(user=None, conversation_id=conversation_id)
+    for table in (concepts, concept_graphs):
+        await conn.execute(
+            delete(table).where(table.c.tenant_id == tenant_id, table.c.scope == scope)
+        )
     return Deleted(messages=int(counts[0]), summaries=int(counts[1]), jobs=int(job_count or 0))
