@@ -26,6 +26,7 @@ from memory.build.summarize import ExtractiveSummarizer
 from memory.concepts import SCHEMATIC, scope_key
 from memory.errors import NotFound
 from memory.recall import graph, retrieval, tools
+from memory.recall.fusion import Candidates
 from memory.recall.query import Route, route
 from tests.inprocess import App, running_app
 from tests.stored import MODEL, built_conversation
@@ -280,14 +281,15 @@ GARDEN = [
 ]
 
 
-async def test_a_relational_question_takes_the_graph_route(
-    engine: AsyncEngine, tenant_id: int
-) -> None:
-    conversation_id, _, _ = await conversation(engine, tenant_id, GARDEN)
-    question = "How does the rain barrel relate to blossom end rot?"
+QUESTION = "How does the rain barrel relate to blossom end rot?"
+
+
+async def leg_of(
+    engine: AsyncEngine, tenant_id: int, conversation_id: int, question: str
+) -> tuple[list[Candidates], Route]:
     [vector] = await PlannedEmbedder().embed([question])
     async with engine.connect() as conn:
-        legs, taken = await graph.leg(
+        return await graph.leg(
             conn,
             tenant_id=tenant_id,
             conversation_ids=[conversation_id],
@@ -296,6 +298,13 @@ async def test_a_relational_question_takes_the_graph_route(
             which=route(question),
             limit=20,
         )
+
+
+async def test_a_relational_question_takes_the_graph_route(
+    engine: AsyncEngine, tenant_id: int
+) -> None:
+    conversation_id, _, _ = await conversation(engine, tenant_id, GARDEN)
+    legs, taken = await leg_of(engine, tenant_id, conversation_id, QUESTION)
     assert taken is Route.GRAPH
     [leg] = legs
     keys = [place.key for place in leg.ranked if place.key[1] == 0]
@@ -308,23 +317,14 @@ async def test_a_relational_question_takes_the_graph_route(
 async def test_an_empty_graph_falls_back_to_flat(engine: AsyncEngine, tenant_id: int) -> None:
     plain = tree.TreeConfig(embedder=PlannedEmbedder(), summarizer=ExtractiveSummarizer(MODEL))
     conversation_id, _, node_ids = await conversation(engine, tenant_id, GARDEN, built=plain)
-    question = "How does the rain barrel relate to blossom end rot?"
-    [vector] = await PlannedEmbedder().embed([question])
+    legs, taken = await leg_of(engine, tenant_id, conversation_id, QUESTION)
+    [vector] = await PlannedEmbedder().embed([QUESTION])
     async with engine.connect() as conn:
-        legs, taken = await graph.leg(
-            conn,
-            tenant_id=tenant_id,
-            conversation_ids=[conversation_id],
-            query=question,
-            query_vector=vector,
-            which=Route.RELATIONAL,
-            limit=20,
-        )
         hits = await retrieval.search(
             conn,
             tenant_id=tenant_id,
             conversation_ids=[conversation_id],
-            query=question,
+            query=QUESTION,
             query_vector=vector,
         )
     assert (legs, taken) == ([], Route.RELATIONAL)
@@ -427,7 +427,7 @@ async def test_the_dry_run_shows_the_graph_route_and_its_fallback(
         dry = await admin.post(
             f"/admin/conversations/{external_id}/context",
             params={"tenant": name},
-            json={"query": "How does the rain barrel relate to blossom end rot?", "budget": 500},
+            json={"query": QUESTION, "budget": 500},
         )
         assert dry.status_code == 200, dry.text
         routes[external_id] = dry.json()["route"]
