@@ -89,13 +89,16 @@ class Replayed:
 
 @contextlib.asynccontextmanager
 async def database(
-    *, prefix: str, tenant: str, folder: Path | None = None
+    *, prefix: str, tenant: str, folder: Path | None = None, url: str | None = None
 ) -> AsyncIterator[tuple[AsyncEngine, int]]:
-    """A migrated embedded Postgres (throw-away unless `folder` keeps it) and the id of the
-    tenant named `tenant` (created if missing)."""
-    # Nothing else runs on the event loop: starting and stopping the server may block it.
-    with throwaway_postgres(prefix=prefix, folder=folder) as server:
-        engine = connect(server.url)
+    """A migrated database and the id of the tenant named `tenant` (created if missing): the
+    running Postgres at `url`, else an embedded one, throw-away unless `folder` keeps it."""
+    async with contextlib.AsyncExitStack() as stack:
+        if url is None:
+            # Nothing else runs on the event loop: starting and stopping the server may block it.
+            url = stack.enter_context(throwaway_postgres(prefix=prefix, folder=folder)).url
+        engine = connect(url)
+        stack.push_async_callback(engine.dispose)
         await migrate(engine)
         async with engine.begin() as conn:
             found = await conn.scalar(select(tenants.c.id).where(tenants.c.name == tenant))
@@ -103,10 +106,7 @@ async def database(
                 found = await conn.scalar(
                     insert(tenants).values(name=tenant).returning(tenants.c.id)
                 )
-        try:
-            yield engine, int(found)
-        finally:
-            await engine.dispose()
+        yield engine, int(found)
 
 
 def states(engine: AsyncEngine, embedder: LocalEmbedder, tenant: int) -> tuple[State, State]:
@@ -313,7 +313,7 @@ class Scores:
     async def _dry(
         state: State, replayed: Replayed, question: str, budget: int
     ) -> tuple[list[dict[str, Any]], int]:
-        return await chat.dry_run(
+        assembled = await chat.dry_run(
             state,
             tenant_id=state.default_tenant_id,
             external_id=replayed.external_id,
@@ -321,6 +321,7 @@ class Scores:
             budget=budget,
             model=MODEL,
         )
+        return assembled.messages, assembled.tokens
 
     def table(self, variant: str, weights: dict[str, float] | None = None) -> dict[str, Any]:
         """`{method: {budget: {overall, questions, [weighted,] group: mean…}}}` for one

@@ -152,7 +152,7 @@ async def main_async(args: argparse.Namespace, output: Path) -> dict[str, Any]:
         raise SystemExit(f"unknown question types {unknown}; known: {', '.join(TYPES)}")
     by_type = index(args.data)
     abstentions = len(list(args.data.glob("*_abs.json")))
-    ids = sample(by_type, args.sample, types, args.seed)
+    ids = args.ids.split(",") if args.ids else sample(by_type, args.sample, types, args.seed)
     budgets = [int(b) for b in args.budgets.split(",")]
     systems = args.systems.split(",") if args.systems else METHODS
     # The dev set's own mix of types: the sample's per-type means weighted by it.
@@ -196,7 +196,10 @@ async def main_async(args: argparse.Namespace, output: Path) -> dict[str, Any]:
         }
 
     async with evidence.database(
-        prefix="memstrata-longmemeval-", tenant="longmemeval", folder=args.data_dir
+        prefix="memstrata-longmemeval-",
+        tenant="longmemeval",
+        folder=args.data_dir,
+        url=args.database_url,
     ) as (engine, tenant):
         scores = Scores(evidence.states(engine, embedder, tenant), budgets, systems)
         for number, question_id in enumerate(ids, start=1):
@@ -234,17 +237,18 @@ async def main_async(args: argparse.Namespace, output: Path) -> dict[str, Any]:
 
 
 NOTES = """**Reading it.** LongMemEval's haystacks are user ↔ AI-assistant chats: long pasted \
-documents, long assistant answers, the evidence one or two turns among ~490 (~120k tokens), \
-the rest distractor sessions. A turn counts only when its whole text is in the prompt, so an \
-evidence turn longer than what the memory message keeps of a message cannot count; the \
-baselines' lines keep every turn whole and skip the ones that do not fit. \
+documents and long assistant answers, the evidence one to six turns among ~490 (~120k tokens), \
+the rest distractor sessions. A turn counts only when its whole text is in the prompt; the \
+gateway puts a retrieved message in whole or not at all, so a long evidence turn takes much of \
+a small budget (each question's evidence sizes are in the results, `evidence_tokens`); the \
+baselines' lines keep every turn whole too and skip the ones that do not fit. \
 `single-session-assistant` questions ask about what the assistant said, \
-`single-session-preference` ones about a preference the user stated in passing \
-(the question does not name it), `knowledge-update` ones have evidence both before and after \
-a change (the newest matters most to an answer, both count here), `multi-session` and \
-`temporal-reasoning` ones have evidence in several sessions. Abstention questions (ids ending \
-`_abs`, {abstentions} in the dev set) have no evidence and are not sampled. The question's date \
-reaches nothing: the dry run has no clock, and today's retrieval reads none."""
+`single-session-preference` ones hinge on a preference the user stated in passing (the question \
+does not name it), `knowledge-update` ones have evidence on the old value and the new one, \
+`multi-session` and `temporal-reasoning` ones have evidence in several sessions. Abstention \
+questions (ids ending `_abs`, {abstentions} in the dev set) have no evidence and are not \
+sampled. The question's date reaches nothing: the dry run has no clock, and today's retrieval \
+reads none."""
 
 
 def render(report: dict[str, Any]) -> str:
@@ -266,6 +270,8 @@ def render(report: dict[str, Any]) -> str:
         f"{report['replay_seconds']:.0f} s of it replaying and building the haystacks). "
         "Raw figures and the sampled ids: `bench/results/longmemeval.json`.",
         "",
+        # A note written into the results by hand, when the run itself needs one.
+        *([report["run_note"], ""] if report.get("run_note") else []),
         "**What is measured.** As on LoCoMo (the section above): each question's haystack is "
         "replayed as one conversation through the import path (sessions in order, each turn "
         "stamped with its session's date, the dataset's roles), its summary tree built "
@@ -318,6 +324,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument(
         "--data-dir", type=Path, default=None, help="keep the database here and reuse it"
     )
+    parser.add_argument("--ids", default=None, help="these question ids instead of a sample")
+    parser.add_argument(
+        "--database-url", default=None, help="a running Postgres (another run's) to use"
+    )
     parser.add_argument(
         "--report-only", action="store_true", help="redraw docs/benchmarks.md from the results"
     )
@@ -327,7 +337,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         update_docs(section, begin=BEGIN, end=END)
         return
     partial = (
-        args.sample < SAMPLE
+        args.ids is not None
+        or args.sample < SAMPLE
         or args.types is not None
         or args.systems is not None
         or args.budgets != BUDGETS

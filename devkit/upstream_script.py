@@ -1,9 +1,10 @@
 """What the fake upstream (`devkit.upstream_server`) answers: scripted behaviours and helpers.
 
-`validate_behaviour()` checks one behaviour, `UpstreamState` holds the queue, the default and
-the recorded requests; `error_body()` is OpenAI's error shape; `last_user_text()`,
-`content_text()`, `word_count()` and `split_words()` read and cut text; `embedding_vector()` is
-the deterministic unit vector the server answers for a text (tests compare against it).
+`validate_behaviour()` checks one behaviour, `UpstreamState` holds the queue, the default, the
+recorded requests and the prompt cache (`cached_tokens`); `error_body()` is OpenAI's error
+shape; `last_user_text()`, `content_text()`, `word_count()` and `split_words()` read and cut
+text; `embedding_vector()` is the deterministic unit vector the server answers for a text
+(tests compare against it).
 
 A behaviour is a JSON object with any of these keys (unknown keys are rejected with 400):
 
@@ -36,6 +37,7 @@ stays queued and the default behaviour is used. The default itself is subject to
 from __future__ import annotations
 
 import hashlib
+import json
 import math
 import random
 import re
@@ -44,6 +46,8 @@ from collections.abc import Mapping
 from typing import Any, Final
 
 Behaviour = dict[str, Any]
+
+_MAX_PREFIXES: Final = 1_000_000
 
 DEFAULT_EMBEDDING_DIMENSIONS: Final = 384
 
@@ -211,6 +215,24 @@ class UpstreamState:
         self.requests: deque[dict[str, Any]] = deque(maxlen=max_recorded)
         self.queue: deque[Behaviour] = deque()
         self.default: Behaviour = {}
+        self.prefixes: set[bytes] = set()
+
+    def cached_tokens(self, messages: list[Any], counts: list[int]) -> int:
+        """A provider's prompt cache, by whole messages: the tokens (`counts`, per message) of
+        the longest run of leading messages, byte for byte as received, that an earlier prompt
+        began with; this prompt's prefixes are remembered for the next. (No minimum length:
+        OpenAI caches from 1,024 tokens on, in steps of 128.)"""
+        if len(self.prefixes) > _MAX_PREFIXES:
+            self.prefixes.clear()
+        digest, cached, total = b"", 0, 0
+        for message, count in zip(messages, counts, strict=True):
+            raw = json.dumps(message, ensure_ascii=False, separators=(",", ":"))
+            digest = hashlib.blake2b(digest + raw.encode(), digest_size=16).digest()
+            total += count
+            if digest in self.prefixes:
+                cached = total
+            self.prefixes.add(digest)
+        return cached
 
     @staticmethod
     def _applies(behaviour: Behaviour, path: str, match_text: str) -> bool:
@@ -230,3 +252,4 @@ class UpstreamState:
         self.requests.clear()
         self.queue.clear()
         self.default = {}
+        self.prefixes.clear()

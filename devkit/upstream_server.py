@@ -9,7 +9,9 @@ OpenAI surface (every request under ``/v1`` is recorded and consumes one scripte
 
 * ``POST /v1/chat/completions`` -- default answer: assistant content ``"echo: " + <text of
   the last user message>`` (``""`` when there is none), ``model`` echoed, ``id`` ``chatcmpl-...``,
-  ``object``, ``created``, ``choices[0].finish_reason`` (``"stop"``) and ``usage`` (word counts).
+  ``object``, ``created``, ``choices[0].finish_reason`` (``"stop"``) and ``usage`` (word counts;
+  ``prompt_tokens_details.cached_tokens``: the tokens of the longest run of leading messages an
+  earlier prompt began with, byte for byte, as a provider's prompt cache would bill them).
   With ``"stream": true``: ``text/event-stream``, one ``chat.completion.chunk`` per word (the
   first one carries ``delta.role``), then a chunk with an empty delta and the finish_reason,
   then, if ``stream_options.include_usage``, a chunk with ``choices: []`` and ``usage`` (all
@@ -259,9 +261,10 @@ def create_upstream_app(
                 )
         content: str | None = behaviour.get("reply") if tool_calls else reply
         finish_reason: str = behaviour.get("finish_reason", "tool_calls" if tool_calls else "stop")
-        prompt_tokens = sum(
-            word_count(content_text(m.get("content"))) + 3 for m in messages if isinstance(m, dict)
-        )
+        counted = [m for m in messages if isinstance(m, dict)]
+        counts = [word_count(content_text(m.get("content"))) + 3 for m in counted]
+        prompt_tokens = sum(counts)
+        cached_tokens = state.cached_tokens(counted, counts)
         completion_tokens = word_count(content or "") + sum(
             word_count(c["arguments"]) + 1 for c in tool_calls
         )
@@ -269,6 +272,7 @@ def create_upstream_app(
             "prompt_tokens": prompt_tokens,
             "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens},
         }
         completion_id = f"chatcmpl-{uuid.uuid4().hex[:29]}"
         created = int(time.time())

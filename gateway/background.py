@@ -1,8 +1,10 @@
-"""Background workers, composed from settings: the summary tree's job handler on the job queue.
+"""Background workers, composed from settings: the job handlers of the summary tree (build)
+and of the working context's next turn (recall), on the job queue.
 
-`serve` runs them in-process (`MEMSTRATA_WORKERS` > 0) and `memstrata worker` runs them alone;
-both build the same `TreeConfig` here, so a worker process and a gateway process treat a job
-the same way.
+`serve` runs them (`MEMSTRATA_WORKERS` > 0) and `memstrata worker` runs them alone;
+both build the same `TreeConfig` and working-context `Policy` here, so a worker process and a
+gateway process treat a job the same way. `memory.build` and `memory.recall` never import each
+other: the recall path's preparation takes plain arguments and is wrapped into a handler here.
 """
 
 import asyncio
@@ -13,12 +15,16 @@ from contextlib import asynccontextmanager
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from gateway.settings import Settings
-from memory.build import tree
+from memory.build import jobs, tree
 from memory.build.segments import SegmentPolicy
 from memory.build.summarize import make_summarizer
 from memory.build.worker import JobObserver, Worker
 from memory.embeddings import Embedder, make_embedder
 from memory.provider import Provider
+from memory.recall import anticipation, compaction
+from memory.recall.prompt import TOOLS_GUIDE
+from memory.recall.working_context import Policy
+from memory.write.store import CONTEXT_JOB
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +69,43 @@ def tree_config(settings: Settings, upstream: Provider, embed: Embedder) -> tree
     )
 
 
+def policy(settings: Settings) -> Policy:
+    """How working contexts spend the budget under these settings."""
+    return Policy(
+        high=settings.context_high_water,
+        low=settings.context_low_water,
+        note=settings.note_share,
+        keep_notes=settings.keep_notes == "on",
+        tools_guide=TOOLS_GUIDE if settings.memory_tools != "never" else None,
+        cache_control=settings.cache_control == "on",
+    )
+
+
+def context_handler(engine: AsyncEngine, settings: Settings, embed: Embedder) -> jobs.Handler:
+    """The job handler for `CONTEXT_JOB`: the next turn's recall, and its compaction when one
+    nears."""
+    rules = policy(settings)
+    cross = settings.cross_conversation == "on"
+    abandoned = settings.recall_abandoned_branches == "on"
+
+    async def handle(job: jobs.Job) -> None:
+        if job.tenant_id is None or job.conversation_id is None:
+            raise ValueError(f"job {job.id} names no conversation")
+        await anticipation.prepare(
+            engine,
+            embed,
+            tenant_id=job.tenant_id,
+            conversation_id=job.conversation_id,
+            cross_conversation=cross,
+            abandoned=abandoned,
+        )
+        await compaction.prepare(
+            engine, tenant_id=job.tenant_id, conversation_id=job.conversation_id, policy=rules
+        )
+
+    return handle
+
+
 def worker(
     engine: AsyncEngine,
     settings: Settings,
@@ -74,7 +117,10 @@ def worker(
     """A job worker with every handler memstrata has; `observe` is told each job's outcome."""
     return Worker(
         engine,
-        {tree.JOB_KIND: tree.handler(engine, config)},
+        {
+            tree.JOB_KIND: tree.handler(engine, config),
+            CONTEXT_JOB: context_handler(engine, settings, config.embedder),
+        },
         lease_seconds=settings.job_lease_seconds,
         concurrency=concurrency,
         observe=observe,

@@ -9,8 +9,11 @@ process, and nothing here is global). What moves them:
   open, counted from the `text/event-stream` response start to its last body chunk (or the
   client leaving).
 * `Upstream` calls `observe_upstream` with the time to the upstream's response headers.
-* `Turn.record` calls `observe_tokens` with the prompt tokens sent and what the whole history
-  would have cost; the degraded path calls `degraded.inc()`.
+* `Turn.record` calls `observe_request` with the prompt tokens sent, what the whole history
+  would have cost, the tokens that repeated the previous prompt's prefix (memory reuse is
+  `memstrata_prompt_reused_tokens_total / memstrata_prompt_tokens_total`) and what the
+  upstream reported (cached tokens included); `Turn.sent` calls `observe_compaction` for a
+  prompt whose working context was compacted; the degraded path calls `degraded.inc()`.
 * The job worker calls `observe_job` with each job's duration and outcome.
 * Queue depth and summaries by level and method are read from the database on scrape
   (`refresh`), at most once per `refresh_seconds`; `memstrata_database_up` says whether the
@@ -43,6 +46,7 @@ from gateway.logs import route_template
 from memory.build import jobs, tree
 from memory.db import transaction
 from memory.errors import StorageUnavailable
+from memory.write.store import RequestStats
 
 log = logging.getLogger(__name__)
 
@@ -131,6 +135,26 @@ class Metrics:
             "Tokens the whole histories of those requests would have cost",
             registry=registry,
         )
+        self.reused_tokens = Counter(
+            "memstrata_prompt_reused_tokens",
+            "Prompt tokens that repeated the previous prompt's prefix (memory reuse)",
+            registry=registry,
+        )
+        self.upstream_prompt_tokens = Counter(
+            "memstrata_upstream_prompt_tokens",
+            "Prompt tokens the upstream reported in usage (summed over hidden tool rounds)",
+            registry=registry,
+        )
+        self.upstream_cached_tokens = Counter(
+            "memstrata_upstream_cached_tokens",
+            "Prompt tokens the upstream reported as cached (prompt_tokens_details.cached_tokens)",
+            registry=registry,
+        )
+        self.compactions = Counter(
+            "memstrata_compactions",
+            "Working contexts compacted for a turn (the turns whose prompt prefix changed)",
+            registry=registry,
+        )
         self.streams_open = Gauge(
             "memstrata_streams_open", "Streamed responses being relayed now", registry=registry
         )
@@ -162,9 +186,12 @@ class Metrics:
     def observe_upstream(self, path: str, seconds: float, outcome: str) -> None:
         self.upstream_latency.labels(path, outcome).observe(seconds)
 
-    def observe_tokens(self, *, sent: int, full: int) -> None:
-        self.prompt_tokens.inc(max(sent, 0))
-        self.history_tokens.inc(max(full, 0))
+    def observe_request(self, stats: RequestStats) -> None:
+        self.prompt_tokens.inc(max(stats.sent, 0))
+        self.history_tokens.inc(max(stats.full, 0))
+        self.reused_tokens.inc(max(stats.reused, 0))
+        self.upstream_prompt_tokens.inc(stats.upstream_prompt)
+        self.upstream_cached_tokens.inc(stats.upstream_cached)
 
     def observe_stages(self, record: Mapping[str, float]) -> None:
         for name, seconds in record.items():

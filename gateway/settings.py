@@ -9,7 +9,7 @@ class by a test, so a field added here must be documented there.
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import AnyHttpUrl, Field, IPvAnyNetwork, SecretStr, field_validator
+from pydantic import AnyHttpUrl, Field, IPvAnyNetwork, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 OnOff = Literal["on", "off"]
@@ -75,6 +75,17 @@ class Settings(BaseSettings):
     recall_abandoned_branches: OnOff = "off"
     # How long an `Idempotency-Key` names the request that first carried it (0: not at all).
     idempotency_window_seconds: float = Field(default=86400.0, ge=0)
+    # The working context (`memory.recall.working_context`): shares of the budget.
+    context_mode: Literal["working", "rebuild"] = "working"
+    context_high_water: float = Field(default=0.85, gt=0.0, le=1.0)
+    context_low_water: float = Field(default=0.45, gt=0.0, lt=1.0)
+    note_share: float = Field(default=0.2, ge=0.0, le=0.6)
+    keep_notes: OnOff = "off"
+
+    # Provider caching and usage
+    prompt_cache_key: Literal["auto", "on", "off"] = "auto"
+    cache_control: OnOff = "off"
+    stream_usage: OnOff = "on"
 
     # Memory tools
     memory_tools: Literal["always", "auto", "never"] = "auto"
@@ -122,6 +133,22 @@ class Settings(BaseSettings):
         if len(value.get_secret_value()) < 16:
             raise ValueError("tokens (MEMSTRATA_ADMIN_TOKEN, ...) must be at least 16 characters")
         return value
+
+    @model_validator(mode="after")
+    def _marks_in_order(self) -> "Settings":
+        if self.context_low_water >= self.context_high_water:
+            raise ValueError(
+                "MEMSTRATA_CONTEXT_LOW_WATER must be below MEMSTRATA_CONTEXT_HIGH_WATER"
+            )
+        return self
+
+    @property
+    def sends_cache_key(self) -> bool:
+        """Whether requests carry a conversation-scoped `prompt_cache_key` (`auto`: only to
+        OpenAI's own API, where it routes a conversation's prompts to the same cache)."""
+        if self.prompt_cache_key == "auto":
+            return self.upstream_base_url.host == "api.openai.com"
+        return self.prompt_cache_key == "on"
 
     @property
     def upstream_url(self) -> str:

@@ -29,7 +29,7 @@ from sqlalchemy import (
     func,
     text,
 )
-from sqlalchemy.dialects.postgresql import JSONB, TSVECTOR
+from sqlalchemy.dialects.postgresql import ARRAY, JSONB, TSVECTOR
 
 EMBEDDING_DIM: Final = 384
 """Width of `nodes.embedding`; every embedder must produce vectors of this size."""
@@ -85,6 +85,14 @@ conversations = Table(
     Column("tokens_full", BigInteger, nullable=False, server_default="0"),
     # `identity.content_hash` of the newest stored system or developer message (migration 0005).
     Column("system_hash", Text),
+    # What the upstream reported for those requests (summed over hidden tool rounds), the prompt
+    # tokens that repeated the previous prompt's prefix, and that prompt's fingerprint
+    # (`memory.recall.reuse`; migration 0010).
+    Column("usage_prompt_tokens", BigInteger, nullable=False, server_default="0"),
+    Column("usage_cached_tokens", BigInteger, nullable=False, server_default="0"),
+    Column("usage_completion_tokens", BigInteger, nullable=False, server_default="0"),
+    Column("tokens_reused", BigInteger, nullable=False, server_default="0"),
+    Column("prompt_fingerprint", JSONB),
     _created_at(),
     Column("updated_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
     UniqueConstraint("tenant_id", "external_id", name="uq_conversations_tenant_external"),
@@ -209,6 +217,50 @@ responses = Table(
     Column("input_items", JSONB, nullable=False),
     _created_at(),
     Index("ix_responses_conversation", "conversation_id"),
+)
+
+working_contexts = Table(
+    "working_contexts",
+    metadata,
+    # The stable part of the last prompt sent for a conversation that no longer fits its budget
+    # (`memory.recall.working_context`; migration 0010): every `serve` process renders the same
+    # prefix from it. Updated under the conversation's row lock.
+    Column(
+        "conversation_id",
+        BigInteger,
+        ForeignKey("conversations.id", ondelete="CASCADE"),
+        primary_key=True,
+    ),
+    Column("tenant_id", BigInteger, ForeignKey("tenants.id", ondelete="CASCADE"), nullable=False),
+    # Bumped whenever the prefix is rebuilt (a compaction, a branch); `compactions` counts those
+    # that compacted.
+    Column("version", Integer, nullable=False, server_default="1"),
+    Column("compactions", Integer, nullable=False, server_default="0"),
+    # The model and prompt budget of the last turn, the tokens of its context (stable memory,
+    # verbatim turns and kept notes) and of the client's system prompt.
+    Column("model", Text, nullable=False),
+    Column("budget", Integer, nullable=False),
+    Column("tokens", Integer, nullable=False, server_default="0"),
+    Column("system_tokens", Integer, nullable=False, server_default="0"),
+    # Stable-memory messages: [{"text", "start", "end", "tokens"}], one per compaction since the
+    # last consolidation, each summarizing messages start..end-1.
+    Column("stable", JSONB, nullable=False, server_default=text("'[]'::jsonb")),
+    # Messages from `verbatim_from` on are sent verbatim; large tool results before
+    # `mask_before` as one-line placeholders.
+    Column("verbatim_from", Integer, nullable=False),
+    Column("mask_before", Integer, nullable=False),
+    # Recall notes kept since the last compaction: [{"before", "text", "ids"}].
+    Column("notes", JSONB, nullable=False, server_default=text("'[]'::jsonb")),
+    # The conversation's next_seq when the context was last advanced.
+    Column("upto", Integer, nullable=False),
+    # A compaction prepared in the background for `version`.
+    Column("prepared", JSONB),
+    # Recall prepared after the reply at seq `recall_after`: the exchange's vector and the
+    # candidates retrieved for it (`memory.recall.anticipation`).
+    Column("recall_after", Integer),
+    Column("recall_vector", Vector(EMBEDDING_DIM)),
+    Column("recall_ids", ARRAY(BigInteger)),
+    Column("updated_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
 )
 
 jobs = Table(

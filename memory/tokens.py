@@ -59,6 +59,7 @@ __all__ = [
     "TOKENS_PER_MESSAGE",
     "TOKENS_PER_NAME",
     "TOKENS_PER_TOOL_CALL",
+    "count_each",
     "count_message",
     "count_messages",
     "count_text",
@@ -429,6 +430,13 @@ def _count_message(enc: tiktoken.Encoding, message: Mapping[str, Any]) -> int:
 def count_message(message: Mapping[str, Any], *, model: str) -> int:
     """Tokens one chat message costs in a prompt, framing included."""
     return _count_message(_encoding_for_model(model), message)
+
+
+@staged("tokens")
+def count_each(messages: Iterable[Mapping[str, Any]], *, model: str) -> list[int]:
+    """Tokens each message costs in a prompt (the prompt adds the reply priming)."""
+    enc = _encoding_for_model(model)
+    return [_count_message(enc, m) for m in messages]
 
 
 @staged("tokens")

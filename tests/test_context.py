@@ -387,11 +387,13 @@ async def test_dry_run_of_a_conversation_that_fits_is_the_history(engine: AsyncE
             conn, tenant_id=tenant_id, external_id="fits", user=None, messages=history
         )
         await store.store_new(conn, tenant_id=tenant_id, found=found, messages=history, model=MODEL)
-    messages, count = await chat.dry_run(
+    assembled = await chat.dry_run(
         state_for(engine), tenant_id=tenant_id, external_id="fits", query="and now?", budget=None
     )
-    assert messages == [*history, {"role": "user", "content": "and now?"}]
-    assert count == tokens.count_messages(messages, model=MODEL)
+    assert assembled.messages == [*history, {"role": "user", "content": "and now?"}]
+    assert assembled.tokens == tokens.count_messages(assembled.messages, model=MODEL)
+    assert assembled.labels == ["system", "history", "history", "history"]
+    assert assembled.context_version is None
 
 
 async def test_dry_run_rebuilds_when_the_history_does_not_fit(
@@ -403,15 +405,19 @@ async def test_dry_run_rebuilds_when_the_history_does_not_fit(
             text("SELECT external_id FROM conversations WHERE id = :i"),
             {"i": conversation_id},
         )
-    messages, count = await chat.dry_run(
+    assembled = await chat.dry_run(
         state_for(engine),
         tenant_id=tenant_id,
         external_id=str(external_id),
         query="what is the storage unit door code",
         budget=1500,
     )
-    assert count == tokens.count_messages(messages, model=MODEL) <= 1500
+    messages = assembled.messages
+    assert assembled.tokens == tokens.count_messages(messages, model=MODEL) <= 1500
     assert messages[-1] == {"role": "user", "content": "what is the storage unit door code"}
+    # The working context: stable memory, verbatim turns, the recall note, the question; the
+    # planted fact, a milestone ("remember that"), is in stable memory, tagged.
+    assert assembled.labels[0] == "stable" and assembled.labels[-2:] == ["note", "new"]
     assert f"[#{node_ids[150]} user] {FACT}" in messages[0]["content"]
 
 
@@ -453,7 +459,10 @@ def test_a_long_conversation_costs_the_upstream_a_prompt_within_the_budget(
         assert int(response.headers["X-Memstrata-Full-Tokens"]) > 2500
         assert float(response.headers["X-Memstrata-Overhead-Ms"]) > 0
         assert prompt[-1] == question
-        assert FACT in prompt[0]["content"]  # found by full text: no worker embedded anything
+        # Recalled in the note right before the question, found by full text: no worker has
+        # embedded or summarized anything, so stable memory only names the range to browse.
+        assert prompt[-2]["content"].startswith("[Recalled") and FACT in prompt[-2]["content"]
+        assert "memory_browse (level 0, start 0" in prompt[0]["content"]
 
         # A small conversation goes as the client sent it, with the same headers.
         small = [{"role": "user", "content": f"hello {uuid.uuid4().hex}"}]

@@ -199,8 +199,16 @@ def test_memory_round_non_stream(
         fake_usage(second["body"], 5),
     ]
     assert completion.usage is not None
-    assert completion.usage.model_dump(exclude_none=True) == {
-        key: rounds[0][key] + rounds[1][key] for key in rounds[0]
+    usage = completion.usage.model_dump(exclude_none=True)
+    details = usage.pop("prompt_tokens_details")
+    assert usage == {key: rounds[0][key] + rounds[1][key] for key in rounds[0]}
+    # The second round repeats the first one's prompt, which the fake upstream caches.
+    assert details["cached_tokens"] >= rounds[0]["prompt_tokens"]
+    # The conversation's statistics hold the same sums, cached tokens included.
+    assert stored_usage(http, conversation) == {
+        "upstream_prompt_tokens": usage["prompt_tokens"],
+        "upstream_completion_tokens": usage["completion_tokens"],
+        "tokens_cached": details["cached_tokens"],
     }
     # Stored: what the client saw, no memory call or result.
     assert [(m["role"], m["content"], m["tool_calls"]) for m in kept] == [
@@ -262,6 +270,54 @@ def test_memory_round_stream_is_one_coherent_stream(
         content,
         "complete",
     )
+    usage = usage_chunk["usage"]
+    assert stored_usage(http, conversation) == {
+        "upstream_prompt_tokens": usage["prompt_tokens"],
+        "upstream_completion_tokens": usage["completion_tokens"],
+        "tokens_cached": usage["prompt_tokens_details"]["cached_tokens"],
+    }
+
+
+def test_a_stream_that_did_not_ask_for_usage_is_not_shown_it_but_it_is_stored(
+    http: httpx.Client, upstream: UpstreamServer
+) -> None:
+    messages = history(uuid.uuid4().hex[:8])
+    conversation = new_conversation()
+    upstream.script(
+        {"tool_calls": [memory_call("memory_search", {"query": "locker code"}, "call_u1")]},
+        {"reply": "Found it."},
+    )
+    response = http.post(
+        CHAT,
+        json={"model": "gpt-4o-mini", "messages": messages, "stream": True},
+        headers={HEADER: conversation},
+    )
+    assert response.status_code == 200
+    chunks, payloads = sse_chunks(response)
+    assert payloads[-1] == "[DONE]"
+    assert all(chunk["choices"] for chunk in chunks)  # no usage-only chunk
+    first, second = upstream.requests(CHAT)
+    assert first["body"]["stream_options"] == {"include_usage": True}  # asked on its behalf
+    usage = [fake_usage(first["body"], 0), fake_usage(second["body"], 0)]
+    kept = stored_usage(http, conversation, wait_for=True)
+    assert kept["upstream_prompt_tokens"] == usage[0]["prompt_tokens"] + usage[1]["prompt_tokens"]
+    assert kept["tokens_cached"] >= usage[0]["prompt_tokens"]  # the second round repeats it
+
+
+def stored_usage(
+    http: httpx.Client, conversation: str, *, wait_for: bool = False
+) -> dict[str, int]:
+    """What the conversation's statistics hold of the upstream's usage (a stream's once its
+    reply is recorded)."""
+    deadline = time.monotonic() + 5
+    while True:
+        stats = http.get(f"/admin/conversations/{conversation}").json()
+        if stats["requests"] or not wait_for or time.monotonic() > deadline:
+            return {
+                key: stats[key]
+                for key in ("upstream_prompt_tokens", "upstream_completion_tokens", "tokens_cached")
+            }
+        time.sleep(0.02)
 
 
 def test_stream_through_the_sdk(

@@ -48,7 +48,7 @@ async def turn(
             conversation_id=stored.conversation.id,
             messages=[{"role": "assistant", "content": answer}],
             model=MODEL,
-            request_tokens=(0, 0),
+            request=store.RequestStats(sent=0, full=0),
             reply_to=stored.reply_to,
         )
     return stored

@@ -7,14 +7,18 @@ new messages start, whether its history branches off the stored one, and whether
 an earlier request (`memory.write.identity`): a retry stores nothing, still goes upstream, and
 its reply is recorded only if the first one's is not (`Turn.record`). A turn whose system
 prompt and new messages alone exceed the budget is refused (400 `context_length_exceeded`)
-inside that transaction, so it stores nothing. The prompt is then assembled by the read path
-(`memory.recall.assemble`), forwarded and relayed (`gateway.openai.relay`), which records the
-reply, and queues its build, when it is complete. When the database is down during the store
-or assembly step, the request is forwarded unchanged or refused with 503, as
-`gateway.openai.degraded` decides.
+inside that transaction, so it stores nothing. The prompt is assembled by the read path
+(`memory.recall.assemble`) in that same transaction, under the conversation's row lock, so that
+the working context it advances is advanced by one request at a time whichever process serves
+it. It is then forwarded (`upstream_body`: a conversation-scoped `prompt_cache_key`, and, for a
+stream, a request for the usage, which the relay hides from a client that did not ask for it)
+and relayed (`gateway.openai.relay`), which records the reply, and queues its build, when it is
+complete. When the database is down during the store or assembly step, nothing is stored and
+the request is forwarded unchanged or refused with 503, as `gateway.openai.degraded` decides.
 """
 
 import functools
+import hashlib
 import logging
 import time
 from datetime import timedelta
@@ -26,6 +30,7 @@ from fastapi.responses import Response
 from pydantic import ValidationError
 from sqlalchemy.ext.asyncio import AsyncConnection
 
+from gateway import background
 from gateway.bodies import read_json
 from gateway.errors import GatewayError
 from gateway.openai import degraded, relay, toolloop
@@ -40,6 +45,7 @@ from memory.recall.assemble import (
     Assembled,
     Budget,
     BudgetRules,
+    Recall,
     StoredTurn,
     assemble,
     check_fits,
@@ -90,8 +96,8 @@ async def complete(request: Request, state: State, *, tenant_id: int) -> Respons
     )
     with stages.recording() as timings:
         try:
-            with stages.stage("store"):
-                async with transaction(state.engine) as conn:
+            async with transaction(state.engine) as conn:
+                with stages.stage("store"):
                     stored, appended = await store_turn(
                         conn,
                         tenant_id=tenant_id,
@@ -103,32 +109,53 @@ async def complete(request: Request, state: State, *, tenant_id: int) -> Respons
                         request=request_key,
                         window=timedelta(seconds=state.settings.idempotency_window_seconds),
                     )
+                with stages.stage("assemble"):
+                    assembled = await assemble(
+                        conn, stored, budget, recall_of(state), tools_guide=tools_room > 0
+                    )
         except StorageUnavailable as exc:
             return await unchanged(exc, external_id=external_id)
-        turn = Turn(
-            tenant_id=tenant_id,
-            conversation_id=stored.conversation_id,
-            external_id=appended.conversation.external_id,
-            model=chat.model,
-            started=started,
-            reply_to=appended.reply_to,
-        )
-        try:
-            with stages.stage("assemble"):
-                assembled = await recall(state, stored, budget, tools_guide=tools_room > 0)
-        except StorageUnavailable as exc:
-            return await unchanged(exc, external_id=turn.external_id, stored=turn)
-    turn.sent(assembled)
+    turn = Turn(
+        tenant_id=tenant_id,
+        conversation_id=stored.conversation_id,
+        external_id=appended.conversation.external_id,
+        model=chat.model,
+        started=started,
+        reply_to=appended.reply_to,
+    )
+    turn.sent(assembled, state.metrics)
     _report(state, timings)
-    messages = assembled.messages
+    stream = bool(chat.stream)
     return await relay.forward(
         state,
         turn,
         client_headers=request.headers,
         query=request.url.query,
-        body=body if messages is body["messages"] else {**body, "messages": messages},
-        stream=bool(chat.stream),
+        body=upstream_body(state.settings, turn, body, assembled, stream=stream),
+        stream=stream,
     )
+
+
+def upstream_body(
+    settings: Settings, turn: Turn, body: dict[str, Any], assembled: Assembled, *, stream: bool
+) -> dict[str, Any]:
+    """What goes upstream: the client's body with the assembled messages; a conversation-scoped
+    `prompt_cache_key` when the settings send one and the client sent none; for a stream, a
+    request for its usage (the relay hides it from a client that did not ask: `turn`)."""
+    prompt = dict(body)
+    if assembled.messages is not body["messages"]:
+        prompt["messages"] = assembled.messages
+    if settings.sends_cache_key and "prompt_cache_key" not in body:
+        scope = f"{turn.tenant_id}:{turn.conversation_id}".encode()
+        prompt["prompt_cache_key"] = "memstrata-" + hashlib.sha256(scope).hexdigest()[:32]
+    if stream and settings.stream_usage == "on":
+        options = body.get("stream_options")
+        options = dict(options) if isinstance(options, dict) else {}
+        if not options.get("include_usage"):
+            options["include_usage"] = True
+            prompt["stream_options"] = options
+            turn.hide_usage = True
+    return prompt
 
 
 def _report(state: State, timings: stages.Record) -> None:
@@ -177,19 +204,18 @@ async def store_turn(
 
 
 async def recall(
-    state: State, stored: StoredTurn, budget: Budget, *, tools_guide: bool
+    state: State, stored: StoredTurn, budget: Budget, *, tools_guide: bool, persist: bool = True
 ) -> Assembled:
-    """Assemble: the prompt for a stored turn, within its budget (`memory.recall.assemble`)."""
-    settings = state.settings
-    return await assemble(
-        state.engine,
-        stored,
-        budget,
-        embedder=state.embedder,
-        cross_conversation=settings.cross_conversation == "on",
-        tools_guide=tools_guide,
-        abandoned_branches=settings.recall_abandoned_branches == "on",
-    )
+    """Assemble in a transaction of its own, for a turn stored in an earlier one (the
+    Responses API): the conversation is locked again when its working context may advance."""
+    async with transaction(state.engine) as conn:
+        if persist:
+            await store.lock(
+                conn, tenant_id=stored.tenant_id, conversation_id=stored.conversation_id
+            )
+        return await assemble(
+            conn, stored, budget, recall_of(state), tools_guide=tools_guide, persist=persist
+        )
 
 
 async def parse(
@@ -232,10 +258,10 @@ async def dry_run(
     query: str,
     budget: int | None,
     model: str = "gpt-4o",
-) -> tuple[list[dict[str, Any]], int]:
-    """The messages, and their tokens, that `complete` would send upstream if the stored
-    conversation `external_id` received `query` as a new user message; nothing is stored."""
-    assembled = await memory_dry_run(
+) -> Assembled:
+    """The prompt `complete` would send upstream if the stored conversation `external_id`
+    received `query` as a new user message, with what each message is; nothing is stored."""
+    return await memory_dry_run(
         state.engine,
         tenant_id=tenant_id,
         external_id=external_id,
@@ -243,12 +269,21 @@ async def dry_run(
         budget=budget,
         rules=budget_rules(state.settings),
         tools_room=toolloop.reserved_tokens(state.settings, {"model": model}),
-        embedder=state.embedder,
-        cross_conversation=state.settings.cross_conversation == "on",
+        recall=recall_of(state),
         model=model,
-        abandoned_branches=state.settings.recall_abandoned_branches == "on",
     )
-    return assembled.messages, assembled.tokens
+
+
+def recall_of(state: State) -> Recall:
+    """How the read path recalls under the settings."""
+    settings = state.settings
+    return Recall(
+        embedder=state.embedder,
+        cross_conversation=settings.cross_conversation == "on",
+        policy=background.policy(settings),
+        mode=settings.context_mode,
+        abandoned_branches=settings.recall_abandoned_branches == "on",
+    )
 
 
 def _too_many(limit: int, count: str) -> GatewayError:

@@ -2,17 +2,15 @@
 
 With fail-open on, a chat request whose messages cannot be stored, or whose prompt cannot be
 assembled, because Postgres is unreachable goes upstream exactly as the client sent it; the
-answer (stream or not, error or not) is relayed as usual with `X-Memstrata-Degraded: 1`. What is
-stored depends on when the database failed:
+answer (stream or not, error or not) is relayed as usual with `X-Memstrata-Degraded: 1`. Storing
+and assembling share one transaction (`gateway.openai.chat`), so such a request stores nothing,
+neither its messages nor its reply: it is answered as if memstrata were not there. (A database
+that fails later, while the upstream answers, is the recorded turn's affair:
+`gateway.openai.turn` retries its reply.)
 
-* before the client's messages were stored: nothing of the request is (it is answered as if
-  memstrata were not there);
-* after they were stored (the prompt could not be assembled): the reply is stored too, once the
-  database is back, as any turn's (`gateway.openai.turn`).
-
-The response carries `X-Memstrata-Conversation` when the client named its conversation or its
-messages were stored. With fail-open off the `StorageUnavailable` is raised again, and the
-client gets 503 in OpenAI's shape.
+The response carries `X-Memstrata-Conversation` when the client named its conversation. With
+fail-open off the `StorageUnavailable` is raised again, and the client gets 503 in OpenAI's
+shape.
 """
 
 import logging
@@ -35,10 +33,7 @@ DEGRADED_HEADER = "X-Memstrata-Degraded"
 
 @dataclass
 class DegradedTurn(Turn):
-    """A turn forwarded without memory; it records its reply only for a `stored` turn."""
-
-    stored: Turn | None = None
-    """The turn whose messages were stored before the database failed."""
+    """A turn forwarded without memory; nothing of it is recorded."""
 
     def headers(self) -> dict[str, str]:
         headers = {
@@ -52,8 +47,7 @@ class DegradedTurn(Turn):
     async def record(
         self, state: State, reply: Mapping[str, Any] | None, *, complete: bool
     ) -> None:
-        if self.stored is not None:
-            await self.stored.record(state, reply, complete=complete)
+        return None
 
 
 async def forward(
@@ -68,10 +62,8 @@ async def forward(
     model: str,
     stream: bool,
     started: float,
-    stored: Turn | None = None,
 ) -> Response:
-    """Forward the client's own `body` unchanged if fail-open is on; else raise `cause`.
-    `stored`: the turn, when the client's messages were stored before the database failed."""
+    """Forward the client's own `body` unchanged if fail-open is on; else raise `cause`."""
     if state.settings.fail_open != "on":
         raise cause
     log.warning("database unavailable, forwarding without memory: %s", cause)
@@ -82,7 +74,6 @@ async def forward(
         external_id=external_id or "",
         model=model,
         started=started,
-        stored=stored,
     )
     turn.overhead = time.perf_counter() - started
     return await relay.forward(

@@ -5,12 +5,14 @@ stream is passed on chunk by chunk as it arrives while a `StreamedReply` rebuild
 beside it. The reply is recorded by the turn (`gateway.openai.turn`): a stream's when it
 ends, before the client is sent `[DONE]`, marked incomplete if the stream was cut, even when
 the client has gone. When the memory tools are offered (`gateway.openai.toolloop.offer`), the
-request goes through the tool loop instead, with the same guarantees.
+request goes through the tool loop instead, with the same guarantees. The answer's `usage` is
+kept on the turn; a stream's usage chunk, when the gateway asked for it and the client did not
+(`Turn.hide_usage`), is kept from the client (the other chunks then carry `"usage": null`).
 """
 
 import json
 import logging
-from collections.abc import Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import httpx
@@ -19,7 +21,7 @@ from fastapi.responses import Response
 from gateway.errors import GatewayError
 from gateway.openai import toolloop
 from gateway.openai.replies import StreamedReply, from_completion
-from gateway.openai.streams import sse_error
+from gateway.openai.streams import Event, EventReader, sse_error, usage_of
 from gateway.openai.turn import REPLY_COMPLETE, Chunks, Turn
 from gateway.state import State
 
@@ -60,20 +62,31 @@ async def forward(
     except GatewayError as exc:
         exc.headers.update(turn.headers())
         raise
-    return await turn.answer(state, content, response, from_completion(_json(content)))
+    completion = _json(content)
+    if isinstance(completion, dict) and isinstance(completion.get("usage"), dict):
+        turn.usage = completion["usage"]
+    return await turn.answer(state, content, response, from_completion(completion))
 
 
 async def _relay(response: httpx.Response, reply: StreamedReply, turn: Turn) -> Chunks:
     """Pass the upstream stream on as it comes, feeding `reply`; the reply is complete just
-    before the chunk that ends the stream."""
+    before the chunk that ends the stream. With `turn.hide_usage`, the stream is passed on
+    event by event, its usage chunk held back."""
     complete = False
+    events = EventReader() if turn.hide_usage else None
     try:
-        async for chunk in response.aiter_bytes():
+        async for data in response.aiter_bytes():
+            chunk = data if events is None else b"".join(_shown(events.feed(data), turn))
             reply.feed(chunk)
             if reply.done and not complete:
                 complete = True
+                turn.usage = turn.usage or reply.usage
                 yield REPLY_COMPLETE
-            yield chunk
+            if chunk:
+                yield chunk
+        if events is not None and (rest := b"".join(_shown(events.close(), turn))):
+            reply.feed(rest)
+            yield rest
     except httpx.HTTPError as exc:
         log.warning(
             "upstream stream interrupted: %s",
@@ -87,6 +100,16 @@ async def _relay(response: httpx.Response, reply: StreamedReply, turn: Turn) -> 
         )
     finally:
         await response.aclose()
+
+
+def _shown(events: Iterable[Event], turn: Turn) -> Iterator[bytes]:
+    """The events' bytes, a usage-only chunk's kept on the turn instead."""
+    for event in events:
+        usage = usage_of(event)
+        if usage is None:
+            yield event.raw
+        else:
+            turn.usage = usage
 
 
 def _json(content: bytes) -> Any:

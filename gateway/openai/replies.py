@@ -9,7 +9,8 @@ keyed by index; every other field by merging its deltas (text is concatenated, s
 `content`, `reasoning_content`, `audio.transcript` or the deprecated `function_call.arguments`;
 lists are extended; anything else keeps its latest value). `complete` says whether the stream
 reached its end: a finish_reason or `[DONE]`; a stream cut before that yields a reply marked
-incomplete. Only the first choice is stored: memory follows one line of conversation.
+incomplete. Only the first choice is stored: memory follows one line of conversation. A stream's
+`usage` (its last chunk's, with `stream_options.include_usage`) is kept beside it.
 """
 
 import json
@@ -80,6 +81,7 @@ class StreamedReply:
         self._tool_calls: dict[int, dict[str, Any]] = {}
         self.finish_reason: str | None = None
         self.done = False
+        self.usage: dict[str, Any] | None = None
 
     @property
     def complete(self) -> bool:
@@ -111,6 +113,8 @@ class StreamedReply:
             chunk = json.loads(payload)
         except ValueError:
             return  # a keep-alive or garbage: nothing of the message
+        if isinstance(chunk, dict) and isinstance(chunk.get("usage"), dict):
+            self.usage = chunk["usage"]
         # Usage-only chunks, errors and chunks of any other shape hold nothing of the message.
         choices = chunk.get("choices") if isinstance(chunk, dict) else None
         choice = choices[0] if isinstance(choices, list) and choices else None

@@ -144,7 +144,11 @@ async def create(request: Request, state: State, *, tenant_id: int) -> Response:
             stored = await _unstored(state, turn, messages, previous=previous)
         else:
             stored = None
-        assembled = await chat.recall(state, stored, budget, tools_guide=False) if stored else None
+        assembled = (
+            await chat.recall(state, stored, budget, tools_guide=False, persist=turn.store)
+            if stored
+            else None
+        )
     except StorageUnavailable:
         if state.settings.fail_open != "on" or previous is not None:
             raise

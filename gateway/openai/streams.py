@@ -18,7 +18,9 @@ each event (often the raw bytes unchanged, sometimes a rewritten chunk, sometime
 * a round that asked only for memory tools (and is not the last allowed) has its
   `finish_reason` and its usage chunk held back: the loop runs the tools and the next round
   continues the same stream; the usage the client finally sees is the sum of all rounds';
-* a `finish_reason` of `tool_calls` whose calls were all memory calls becomes `stop`.
+* a `finish_reason` of `tool_calls` whose calls were all memory calls becomes `stop`;
+* with `hide_usage` (the gateway asked for the usage, the client did not), the usage-only
+  chunk is not sent; `MergedStream.total` is the usage summed over the rounds either way.
 
 `MergedStream.reply` rebuilds, from exactly the bytes the client was sent, the reply to record.
 """
@@ -97,6 +99,23 @@ def add_usage(total: dict[str, Any] | None, usage: Any) -> dict[str, Any] | None
     return merged
 
 
+def usage_of(event: Event) -> dict[str, Any] | None:
+    """The usage a usage-only chunk (`choices: []`) carries, else None."""
+    if event.data is None or '"usage"' not in event.data:
+        return None
+    try:
+        chunk = json.loads(event.data)
+    except ValueError:
+        return None
+    if not isinstance(chunk, dict) or chunk.get("choices") != []:
+        return None
+    usage = chunk.get("usage")
+    if not isinstance(usage, dict):
+        return None
+    found: dict[str, Any] = usage
+    return found
+
+
 def is_memory_call(call: Any) -> bool:
     function = call.get("function") if isinstance(call, dict) else None
     return isinstance(function, dict) and function.get("name") in TOOL_NAMES
@@ -105,9 +124,11 @@ def is_memory_call(call: Any) -> bool:
 class MergedStream:
     """Several upstream rounds as one client stream (see the module docstring)."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, hide_usage: bool = False) -> None:
         self.reply = StreamedReply()
+        self.hide_usage = hide_usage
         self.usage: dict[str, Any] | None = None  # of the rounds already over
+        self.total: dict[str, Any] | None = None  # of every round, once the last is over
         self.completion_id: str | None = None  # the first round's: every chunk carries it
         self.role_sent = False
         self.ended = False  # the last round ended with [DONE]
@@ -153,6 +174,7 @@ class Round:
             self._stream.usage = add_usage(self._stream.usage, self._usage)
         else:
             self._stream.ended = self.done
+            self._stream.total = add_usage(self._stream.usage, self._usage)
 
     def assistant_message(self) -> dict[str, Any]:
         """The round's reply as the next upstream request must repeat it."""
@@ -205,7 +227,7 @@ class Round:
                 changed = True
         choices = chunk["choices"]
         if not choices:
-            return None if self.wants_memory else changed
+            return None if self.wants_memory or (usage and stream.hide_usage) else changed
         choice = choices[0]
         if not isinstance(choice, dict) or choice.get("index", 0) != 0:
             return changed

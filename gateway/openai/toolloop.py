@@ -147,6 +147,7 @@ class ToolLoop:
                 if round_ > 0 and usage is not None:
                     completion["usage"] = usage
                 content = json.dumps(completion, ensure_ascii=False).encode()
+            self._turn.usage = usage
             return await self._answer(content, response, from_completion(completion))
         raise AssertionError("unreachable: the last round always answers")
 
@@ -155,7 +156,7 @@ class ToolLoop:
         first = await self._open(final=False, stream=True)
         if not first.is_success:
             return await self._answer(await self._read(first), first)
-        merged = MergedStream()
+        merged = MergedStream(hide_usage=self._turn.hide_usage)
         return self._turn.stream(self._state, first, self._rounds(first, merged), merged.reply)
 
     async def _rounds(self, response: httpx.Response, merged: MergedStream) -> Chunks:
@@ -179,6 +180,7 @@ class ToolLoop:
                 await response.aclose()
                 current.end()
                 if not current.continues:
+                    self._turn.usage = merged.total
                     yield REPLY_COMPLETE
                     if done := merged.done():
                         yield done

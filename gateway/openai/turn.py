@@ -2,10 +2,12 @@
 recorded.
 
 A `Turn` is made once the client's messages are stored; `sent` takes the figures of the prompt
-the read path assembled. The answer reaches the client through the turn: `answer` for a whole
+the read path assembled, and the forwarding path sets the upstream's `usage` (summed over hidden
+tool rounds) once it has it. The answer reaches the client through the turn: `answer` for a whole
 (non-stream) answer, `stream` for a stream, whose producer yields `REPLY_COMPLETE` once the reply
 is whole. Either way the reply is recorded exactly once (`record`: stored after the
-conversation, with its build queued by the write path, and the request's tokens counted): a
+conversation, with its build queued by the write path, and the request's tokens counted, with
+what the upstream reported and how much of the prompt repeated the previous one's prefix): a
 stream's reply before the client is sent its last bytes (a client that sends its next turn as
 soon as it has the answer must find the reply stored), or, if the stream is cut or the client
 leaves, with what arrived, marked incomplete. Every response of the turn carries `headers()`.
@@ -29,6 +31,7 @@ import httpx
 from fastapi.responses import Response, StreamingResponse
 from sqlalchemy.ext.asyncio import AsyncConnection
 
+from gateway.metrics import Metrics
 from gateway.state import State
 from gateway.upstream import relayed_headers
 from memory.db import transaction
@@ -84,12 +87,26 @@ class Turn:
     rebuilt: bool = False
     # Where the reply goes, as the write path said when it stored the turn.
     reply_to: store.ReplyTo | None = None
+    # The prompt's tokens that repeat the previous prompt's prefix, and its fingerprint.
+    reused: int = 0
+    fingerprint: list[Any] | None = None
+    # Whether the prompt came from the conversation's working context.
+    from_context: bool = False
+    # The upstream's `usage` for the request (summed over hidden tool rounds), and whether the
+    # gateway asked a stream for it on its own (the client is then not shown it).
+    usage: dict[str, Any] | None = None
+    hide_usage: bool = False
 
-    def sent(self, assembled: Assembled) -> None:
+    def sent(self, assembled: Assembled, metrics: Metrics | None = None) -> None:
         """Take the figures of the prompt about to go upstream; the gateway's own time ends."""
         self.context_tokens = assembled.tokens
         self.full_tokens = assembled.full_tokens
         self.rebuilt = assembled.rebuilt
+        self.reused = assembled.reused
+        self.fingerprint = assembled.fingerprint
+        self.from_context = assembled.context_version is not None
+        if assembled.compacted and metrics is not None:
+            metrics.compactions.inc()
         self.overhead = time.perf_counter() - self.started
 
     def headers(self) -> dict[str, str]:
@@ -188,6 +205,7 @@ class Turn:
     ) -> None:
         """`record`'s work, raising what went wrong (`StorageUnavailable` while the database
         is down): the reply, then what the turn keeps beside it, in one transaction."""
+        stats = self.stats()
         async with transaction(state.engine) as conn:
             if reply is not None:
                 await store.append(
@@ -197,12 +215,32 @@ class Turn:
                     messages=[reply],
                     model=self.model,
                     status="complete" if complete else "incomplete",
-                    request_tokens=(self.context_tokens or 0, self.full_tokens or 0),
+                    request=stats,
                     reply_to=self.reply_to,
                 )
             await self.recorded(conn)
         if reply is not None:
-            state.metrics.observe_tokens(sent=self.context_tokens or 0, full=self.full_tokens or 0)
+            state.metrics.observe_request(stats)
+
+    def stats(self) -> store.RequestStats:
+        """What the request cost, as the conversation's statistics count it."""
+        usage = self.usage or {}
+        details = usage.get("prompt_tokens_details")
+        cached = details.get("cached_tokens") if isinstance(details, dict) else None
+        return store.RequestStats(
+            sent=self.context_tokens or 0,
+            full=self.full_tokens or 0,
+            reused=self.reused,
+            upstream_prompt=_count(usage.get("prompt_tokens")),
+            upstream_cached=_count(cached),
+            upstream_completion=_count(usage.get("completion_tokens")),
+            fingerprint=self.fingerprint,
+            prepare_context=self.from_context,
+        )
+
+
+def _count(value: Any) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
 
 
 async def _record_when_back(

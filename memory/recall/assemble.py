@@ -1,9 +1,17 @@
 """The prompt for one stored turn: the read path's one entry point (SPEC §6).
 
-`assemble(engine, turn, budget, …)` returns the messages to send upstream and their figures. A
-conversation that fits its budget goes as the client sent it (or, when the client sent only its
-new messages, as stored); otherwise the prompt is rebuilt from memory by the prompt builder
-(`memory.recall.prompt`). `dry_run` is the same for a question that is not stored.
+`assemble(conn, turn, budget, recall, …)` returns the messages to send upstream and their
+figures. A conversation that fits its budget goes as the client sent it (or, when the client
+sent only its new messages, as stored). Otherwise the prompt comes from the conversation's
+working context (`memory.recall.working_context`): compacted first when the turn would pass the
+high-water mark (`memory.recall.compaction`: the compaction prepared in the background when
+there is one, else computed now), then the turn's recall note (`memory.recall.recall_note`,
+from the candidates prepared after the last reply when they cover the new message:
+`memory.recall.anticipation`) and the new messages; the context is saved with the turn, in the
+caller's transaction. With `Recall.mode` `rebuild`, the prompt is instead rebuilt for each
+turn's query by the prompt builder (`memory.recall.prompt`). Every prompt is measured against
+the previous one (`memory.recall.reuse`). `dry_run` is the same for a question that is not
+stored, and saves nothing.
 
 A `StoredTurn` is how a request's messages divide once the write path has stored them: the
 leading system prompt, the messages new to the conversation (stored from `first_seq` on) and,
@@ -15,10 +23,9 @@ runs it inside the transaction that stores the turn, so that such a turn stores 
 """
 
 import json
-import logging
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Literal
 
 from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
@@ -26,19 +33,17 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 from memory import tokens
 from memory.db import transaction
 from memory.embeddings import Embedder
-from memory.errors import ContextOverflow, ProviderError
-from memory.recall import prompt
+from memory.errors import ContextOverflow
+from memory.recall import context_prompt, prompt, reuse
+from memory.recall.recall_note import embed_query, query_of, related_conversations
+from memory.recall.working_context import Policy
 from memory.schema import conversations
 from memory.stages import staged
 from memory.write import store
 
-log = logging.getLogger(__name__)
-
 Message = dict[str, Any]
 
 SYSTEM_ROLES = ("system", "developer")
-_QUERY_CHARS = 2000
-_RELATED_LIMIT = 20
 _SYSTEM_LOOKAHEAD = 4
 
 
@@ -101,6 +106,12 @@ class StoredTurn:
     user: str | None = None
     unstored_tokens: int = 0
     """Tokens of new messages that are not stored (a dry run's question)."""
+    next_seq: int | None = None
+    """The conversation's next seq once the turn is stored (None: after the new messages)."""
+    branched_at: int | None = None
+    """The first stored seq this turn's history superseded (an edit, a regenerate)."""
+    previous_fingerprint: Any = None
+    """The fingerprint of the conversation's last prompt (`memory.recall.reuse`)."""
 
     @classmethod
     def of(
@@ -127,18 +138,54 @@ class StoredTurn:
             whole=messages if appended.whole else None,
             stored_tokens=appended.token_count,
             user=appended.user_id,
+            next_seq=appended.first_seq + len(appended.node_ids),
+            branched_at=appended.branched_at,
+            previous_fingerprint=appended.prompt_fingerprint,
         )
+
+
+@dataclass(frozen=True)
+class Recall:
+    """How the read path recalls: the query embedder, whether the same user's other
+    conversations count, the working context's policy, whether prompts are built from the
+    working context (`working`) or rebuilt for each turn's query (`rebuild`), and whether
+    messages off their conversation's current branch may be recalled."""
+
+    embedder: Embedder
+    cross_conversation: bool = True
+    policy: Policy = field(default_factory=Policy)
+    mode: Literal["working", "rebuild"] = "working"
+    abandoned_branches: bool = False
+    """Recall also draws on messages that left their conversation's current branch."""
 
 
 @dataclass(frozen=True)
 class Assembled:
     """The prompt's messages, their tokens, the whole history's tokens, and whether the
-    prompt was rebuilt from memory rather than forwarded as the client sent it."""
+    prompt was rebuilt from memory rather than forwarded as the client sent it; what each
+    message is (`labels`: system, stable, verbatim, note, new; `memory` for a rebuilt turn's
+    memory message, `history` for a forwarded one's), the tokens that repeat the previous
+    prompt's prefix and the prompt's fingerprint (`memory.recall.reuse`), and whether the
+    working context was compacted for it and its note came from prepared candidates."""
 
     messages: list[Message]
     tokens: int
     full_tokens: int
     rebuilt: bool
+    labels: list[str] = field(default_factory=list)
+    counts: list[int] = field(default_factory=list)
+    """Tokens of each message (the prompt's `tokens` adds the reply priming)."""
+    reused: int = 0
+    fingerprint: list[Any] | None = None
+    compacted: bool = False
+    prepared_recall: bool = False
+    context_version: int | None = None
+    """The working context's version the prompt came from (None: not from one)."""
+
+    @property
+    def reuse(self) -> float:
+        """The share of the prompt's tokens that repeat the previous prompt's prefix."""
+        return self.reused / self.tokens if self.tokens else 0.0
 
 
 def check_fits(turn: StoredTurn, budget: Budget) -> None:
@@ -154,45 +201,46 @@ def check_fits(turn: StoredTurn, budget: Budget) -> None:
 
 
 async def assemble(
-    engine: AsyncEngine,
+    conn: AsyncConnection,
     turn: StoredTurn,
     budget: Budget,
+    recall: Recall,
     *,
-    embedder: Embedder,
-    cross_conversation: bool,
     tools_guide: bool,
-    abandoned_branches: bool = False,
+    persist: bool = True,
 ) -> Assembled:
-    """The prompt for `turn` within `budget` (see the module docstring).
+    """The prompt for `turn` within `budget` (see the module docstring), in the caller's
+    transaction, which holds the conversation's row lock when `persist` (the working context
+    is saved with the turn; a dry run saves nothing).
 
-    The messages and `budget.reserved` together stay within the budget. `cross_conversation`
-    lets recall draw on the same user's other conversations, `abandoned_branches` on messages
-    that left their conversation's current branch; `tools_guide` tells the memory message to
-    say how to use the memory tools (when they are offered)."""
+    The messages and `budget.reserved` together stay within the budget. `tools_guide` tells a
+    rebuilt memory message to say how to use the memory tools (when they are offered)."""
     stored_tokens, user = turn.stored_tokens, turn.user
     if stored_tokens is None:
-        async with transaction(engine) as conn:
-            stored_tokens, user = await _token_count_and_user(conn, turn)
+        stored_tokens, user = await _token_count_and_user(conn, turn)
     full = stored_tokens + turn.unstored_tokens + tokens.REPLY_PRIMING_TOKENS
     if full <= budget.limit * 1.25:  # stored counts may come from another model's tokenizer
         verbatim = turn.whole
         if verbatim is None:
-            async with transaction(engine) as conn:
-                kept = await _history(conn, turn, before=turn.first_seq)
+            kept = await _history(conn, turn, before=turn.first_seq)
             stored_system = leading_system(kept)
             verbatim = [
                 *(turn.system or stored_system),
                 *kept[len(stored_system) :],
                 *turn.new_messages,
             ]
-        count = tokens.count_messages(verbatim, model=turn.model)
-        if count <= budget.limit:
-            return Assembled(messages=verbatim, tokens=count, full_tokens=full, rebuilt=False)
-    async with transaction(engine) as conn:
-        related: list[int] = []
-        if cross_conversation and user is not None:
-            related = await _related(conn, turn, user)
-        system = turn.system or await _stored_system(conn, turn)
+        counts = tokens.count_each(verbatim, model=turn.model)
+        if sum(counts) + tokens.REPLY_PRIMING_TOKENS <= budget.limit:
+            head = len(leading_system(verbatim))
+            labels = ["system"] * head + ["history"] * (len(verbatim) - head)
+            return _measured(turn, verbatim, counts, labels, full=full, rebuilt=False)
+    related: list[int] = []
+    if recall.cross_conversation and user is not None:
+        related = await related_conversations(
+            conn, tenant_id=turn.tenant_id, conversation_id=turn.conversation_id, user=user
+        )
+    system = turn.system or await _stored_system(conn, turn)
+    if recall.mode == "rebuild":
         built = await prompt.build(
             conn,
             tenant_id=turn.tenant_id,
@@ -201,7 +249,7 @@ async def assemble(
             new_messages=turn.new_messages,
             new_from=turn.first_seq,
             query=query_of(turn.new_messages),
-            embed=lambda text: _embed(embedder, text),
+            embed=lambda text: embed_query(recall.embedder, text),
             budget=budget.limit + budget.reserved,
             model=turn.model,
             reserved_tokens=budget.reserved,
@@ -209,9 +257,60 @@ async def assemble(
             stored_messages=turn.first_seq,
             stored_tokens=stored_tokens,
             tools_guide=prompt.TOOLS_GUIDE if tools_guide else None,
-            abandoned=abandoned_branches,
+            abandoned=recall.abandoned_branches,
         )
-    return Assembled(messages=built.messages, tokens=built.tokens, full_tokens=full, rebuilt=True)
+        head = len(system)
+        labels = ["system"] * head + ["memory"] * (len(built.messages) - head)
+        counts = tokens.count_each(built.messages, model=turn.model)
+        return _measured(turn, built.messages, counts, labels, full=full, rebuilt=True)
+    context = await context_prompt.build(
+        conn, turn, budget, recall, system=system, related=related, persist=persist
+    )
+    return _measured(
+        turn,
+        context.messages,
+        context.counts,
+        context.labels,
+        full=full,
+        rebuilt=True,
+        marks=context.marks,
+        compacted=context.compacted,
+        prepared_recall=context.prepared_recall,
+        context_version=context.version,
+    )
+
+
+def _measured(
+    turn: StoredTurn,
+    messages: list[Message],
+    counts: Sequence[int],
+    labels: list[str],
+    *,
+    full: int,
+    rebuilt: bool,
+    marks: Sequence[int] = (),
+    compacted: bool = False,
+    prepared_recall: bool = False,
+    context_version: int | None = None,
+) -> Assembled:
+    """The prompt with its reuse of the previous prompt and its own fingerprint."""
+    system = len(leading_system(messages))
+    repeated, fingerprint = reuse.measure(
+        turn.previous_fingerprint, messages, counts, [system, *marks]
+    )
+    return Assembled(
+        messages=messages,
+        tokens=sum(counts) + tokens.REPLY_PRIMING_TOKENS,
+        full_tokens=full,
+        rebuilt=rebuilt,
+        labels=labels,
+        counts=list(counts),
+        reused=repeated,
+        fingerprint=fingerprint,
+        compacted=compacted,
+        prepared_recall=prepared_recall,
+        context_version=context_version,
+    )
 
 
 async def dry_run(
@@ -223,40 +322,43 @@ async def dry_run(
     budget: int | None,
     rules: BudgetRules,
     tools_room: int,
-    embedder: Embedder,
-    cross_conversation: bool,
+    recall: Recall,
     model: str = "gpt-4o",
-    abandoned_branches: bool = False,
 ) -> Assembled:
     """The prompt `assemble` would send if the stored conversation `external_id` received
     `query` as a new user message; nothing is stored. `tools_room` is what the memory tools'
     definitions would take (0 when they would not be offered)."""
+    question = {"role": "user", "content": query}
     async with transaction(engine) as conn:
         ref = await store.find_conversation(conn, tenant_id=tenant_id, external_id=external_id)
-        next_seq = await conn.scalar(
-            select(conversations.c.next_seq).where(conversations.c.id == ref.id)
+        row = (
+            await conn.execute(
+                select(conversations.c.next_seq, conversations.c.prompt_fingerprint).where(
+                    conversations.c.id == ref.id
+                )
+            )
+        ).one()
+        turn = StoredTurn(
+            tenant_id=tenant_id,
+            conversation_id=ref.id,
+            model=model,
+            system=[],
+            new_messages=[question],
+            first_seq=int(row.next_seq or 0),
+            whole=None,
+            unstored_tokens=tokens.count_message(question, model=model),
+            next_seq=int(row.next_seq or 0),
+            previous_fingerprint=row.prompt_fingerprint,
         )
-    question = {"role": "user", "content": query}
-    turn = StoredTurn(
-        tenant_id=tenant_id,
-        conversation_id=ref.id,
-        model=model,
-        system=[],
-        new_messages=[question],
-        first_seq=int(next_seq or 0),
-        whole=None,
-        unstored_tokens=tokens.count_message(question, model=model),
-    )
-    body = {"model": model, "messages": [question]}
-    return await assemble(
-        engine,
-        turn,
-        Budget.of(body, rules, requested=budget, tools_room=tools_room),
-        embedder=embedder,
-        cross_conversation=cross_conversation,
-        tools_guide=tools_room > 0,
-        abandoned_branches=abandoned_branches,
-    )
+        body = {"model": model, "messages": [question]}
+        return await assemble(
+            conn,
+            turn,
+            Budget.of(body, rules, requested=budget, tools_room=tools_room),
+            recall,
+            tools_guide=tools_room > 0,
+            persist=False,
+        )
 
 
 def leading_system(messages: Sequence[Message]) -> list[Message]:
@@ -265,14 +367,6 @@ def leading_system(messages: Sequence[Message]) -> list[Message]:
     while count < len(messages) and messages[count].get("role") in SYSTEM_ROLES:
         count += 1
     return list(messages[:count])
-
-
-def query_of(new_messages: Sequence[Mapping[str, Any]]) -> str:
-    """What retrieval looks for: the new user messages' text (else any new text)."""
-    texts = [tokens.message_text(m) for m in new_messages if m.get("role") == "user"]
-    if not any(texts):
-        texts = [tokens.message_text(m) for m in new_messages]
-    return "\n".join(t for t in texts if t)[-_QUERY_CHARS:]
 
 
 @staged("read")
@@ -289,22 +383,6 @@ async def _token_count_and_user(conn: AsyncConnection, turn: StoredTurn) -> tupl
 
 
 @staged("read")
-async def _related(conn: AsyncConnection, turn: StoredTurn, user: str) -> list[int]:
-    """The tenant's other conversations of the same `user`, most recent first."""
-    rows = await conn.execute(
-        select(conversations.c.id)
-        .where(
-            conversations.c.tenant_id == turn.tenant_id,
-            conversations.c.user_id == user,
-            conversations.c.id != turn.conversation_id,
-        )
-        .order_by(conversations.c.updated_at.desc())
-        .limit(_RELATED_LIMIT)
-    )
-    return [int(row.id) for row in rows]
-
-
-@staged("read")
 async def _stored_system(conn: AsyncConnection, turn: StoredTurn) -> list[Message]:
     """The stored conversation's leading system messages (for clients that send only new
     messages without repeating their system prompt)."""
@@ -316,17 +394,6 @@ async def _history(conn: AsyncConnection, turn: StoredTurn, *, before: int) -> l
     return await store.history(
         conn, tenant_id=turn.tenant_id, conversation_id=turn.conversation_id, before_seq=before
     )
-
-
-@staged("embed")
-async def _embed(embedder: Embedder, text: str) -> list[float] | None:
-    """The query's vector, or None when the embedder fails (retrieval is then full-text)."""
-    try:
-        [vector] = await embedder.embed([text])
-    except ProviderError:
-        log.warning("query embedding failed; retrieving by full text only", exc_info=True)
-        return None
-    return vector
 
 
 def _tools_cost(body: Mapping[str, Any]) -> int:

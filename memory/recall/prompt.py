@@ -1,6 +1,10 @@
-"""The prompt sent upstream when a conversation no longer fits its token budget (SPEC §6).
+"""The prompt rebuilt for one turn's query (`MEMSTRATA_CONTEXT_MODE=rebuild`), and the parts
+of the summary tree the working context shares (`read_tree`, `frontier`, `summary_cap`) (SPEC §6).
 
-`build()` returns the messages, in this order:
+With the working context (the default, `memory.recall.working_context`) a conversation past its
+budget is sent a prompt that grows turn after turn; in `rebuild` mode each turn's prompt is
+rebuilt from memory for its own query instead: the most room for what the query needs, and
+nothing a provider can cache. `build()` returns the messages, in this order:
 
 1. the client's system prompt(s), as given;
 2. one memory message (role `system`) holding, under short headings: how to use the memory
@@ -49,9 +53,13 @@ __all__ = [
     "BudgetSplit",
     "BuiltPrompt",
     "ContextOverflow",
+    "TreeNode",
     "budget_for",
     "build",
+    "frontier",
     "model_limits",
+    "read_tree",
+    "summary_cap",
 ]
 
 # (context window, output reserve) by model-name prefix; the longest matching prefix wins.
@@ -178,7 +186,9 @@ _TOP_UP = 24  # room left after the exact count worth a second filling pass
 
 
 @dataclass(frozen=True)
-class _TreeNode:
+class TreeNode:
+    """A summary as the frontier sees it."""
+
     id: int
     level: int
     seq: int
@@ -263,13 +273,9 @@ async def build(
             exclude_from=exclude,
             abandoned=abandoned,
         )
-        tree = [
-            _TreeNode(*row)
-            for row in await conn.execute(
-                _TREE,
-                {"tenant_id": tenant_id, "conversation_id": conversation_id, "before": recent_from},
-            )
-        ]
+        tree = await read_tree(
+            conn, tenant_id=tenant_id, conversation_id=conversation_id, before=recent_from
+        )
         pinned = [
             retrieval.as_hit(row, 0.0)
             for row in await conn.execute(
@@ -284,11 +290,11 @@ async def build(
             budget=summary_budget,
             cap=shares.summary_cap,
         )
-        frontier = _frontier(tree, budget=summary_budget, cap=cap)
+        chosen = frontier(tree, budget=summary_budget, cap=cap)
         chosen_summaries = {
             hit.node_id: hit
             for hit in await retrieval.load_nodes(
-                conn, tenant_id=tenant_id, ids=[node.id for node in frontier]
+                conn, tenant_id=tenant_id, ids=[node.id for node in chosen]
             )
         }
         vector = await vector_task if vector_task is not None else None
@@ -324,7 +330,7 @@ async def build(
 
     enc = tokens.get_encoding(tokens.encoding_name_for_model(model))
     block = MemoryBlock(enc=enc, primary=conversation_id)
-    for node in frontier:
+    for node in chosen:
         if node.id in chosen_summaries:
             block.add_summary(chosen_summaries[node.id], cap=cap)
     milestone_budget = int(available * shares.milestones)
@@ -508,30 +514,40 @@ def summary_cap(tree_roots: int, *, budget: int, cap: int) -> int:
     return max(24, min(cap, budget // max(1, tree_roots) - 16))
 
 
-def _frontier(tree: Sequence[_TreeNode], *, budget: int, cap: int) -> list[_TreeNode]:
+async def read_tree(
+    conn: AsyncConnection, *, tenant_id: int, conversation_id: int, before: int
+) -> list[TreeNode]:
+    """The summaries a frontier of the history before seq `before` may use (see `_TREE`)."""
+    rows = await conn.execute(
+        _TREE, {"tenant_id": tenant_id, "conversation_id": conversation_id, "before": before}
+    )
+    return [TreeNode(*row) for row in rows]
+
+
+def frontier(tree: Sequence[TreeNode], *, budget: int, cap: int) -> list[TreeNode]:
     """Summaries covering the history, coarse for the oldest and finer near the present:
     start from the roots and open the newest openable node while the budget allows."""
     if not tree or budget <= 0:
         return []
     ids = {node.id for node in tree}
-    children: dict[int, list[_TreeNode]] = {}
+    children: dict[int, list[TreeNode]] = {}
     for node in tree:
         if node.parent_id is not None and node.parent_id in ids:
             children.setdefault(node.parent_id, []).append(node)
 
-    def cost(node: _TreeNode) -> int:
+    def cost(node: TreeNode) -> int:
         return min(node.token_count, cap) + 16
 
-    frontier = sorted(
+    chosen = sorted(
         (node for node in tree if node.parent_id is None or node.parent_id not in ids),
         key=lambda node: node.span_start,
     )
     # Too many roots: keep the coarsest ones (they cover the most history).
-    while frontier and sum(cost(node) for node in frontier) > budget:
-        frontier.remove(min(frontier, key=lambda node: (node.level, -node.span_start)))
-    total = sum(cost(node) for node in frontier)
+    while chosen and sum(cost(node) for node in chosen) > budget:
+        chosen.remove(min(chosen, key=lambda node: (node.level, -node.span_start)))
+    total = sum(cost(node) for node in chosen)
     while True:
-        openable = [node for node in frontier if node.id in children]
+        openable = [node for node in chosen if node.id in children]
         if not openable:
             break
         newest = max(openable, key=lambda node: node.span_end)
@@ -539,7 +555,7 @@ def _frontier(tree: Sequence[_TreeNode], *, budget: int, cap: int) -> list[_Tree
         change = sum(cost(kid) for kid in kids) - cost(newest)
         if total + change > budget:
             break
-        index = frontier.index(newest)
-        frontier[index : index + 1] = kids
+        index = chosen.index(newest)
+        chosen[index : index + 1] = kids
         total += change
-    return frontier
+    return chosen

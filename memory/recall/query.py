@@ -13,6 +13,7 @@ from memory.text import MONTH_FORMS, MONTHS
 
 __all__ = [
     "Route",
+    "asks",
     "identifiers",
     "participants_named",
     "periods",
@@ -41,6 +42,19 @@ _RELATIONAL = re.compile(
 )
 _PHRASE = re.compile(r'"([^"]+)"')
 _WORD = re.compile(r"[^\s\"()]+")
+
+
+_ASKING = re.compile(
+    r"\?|(^|[.!]\s+)(what|when|where|who|whom|whose|which|why|how|do|does|did|is|are|was|were|"
+    r"can|could|would|will|should|have|has|had|remind me|tell me|remember|recall)\b",
+    re.IGNORECASE,
+)
+
+
+def asks(query: str) -> bool:
+    """Whether a message asks something (a question mark, or a sentence that opens as a
+    question or a request to remind): it calls for more recall than a statement."""
+    return _ASKING.search(query) is not None
 
 
 def route(query: str) -> Route:

@@ -43,6 +43,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 from memory.recall.fusion import CONTIGUITY, Candidates, Key, Place, fuse, ranked
 from memory.recall.query import (
     Route,
+    asks,
     identifiers,
     participants_named,
     periods,
@@ -57,6 +58,8 @@ __all__ = [
     "Hit",
     "Route",
     "as_hit",
+    "asks",
+    "candidates_of",
     "fulltext_candidates",
     "identifiers",
     "load",
@@ -68,6 +71,7 @@ __all__ = [
     "search",
     "vector_candidates",
     "vector_legs",
+    "vector_literal",
     "websearch_query",
     "without_names",
 ]
@@ -269,7 +273,7 @@ async def fulltext_candidates(
             "limit": limit,
         },
     )
-    return _candidates(rows)
+    return candidates_of(rows)
 
 
 @staged("vector")
@@ -304,13 +308,13 @@ async def vector_candidates(
             exclude_from=exclude_from,
             abandoned=abandoned,
         ),
-        "vector": _vector_literal(query_vector),
+        "vector": vector_literal(query_vector),
         "limit": limit,
     }
     if (messages is None and len(conversation_ids) == 1) or (
         messages is not None and messages <= EXACT_SCAN_MAX
     ):
-        return _candidates(await conn.execute(_VECTOR_EXACT, params))
+        return candidates_of(await conn.execute(_VECTOR_EXACT, params))
     # Without `enable_sort = off` the planner, misjudging how many rows the filter keeps,
     # prefers reading the whole conversation and sorting: the exact scan this path avoids.
     await conn.execute(
@@ -320,7 +324,7 @@ async def vector_candidates(
         ),
         {"ef": str(max(40, min(1000, 2 * limit)))},
     )
-    found = _candidates(await conn.execute(_VECTOR, params))
+    found = candidates_of(await conn.execute(_VECTOR, params))
     await conn.execute(text("SELECT set_config('enable_sort', 'on', true)"))
     # A relaxed-order scan returns its rows only nearly sorted; fusion goes by rank.
     found.ranked.sort(key=_similarity, reverse=True)
@@ -341,12 +345,12 @@ async def passage_candidates(
     messages = [place for place in whole.ranked if place.key[1] == 0]
     if not messages:
         return Candidates([])
-    found = _candidates(
+    found = candidates_of(
         await conn.execute(
             _PASSAGES,
             {
                 "tenant_id": tenant_id,
-                "vector": _vector_literal(query_vector),
+                "vector": vector_literal(query_vector),
                 "conversations": [place.key[0] for place in messages],
                 "seqs": [place.key[2] for place in messages],
             },
@@ -397,11 +401,14 @@ async def vector_legs(
     return [whole, parts]
 
 
-def _vector_literal(vector: Sequence[float]) -> str:
+def vector_literal(vector: Sequence[float]) -> str:
+    """A vector as pgvector's text form."""
     return "[" + ",".join(f"{float(x):.6g}" for x in vector) + "]"
 
 
-def _candidates(rows: Any) -> Candidates:
+def candidates_of(rows: Any) -> Candidates:
+    """A leg's candidates from rows of (conversation_id, level, seq, span_end, name, created_at,
+    exact, similarity), best first."""
     # By position: named access to a row's columns costs more than the rest of this loop.
     return Candidates(
         [

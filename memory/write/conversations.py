@@ -19,7 +19,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from memory.db import AnyRow, transaction
 from memory.errors import InvalidInput, NotFound
-from memory.schema import conversations, jobs, nodes
+from memory.schema import conversations, jobs, nodes, working_contexts
 from memory.write import store
 
 
@@ -35,6 +35,10 @@ class ConversationSummary:
     requests: int
     tokens_sent: int
     tokens_full: int
+    tokens_reused: int
+    usage_prompt_tokens: int
+    usage_cached_tokens: int
+    usage_completion_tokens: int
     created_at: datetime
     updated_at: datetime
 
@@ -57,6 +61,9 @@ class ConversationStats:
     level_tokens: dict[int, int]
     # Jobs of the conversation not yet done, by status.
     pending_jobs: dict[str, int]
+    # Its working context (None while it fits its budget): version, compactions, where the
+    # verbatim turns start, stable-memory messages, kept notes and tokens.
+    working_context: dict[str, int] | None = None
 
     @property
     def compression_ratio(self) -> float | None:
@@ -64,6 +71,12 @@ class ConversationStats:
         the first answered request)."""
         sent = self.conversation.tokens_sent
         return None if sent == 0 else self.conversation.tokens_full / sent
+
+    @property
+    def memory_reuse(self) -> float | None:
+        """The share of the prompt tokens sent that repeated the previous prompt's prefix."""
+        sent = self.conversation.tokens_sent
+        return None if sent == 0 else self.conversation.tokens_reused / sent
 
 
 @dataclass(frozen=True)
@@ -84,6 +97,10 @@ _SUMMARY_COLUMNS = (
     conversations.c.requests,
     conversations.c.tokens_sent,
     conversations.c.tokens_full,
+    conversations.c.tokens_reused,
+    conversations.c.usage_prompt_tokens,
+    conversations.c.usage_cached_tokens,
+    conversations.c.usage_completion_tokens,
     conversations.c.created_at,
     conversations.c.updated_at,
 )
@@ -188,11 +205,24 @@ async def stats(conn: AsyncConnection, *, tenant_id: int, external_id: str) -> C
         )
         .group_by(jobs.c.status)
     )
+    context = (
+        await conn.execute(
+            select(
+                working_contexts.c.version,
+                working_contexts.c.compactions,
+                working_contexts.c.verbatim_from,
+                func.jsonb_array_length(working_contexts.c.stable).label("stable_messages"),
+                func.jsonb_array_length(working_contexts.c.notes).label("notes"),
+                working_contexts.c.tokens,
+            ).where(working_contexts.c.conversation_id == summary.id)
+        )
+    ).one_or_none()
     return ConversationStats(
         conversation=summary,
         levels=levels,
         level_tokens=level_tokens,
         pending_jobs={str(status): int(count) for status, count in pending},
+        working_context=dict(context._mapping) if context is not None else None,
     )
 
 

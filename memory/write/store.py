@@ -7,7 +7,10 @@ never duplicated, sequence numbers and a consistent hash chain. Callers own the 
 `store_new` and `append` do their work inside the caller's transaction, and queue the build of
 the conversation's tree there (`memory.build.tree.enqueue`, deduplicated), so that the
 background work commits or rolls back with the messages it concerns. They are the only place a
-write queues its build: no caller can store messages and forget them.
+write queues its build: no caller can store messages and forget them. A reply to a prompt built
+from the working context also queues `CONTEXT_JOB` (deduplicated, behind the build): the read
+path's preparation of the next turn (`memory.recall.anticipation`, `memory.recall.compaction`),
+whose handler `gateway.background` composes.
 
 The request path runs `store_new` and `append` on every chat request, so each keeps its round
 trips to the database few: the conversation is found and locked in one statement, and what
@@ -20,11 +23,11 @@ from datetime import UTC, datetime
 from typing import Any
 
 from sqlalchemy import Integer, Text, bindparam, case, func, insert, select, update
-from sqlalchemy.dialects.postgresql import aggregate_order_by
+from sqlalchemy.dialects.postgresql import JSONB, aggregate_order_by
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from memory import tokens
-from memory.build import tree
+from memory.build import jobs, tree
 from memory.db import AnyRow
 from memory.errors import NotFound
 from memory.schema import DEFAULT_TENANT, conversations, nodes, tenants
@@ -37,6 +40,10 @@ MESSAGE_FIELDS = ("role", "name", "content", "tool_calls", "tool_call_id")
 _SYSTEM_ROLES = ("system", "developer")
 
 __all__ = ["ReplyTo"]  # re-exported: a turn keeps where its reply goes
+
+CONTEXT_JOB = "context"
+"""The job that prepares a conversation's next turn after a reply: its likely recall, and its
+next compaction when one nears (run by the read path; queued here, with the reply)."""
 
 
 @dataclass(frozen=True)
@@ -68,6 +75,28 @@ class Appended:
     `memory.write.branches`)."""
     reply_to: ReplyTo | None = None
     """Where this turn's reply goes (`store_new` only)."""
+    prompt_fingerprint: Any = None
+    """The fingerprint of the conversation's last prompt (`RequestStats.fingerprint`)."""
+
+
+@dataclass(frozen=True)
+class RequestStats:
+    """What one answered request cost, counted on the conversation with its reply."""
+
+    sent: int
+    """Prompt tokens sent upstream, as the gateway counted them."""
+    full: int
+    """Tokens the whole history would have cost."""
+    reused: int = 0
+    """Prompt tokens that repeated the previous prompt's prefix."""
+    upstream_prompt: int = 0
+    upstream_cached: int = 0
+    upstream_completion: int = 0
+    """What the upstream reported in `usage` (summed over hidden tool rounds)."""
+    fingerprint: Any = None
+    """The prompt's fingerprint, kept for the next request's reuse figure (None: unchanged)."""
+    prepare_context: bool = False
+    """The prompt came from the working context: queue the preparation of the next turn."""
 
 
 @dataclass(frozen=True)
@@ -163,6 +192,7 @@ async def store_new(
         whole=found.whole,
         branched_at=moved.branched_at,
         reply_to=ReplyTo(parent=head[0], parent_seq=head[1], request_key=request_key),
+        prompt_fingerprint=conv.prompt_fingerprint,
     )
 
 
@@ -175,17 +205,16 @@ async def append(
     model: str,
     status: str = "complete",
     created_at: Sequence[datetime | None] | None = None,
-    request_tokens: tuple[int, int] | None = None,
+    request: RequestStats | None = None,
     reply_to: ReplyTo | None = None,
 ) -> Appended:
     """Append `messages` to a stored conversation's current branch (a reply, or a bulk import).
 
-    `request_tokens`, for a reply: the prompt tokens sent upstream for the request it answers
-    and what the whole history would have cost, counted on the conversation with the reply
-    (its statistics: requests, tokens sent, tokens full); the reply is stored as written by
-    `model`. `reply_to`, for a reply, says where it goes when the head has moved since its turn
-    was stored (`branches.place_reply`: a retry's reply whose first answer is recorded is not
-    stored again)."""
+    `request`, for a reply: what the request it answers cost, counted on the conversation with
+    the reply (its statistics: requests, tokens sent, full, reused, what the upstream
+    reported); the reply is stored as written by `model`. `reply_to`, for a reply, says where
+    it goes when the head has moved since its turn was stored (`branches.place_reply`: a
+    retry's reply whose first answer is recorded is not stored again)."""
     conv = (
         await conn.execute(_LOCK_BY_ID, {"id": conversation_id, "tenant_id": tenant_id})
     ).one_or_none()
@@ -193,13 +222,23 @@ async def append(
         raise NotFound(f"conversation {conversation_id} does not exist")
     ref = ConversationRef(id=conv.id, external_id=conv.external_id, created=False)
     await tree.enqueue(conn, tenant_id=tenant_id, conversation_id=conv.id)
-    if not messages and request_tokens is None:
+    if request is not None and request.prepare_context:
+        # Behind the build just queued: jobs of one conversation run in order.
+        await jobs.enqueue(
+            conn,
+            kind=CONTEXT_JOB,
+            tenant_id=tenant_id,
+            conversation_id=conv.id,
+            dedupe_key=f"{CONTEXT_JOB}:{conv.id}",
+        )
+    if not messages and request is None:
         return Appended(
             conversation=ref,
             node_ids=[],
             first_seq=conv.next_seq,
             token_count=conv.token_count,
             user_id=conv.user_id,
+            prompt_fingerprint=conv.prompt_fingerprint,
         )
     place = branches.Place(after=(conv.head_hash or identity.ROOT_HASH, conv.head_seq))
     if reply_to is not None and conv.head_hash != reply_to.parent:
@@ -214,7 +253,7 @@ async def append(
         status=status,
         created_at=created_at,
         request_key=reply_to.request_key if reply_to is not None else None,
-        replied_by=model if request_tokens is not None else None,
+        replied_by=model if request is not None else None,
         current=place.current,
     )
     added = inserted.tokens if place.current else 0
@@ -226,7 +265,7 @@ async def append(
         added=added,
         head=inserted.head if place.current else None,
         system=systems[-1].get("content") if systems and inserted.node_ids else None,
-        request_tokens=request_tokens,
+        request=request,
     )
     return Appended(
         conversation=ref,
@@ -234,7 +273,15 @@ async def append(
         first_seq=conv.next_seq,
         token_count=conv.token_count + added,
         user_id=conv.user_id,
+        prompt_fingerprint=conv.prompt_fingerprint,
     )
+
+
+async def lock(conn: AsyncConnection, *, tenant_id: int, conversation_id: int) -> None:
+    """Lock the conversation's row until the transaction ends (`NotFound` if it is gone)."""
+    found = await conn.execute(_LOCK_BY_ID, {"id": conversation_id, "tenant_id": tenant_id})
+    if found.one_or_none() is None:
+        raise NotFound(f"conversation {conversation_id} does not exist")
 
 
 async def open_conversation(
@@ -366,9 +413,20 @@ _MOVE_HEAD = (
         requests=conversations.c.requests + bindparam("requests"),
         tokens_sent=conversations.c.tokens_sent + bindparam("sent"),
         tokens_full=conversations.c.tokens_full + bindparam("full"),
+        tokens_reused=conversations.c.tokens_reused + bindparam("reused"),
+        usage_prompt_tokens=conversations.c.usage_prompt_tokens + bindparam("upstream_prompt"),
+        usage_cached_tokens=conversations.c.usage_cached_tokens + bindparam("upstream_cached"),
+        usage_completion_tokens=(
+            conversations.c.usage_completion_tokens + bindparam("upstream_completion")
+        ),
+        prompt_fingerprint=func.coalesce(
+            bindparam("fingerprint", type_=JSONB(none_as_null=True)),
+            conversations.c.prompt_fingerprint,
+        ),
         updated_at=func.now(),
     )
 )
+_NO_REQUEST = RequestStats(sent=0, full=0)
 
 
 async def _move_head(
@@ -379,12 +437,12 @@ async def _move_head(
     added: int,
     head: tuple[str, int | None] | None,
     system: Any = None,
-    request_tokens: tuple[int, int] | None = None,
+    request: RequestStats | None = None,
 ) -> None:
     """Count `stored` messages and `added` tokens of the current branch on the locked `conv`,
     move its head to `head` (None: where it is), note its newest system prompt, count a
-    request's tokens."""
-    sent, full = request_tokens or (0, 0)
+    request's figures."""
+    stats = request or _NO_REQUEST
     await conn.execute(
         _MOVE_HEAD,
         {
@@ -394,9 +452,14 @@ async def _move_head(
             "new_head": head[0] if head is not None else None,
             "new_head_seq": head[1] if head is not None else None,
             "new_system": identity.content_hash(system) if system is not None else None,
-            "requests": 0 if request_tokens is None else 1,
-            "sent": sent,
-            "full": full,
+            "requests": 0 if request is None else 1,
+            "sent": stats.sent,
+            "full": stats.full,
+            "reused": stats.reused,
+            "upstream_prompt": stats.upstream_prompt,
+            "upstream_cached": stats.upstream_cached,
+            "upstream_completion": stats.upstream_completion,
+            "fingerprint": stats.fingerprint,
         },
     )
 

@@ -22,6 +22,7 @@ from gateway.routes.admin.models import (
     TEXT_PATTERN,
     BranchRunPublic,
     CompactQueued,
+    ContextPart,
     ContextPublic,
     ContextRequest,
     ConversationDeleted,
@@ -54,6 +55,10 @@ def _public(summary: conversations.ConversationSummary) -> dict[str, Any]:
         "requests": summary.requests,
         "tokens_sent": summary.tokens_sent,
         "tokens_full": summary.tokens_full,
+        "tokens_reused": summary.tokens_reused,
+        "tokens_cached": summary.usage_cached_tokens,
+        "upstream_prompt_tokens": summary.usage_prompt_tokens,
+        "upstream_completion_tokens": summary.usage_completion_tokens,
         "created_at": summary.created_at,
         "last_activity": summary.updated_at,
     }
@@ -136,6 +141,9 @@ async def conversation_stats(
         level_tokens={str(level): count for level, count in found.level_tokens.items()},
         compression_ratio=found.compression_ratio,
         pending_jobs=found.pending_jobs,
+        memory_reuse=found.memory_reuse,
+        compactions=(found.working_context or {}).get("compactions", 0),
+        working_context=found.working_context,
     )
 
 
@@ -284,9 +292,11 @@ async def compact(
 async def context_dry_run(
     conversation: ConversationPath, body: ContextRequest, state: StateDep, tenant_id: ScopeDep
 ) -> ContextPublic:
-    """The prompt the gateway would send upstream if the conversation received `query` now,
-    and its tokens; nothing is stored or sent."""
-    messages, count = await chat.dry_run(
+    """The prompt the gateway would send upstream if the conversation received `query` now as
+    its next user message (the working context, the recall note, the question), its tokens,
+    each part labelled, and how much of it repeats the last prompt sent; nothing is stored or
+    sent."""
+    assembled = await chat.dry_run(
         state,
         tenant_id=tenant_id,
         external_id=conversation,
@@ -294,7 +304,24 @@ async def context_dry_run(
         budget=body.budget,
         model=body.model,
     )
-    return ContextPublic(conversation=conversation, tokens=count, messages=messages)
+    parts: list[ContextPart] = []
+    for index, (label, count) in enumerate(zip(assembled.labels, assembled.counts, strict=True)):
+        if parts and parts[-1].label == label:
+            parts[-1].messages += 1
+            parts[-1].tokens += count
+        else:
+            parts.append(ContextPart(label=label, start=index, messages=1, tokens=count))
+    return ContextPublic(
+        conversation=conversation,
+        tokens=assembled.tokens,
+        messages=assembled.messages,
+        parts=parts,
+        reused_tokens=assembled.reused,
+        reuse=assembled.reuse,
+        working_context=assembled.context_version is not None,
+        compacted=assembled.compacted,
+        prepared_recall=assembled.prepared_recall,
+    )
 
 
 @router.get("/nodes/{node_id}", summary="One node")

@@ -91,6 +91,14 @@ class ConversationPublic(BaseModel):
     requests: int = Field(description="Chat requests answered")
     tokens_sent: int = Field(description="Prompt tokens sent upstream for those requests")
     tokens_full: int = Field(description="Tokens their whole histories would have cost")
+    tokens_reused: int = Field(
+        description="Prompt tokens sent that repeated the previous prompt's prefix"
+    )
+    tokens_cached: int = Field(
+        description="Prompt tokens the upstream reported as cached (prompt_tokens_details)"
+    )
+    upstream_prompt_tokens: int = Field(description="Prompt tokens the upstream reported")
+    upstream_completion_tokens: int = Field(description="Completion tokens the upstream reported")
     created_at: datetime
     last_activity: datetime
 
@@ -111,6 +119,15 @@ class ConversationStats(ConversationPublic):
         description="tokens_full / tokens_sent (null before the first answered request)"
     )
     pending_jobs: dict[str, int] = Field(description="Jobs not done yet, by status")
+    memory_reuse: float | None = Field(
+        description="tokens_reused / tokens_sent: the share of the prompts that repeated the "
+        "previous prompt's prefix (null before the first answered request)"
+    )
+    compactions: int = Field(description="Turns whose working context was compacted")
+    working_context: dict[str, int] | None = Field(
+        description="The working context (null while the conversation fits its budget): "
+        "version, compactions, verbatim_from, stable_messages, notes, tokens"
+    )
 
 
 class ConversationDeleted(BaseModel):
@@ -227,10 +244,33 @@ class ContextRequest(BaseModel):
     model: str = Field(default="gpt-4o", min_length=1, max_length=200, pattern=TEXT_PATTERN)
 
 
+class ContextPart(BaseModel):
+    """A run of the prompt's messages of one kind."""
+
+    label: Literal["system", "stable", "verbatim", "note", "new", "history", "memory"] = Field(
+        description="system: the client's system prompt; stable: stable memory (summaries "
+        "of what was compacted, milestones); verbatim: the turns since the compaction point; "
+        "note: this turn's recall note; new: the new message; history: a conversation that "
+        "fits, as stored; memory: the memory message of a prompt rebuilt per query"
+    )
+    start: int = Field(description="Index of its first message in `messages`")
+    messages: int
+    tokens: int
+
+
 class ContextPublic(BaseModel):
     conversation: str
     tokens: int
     messages: list[dict[str, Any]]
+    parts: list[ContextPart] = Field(description="The messages, in runs of one kind")
+    reused_tokens: int = Field(description="Tokens that repeat the previous prompt's prefix")
+    reuse: float = Field(description="reused_tokens / tokens")
+    working_context: bool = Field(description="Whether it comes from the working context")
+    compacted: bool = Field(description="Whether the working context would be compacted")
+    prepared_recall: bool = Field(
+        description="Whether the note would come from the candidates prepared after the last "
+        "reply (anticipatory recall)"
+    )
 
 
 # -- search and jobs -------------------------------------------------------------------------

@@ -1,0 +1,258 @@
+"""A turn's prompt from its conversation's working context (`memory.recall.working_context`).
+
+`build(conn, turn, budget, recall, …)` is what `memory.recall.assemble` runs for a conversation
+that does not fit its budget, in the caller's transaction:
+
+1. the context is loaded, or built from scratch when there is none or the turn's history
+   branched inside it or the model's tokenizer changed (`compaction.build`);
+2. when the prompt without its note would pass the high-water mark, the context is compacted
+   (the compaction prepared in the background, when there is one and it is enough, else one
+   computed now); a prompt that does not fit the budget even so (the new messages take most of
+   it) is compacted as far as it goes, and sent without its stable memory if that still does
+   not fit;
+3. the new message is embedded meanwhile, and the recall note is chosen
+   (`memory.recall.recall_note`), from the candidates prepared after the last reply when they
+   cover it (`memory.recall.anticipation.usable`), in the room `Policy.note` gives a message
+   that asks something, never more than the budget leaves; a statement gets no note (measured
+   on LoCoMo: a quarter of that room for statements cost 6 points of cacheable share for 1
+   point of recall), nor does a turn whose new messages are tool results (a note between a
+   call and its results is not allowed);
+4. with `persist`, the context is saved as this turn leaves it (the note kept with
+   `Policy.keep_notes`).
+
+The prompt is the system prompt, the context, the note and the new messages; `marks` are the
+message counts where a later prompt may stop repeating it (`memory.recall.reuse`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
+
+from sqlalchemy.ext.asyncio import AsyncConnection
+
+from memory import tokens
+from memory.recall import anticipation, compaction, recall_note, retrieval
+from memory.recall import working_context as wc
+from memory.recall.compaction import Fixed
+from memory.recall.working_context import Policy
+
+if TYPE_CHECKING:
+    from memory.recall.assemble import Budget, Recall, StoredTurn
+
+__all__ = ["ContextPrompt", "build"]
+
+Message = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class ContextPrompt:
+    """A turn's prompt from the working context, what each message is and costs, and the
+    context's version."""
+
+    messages: list[Message]
+    labels: list[str]
+    counts: list[int]
+    marks: list[int]
+    compacted: bool
+    prepared_recall: bool
+    version: int
+
+
+async def build(
+    conn: AsyncConnection,
+    turn: StoredTurn,
+    budget: Budget,
+    recall: Recall,
+    *,
+    system: list[Message],
+    related: list[int],
+    persist: bool,
+) -> ContextPrompt:
+    """The prompt for `turn` from its working context (see the module docstring); `related`
+    are the same user's other conversations, whose messages a note may recall."""
+    policy, model, limit = recall.policy, turn.model, budget.limit
+    system = [wc.canonical(m) for m in system]
+    new = [wc.canonical(m) for m in turn.new_messages]
+    system_counts = tokens.count_each(system, model=model)
+    new_counts = tokens.count_each(new, model=model)
+    fixed = Fixed(system=sum(system_counts), new=sum(new_counts) + tokens.REPLY_PRIMING_TOKENS)
+    answers_calls = bool(new) and new[0].get("role") == "tool"
+    query = "" if answers_calls else recall_note.query_of(new)
+    # Only a message that asks something gets a note: only its query is embedded.
+    share = policy.note if query and retrieval.asks(query) else 0.0
+    vector_task = (
+        asyncio.ensure_future(recall_note.embed_query(recall.embedder, query)) if share else None
+    )
+    try:
+        state, items, compacted = await _advance(
+            conn, turn, limit=limit, policy=policy, fixed=fixed, answers_calls=answers_calls
+        )
+        context = wc.render(state, items, policy=policy, model=model)
+        if fixed.system + context.tokens + fixed.new > limit:
+            # Not even the low-water mark: as far as a compaction goes, then, for this turn
+            # alone, without stable memory.
+            state = await compaction.compact(
+                conn,
+                state,
+                items,
+                limit=limit,
+                policy=replace(policy, low=0.0),
+                model=model,
+                fixed=fixed,
+                end=turn.first_seq,
+                protect=compaction.calls_start(items, answers_calls, turn.first_seq),
+                consolidate=True,
+            )
+            compacted = True
+            context = wc.render(state, items, policy=policy, model=model)
+            if fixed.system + context.tokens + fixed.new > limit:
+                context = wc.render(replace(state, stable=()), items, policy=policy, model=model)
+        scope = [turn.conversation_id, *related]
+        participants = {item.name for item in items if item.name}
+        # Small budgets still give a note room for a few messages, when they leave it.
+        wanted = max(int(share * limit), recall_note.FLOOR) if share else 0
+        room = min(wanted, limit - fixed.system - context.tokens - fixed.new)
+        # Candidates prepared on a branch the turn left, or before a compaction, no longer fit.
+        fresh = (
+            not compacted
+            and turn.branched_at is None
+            and anticipation.fresh(state, first_seq=turn.first_seq)
+        )
+        fulltext = None
+        if vector_task is not None and room >= recall_note.MIN_ROOM and not fresh:
+            # Retrieval will run: its full-text leg goes while the query is embedded.
+            fulltext = await recall_note.fulltext_leg(
+                conn,
+                tenant_id=turn.tenant_id,
+                conversation_ids=scope,
+                query=query,
+                participants=participants,
+                exclude_from=state.verbatim_from,
+                abandoned=recall.abandoned_branches,
+            )
+        vector = await vector_task if vector_task is not None else None
+    finally:
+        if vector_task is not None and not vector_task.done():
+            vector_task.cancel()
+    prepared = fresh and anticipation.usable(state, first_seq=turn.first_seq, vector=vector)
+    note = await recall_note.recall(
+        conn,
+        tenant_id=turn.tenant_id,
+        conversation_ids=scope,
+        query=query,
+        vector=vector,
+        prepared=state.recall_ids if prepared else None,
+        newest=turn.first_seq - 1,
+        exclude_from=state.verbatim_from,
+        present=state.present(),
+        participants=participants,
+        room=room,
+        model=model,
+        abandoned=recall.abandoned_branches,
+        fulltext=fulltext,
+    )
+    if persist:
+        notes = tuple(kept for kept in state.notes if kept.before < turn.first_seq)
+        if note is not None and policy.keep_notes:
+            notes += (wc.Note(before=turn.first_seq, text=note.text, ids=note.ids),)
+        await wc.save(
+            conn,
+            replace(
+                state,
+                model=model,
+                budget=limit,
+                tokens=context.tokens + (note.tokens if note and policy.keep_notes else 0),
+                system_tokens=fixed.system,
+                upto=turn.next_seq if turn.next_seq is not None else turn.first_seq,
+                notes=notes,
+                compactions=state.compactions + int(compacted),
+            ),
+        )
+    noted = [] if note is None else [(wc.note_message(note.text), note.tokens)]
+    stable = context.labels.count("stable")
+    return ContextPrompt(
+        messages=[*system, *context.messages, *(m for m, _ in noted), *new],
+        labels=["system"] * len(system)
+        + context.labels
+        + ["note"] * len(noted)
+        + ["new"] * len(new),
+        counts=[*system_counts, *context.counts, *(count for _, count in noted), *new_counts],
+        marks=[len(system) + count for count in range(stable + 1)]
+        + [len(system) + len(context.messages)],
+        compacted=compacted,
+        prepared_recall=prepared,
+        version=state.version,
+    )
+
+
+async def _advance(
+    conn: AsyncConnection,
+    turn: StoredTurn,
+    *,
+    limit: int,
+    policy: Policy,
+    fixed: Fixed,
+    answers_calls: bool,
+) -> tuple[wc.State, list[wc.Item], bool]:
+    """The context as this turn finds it (built or rebuilt, compacted if it must be), its
+    verbatim turns, and whether it was compacted."""
+    state = await wc.load(conn, tenant_id=turn.tenant_id, conversation_id=turn.conversation_id)
+    if state is None or _branched(state, turn):
+        built, items = await compaction.build(
+            conn,
+            tenant_id=turn.tenant_id,
+            conversation_id=turn.conversation_id,
+            end=turn.first_seq,
+            limit=limit,
+            policy=policy,
+            model=turn.model,
+            fixed=fixed,
+            answers_calls=answers_calls,
+            previous=state,
+        )
+        return built, items, False
+    items = await wc.read_items(
+        conn,
+        tenant_id=turn.tenant_id,
+        conversation_id=turn.conversation_id,
+        start=state.verbatim_from,
+        end=turn.first_seq,
+        model=turn.model,
+    )
+    context = wc.render(state, items, policy=policy, model=turn.model)
+    if fixed.system + context.tokens + fixed.new <= policy.high * limit:
+        return state, items, False
+    protect = compaction.calls_start(items, answers_calls, turn.first_seq)
+    swapped = compaction.swap(state)
+    if swapped is not None and swapped.verbatim_from <= protect:
+        context = wc.render(swapped, items, policy=policy, model=turn.model)
+        # Enough if it leaves the next compaction at least half the usual way off.
+        if fixed.system + context.tokens + fixed.new <= (policy.low + policy.high) / 2 * limit:
+            return swapped, items, True
+        state = replace(swapped, version=state.version)
+    compacted = await compaction.compact(
+        conn,
+        state,
+        items,
+        limit=limit,
+        policy=policy,
+        model=turn.model,
+        fixed=fixed,
+        end=turn.first_seq,
+        protect=protect,
+    )
+    return compacted, items, True
+
+
+def _branched(state: wc.State, turn: StoredTurn) -> bool:
+    """Whether the turn's history branched inside what the context already holds (an edit or
+    a regenerate), the model's tokenizer changed, or the context is ahead of the conversation:
+    then it is rebuilt."""
+    if turn.branched_at is not None and turn.branched_at < state.upto:
+        return True
+    # Another model's tokenizer: the stable memory's counts, and its cache, are not this one's.
+    if tokens.encoding_name_for_model(turn.model) != tokens.encoding_name_for_model(state.model):
+        return True
+    return state.verbatim_from > turn.first_seq

@@ -1,0 +1,376 @@
+"""The recall note: past messages the new message calls for that the prompt does not hold.
+
+`recall()` returns the note a turn's prompt carries right before its new messages, or None:
+
+* its candidates are the messages of the conversation (and of the same user's others) outside
+  the working context's verbatim turns and not quoted elsewhere in it (`present`): either the
+  candidates prepared after the last reply (`memory.recall.anticipation`), when the caller
+  found that they cover the new message, scored by their similarity to it, with the messages
+  holding an identifier the new message names (the full-text leg on those words alone); or
+  hybrid retrieval for it (`memory.recall.retrieval`: full text, vectors, passages, fused);
+* a message is recalled only if it bears on the new message: its text or one of its sentences
+  is within `RELEVANCE` of it by cosine similarity, it holds a rare identifier the message
+  names, it is among the full-text leg's first `FULLTEXT_FIRST` and has no vector yet (nothing
+  just written is invisible), or it sits next to (`NEIGHBOURS`) a message that bears on it (an
+  answer right after its question). A turn with nothing relevant gets no note;
+* the relevant ones fill `room` tokens, best fused score first, and are shown verbatim in time
+  order under a heading per sitting, each tagged `[#id]` and its speaker
+  (`memory.recall.memory_block`).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Final
+
+from sqlalchemy import select, text
+from sqlalchemy.ext.asyncio import AsyncConnection
+
+from memory import tokens
+from memory.embeddings import Embedder
+from memory.errors import ProviderError
+from memory.recall import fusion, retrieval
+from memory.recall.fusion import Candidates, Key
+from memory.recall.memory_block import MemoryBlock
+from memory.schema import conversations
+
+__all__ = [
+    "RELEVANCE",
+    "Recalled",
+    "embed_query",
+    "fulltext_leg",
+    "query_of",
+    "recall",
+    "related_conversations",
+]
+
+log = logging.getLogger(__name__)
+
+RELEVANCE: Final = 0.15
+"""Cosine similarity (whole message or best sentence) to the new message a message needs to be
+recalled (all-MiniLM-L6-v2)."""
+NEIGHBOURS: Final = len(fusion.CONTIGUITY)
+"""Messages this close to a relevant one are eligible too: they lent it their score."""
+FULLTEXT_FIRST: Final = 10
+"""Full-text candidates this high that have no vector are judged by their rank alone."""
+MIN_ROOM: Final = 48
+"""A note needs at least this many tokens to say anything."""
+FLOOR: Final = 160
+"""The room a note of a message that asks gets at least, whatever its share of a small budget
+(when the budget leaves it): its heading and a few messages."""
+RELATED_LIMIT: Final = 20
+QUERY_CHARS: Final = 2000
+HEADER: Final = (
+    "[Recalled for the newest message: earlier messages not shown above, verbatim, tagged [#id] "
+    "and speaker under the time they were written.]\n"
+)
+
+
+@dataclass(frozen=True)
+class Recalled:
+    """A note: its text, the messages it quotes and its tokens."""
+
+    text: str
+    ids: tuple[int, ...]
+    tokens: int
+
+
+# Similarity to the query of messages by place (NULL: not embedded yet).
+_SIMILARITY = text(
+    """
+SELECT n.conversation_id, n.level, n.seq, 1 - (n.embedding <=> CAST(:vector AS vector))
+FROM unnest(CAST(:conversations AS bigint[]), CAST(:seqs AS integer[])) AS w(conv, seq)
+JOIN nodes n ON n.conversation_id = w.conv AND n.level = 0 AND n.seq = w.seq
+WHERE n.tenant_id = :tenant_id AND (CAST(:abandoned AS boolean) OR n.superseded_at IS NULL)
+"""
+)
+# The prepared candidates, scored by their similarity to the new message: the better of the
+# whole message's and its best passage's.
+_PREPARED = text(
+    """
+SELECT n.conversation_id, n.level, n.seq, n.span_end, n.name, n.created_at, false AS exact,
+       greatest(1 - (n.embedding <=> CAST(:vector AS vector)),
+                coalesce((SELECT max(1 - (p.embedding <=> CAST(:vector AS vector)))
+                          FROM passages p WHERE p.node_id = n.id), 0)) AS similarity
+FROM nodes n
+WHERE n.tenant_id = :tenant_id AND n.id = ANY(:ids) AND n.embedding IS NOT NULL
+  AND (CAST(:abandoned AS boolean) OR n.superseded_at IS NULL)
+ORDER BY similarity DESC
+"""
+)
+
+
+def query_of(new_messages: Sequence[Mapping[str, Any]]) -> str:
+    """What recall looks for: the new user messages' text (else any new text), its end."""
+    texts = [tokens.message_text(m) for m in new_messages if m.get("role") == "user"]
+    if not any(texts):
+        texts = [tokens.message_text(m) for m in new_messages]
+    return "\n".join(t for t in texts if t)[-QUERY_CHARS:]
+
+
+async def embed_query(embedder: Embedder, text: str) -> list[float] | None:
+    """The query's vector, or None when the embedder fails (retrieval is then full-text)."""
+    try:
+        [vector] = await embedder.embed([text])
+    except ProviderError:
+        log.warning("query embedding failed; retrieving by full text only", exc_info=True)
+        return None
+    return vector
+
+
+async def related_conversations(
+    conn: AsyncConnection, *, tenant_id: int, conversation_id: int, user: str | None
+) -> list[int]:
+    """The tenant's other conversations of the same OpenAI `user`, most recent first."""
+    if user is None:
+        return []
+    rows = await conn.execute(
+        select(conversations.c.id)
+        .where(
+            conversations.c.tenant_id == tenant_id,
+            conversations.c.user_id == user,
+            conversations.c.id != conversation_id,
+        )
+        .order_by(conversations.c.updated_at.desc())
+        .limit(RELATED_LIMIT)
+    )
+    return [int(row.id) for row in rows]
+
+
+async def recall(
+    conn: AsyncConnection,
+    *,
+    tenant_id: int,
+    conversation_ids: Sequence[int],
+    query: str,
+    vector: Sequence[float] | None,
+    prepared: Sequence[int] | None,
+    newest: int,
+    exclude_from: int,
+    present: Collection[int],
+    participants: Collection[str],
+    room: int,
+    model: str,
+    abandoned: bool = False,
+    fulltext: Candidates | None = None,
+) -> Recalled | None:
+    """The note for `query` in `room` tokens, or None (see the module docstring).
+
+    `conversation_ids` starts with the turn's own; its messages before `newest` + 1 are
+    searched, those from `exclude_from` on excluded (they are in the prompt verbatim), as are
+    the ids in `present`. `prepared` are candidate node ids that stand in for retrieval;
+    `abandoned` lets messages off their conversation's current branch be recalled. `fulltext`
+    is the full-text leg already run (`fulltext_leg`) for the same turn."""
+    if room < MIN_ROOM or not query:
+        return None
+    conversation_id = conversation_ids[0]
+    search_text = retrieval.without_names(query, participants)
+    if prepared is not None and vector is not None:
+        legs = [
+            await _prepared_leg(
+                conn, tenant_id=tenant_id, ids=prepared, vector=vector, abandoned=abandoned
+            )
+        ]
+        named = retrieval.identifiers(query)
+        if named:  # an identifier the exchange did not name is looked up (rare terms: cheap)
+            legs.append(
+                await retrieval.fulltext_candidates(
+                    conn,
+                    tenant_id=tenant_id,
+                    conversation_ids=conversation_ids,
+                    query=" ".join(named),
+                    levels=[0],
+                    exclude_from=(conversation_id, exclude_from),
+                    abandoned=abandoned,
+                )
+            )
+    else:
+        legs = await _search_legs(
+            conn,
+            tenant_id=tenant_id,
+            conversation_ids=conversation_ids,
+            query=search_text,
+            vector=vector,
+            exclude=(conversation_id, exclude_from),
+            newest=newest,
+            abandoned=abandoned,
+            fulltext=fulltext,
+        )
+    scores = fusion.fuse(
+        legs,
+        which=retrieval.route(query),
+        newest={conversation_id: newest},
+        primary=conversation_id,
+        speakers=retrieval.participants_named(query, participants),
+        exclude_from=(conversation_id, exclude_from),
+        within=retrieval.periods(query),
+    )
+    unjudged = _unjudged(legs, searched=prepared is None or vector is None)
+    similar = await _similarities(
+        conn, tenant_id=tenant_id, keys=unjudged, vector=vector, abandoned=abandoned
+    )
+    eligible = _eligible(legs, scores, similar)
+    scores = {key: score for key, score in scores.items() if key in eligible}
+    hits = await retrieval.load(
+        conn, tenant_id=tenant_id, scores=scores, limit=room // 20 + 20, abandoned=abandoned
+    )
+    enc = tokens.get_encoding(tokens.encoding_name_for_model(model))
+    block = MemoryBlock(enc=enc, primary=conversation_id)
+    left = room - tokens.count_message({"role": "system", "content": HEADER}, model=model)
+    for hit in hits:
+        if hit.level == 0 and hit.node_id not in present:
+            cost = block.cost_of_message(hit)
+            if cost <= left:
+                block.add_message(hit)
+                left -= cost
+    while block.messages:
+        note = HEADER + block.render()
+        count = tokens.count_message({"role": "system", "content": note}, model=model)
+        if count <= room:
+            return Recalled(text=note, ids=tuple(sorted(block.message_ids)), tokens=count)
+        block.drop_weakest(count - room)
+    return None
+
+
+async def fulltext_leg(
+    conn: AsyncConnection,
+    *,
+    tenant_id: int,
+    conversation_ids: Sequence[int],
+    query: str,
+    participants: Collection[str],
+    exclude_from: int,
+    abandoned: bool = False,
+) -> Candidates:
+    """The full-text leg of `recall`'s retrieval, to run before the query's vector is known."""
+    return await retrieval.fulltext_candidates(
+        conn,
+        tenant_id=tenant_id,
+        conversation_ids=conversation_ids,
+        query=retrieval.without_names(query, participants),
+        levels=[0],
+        exclude_from=(conversation_ids[0], exclude_from),
+        abandoned=abandoned,
+    )
+
+
+async def _prepared_leg(
+    conn: AsyncConnection,
+    *,
+    tenant_id: int,
+    ids: Sequence[int],
+    vector: Sequence[float],
+    abandoned: bool,
+) -> Candidates:
+    rows = await conn.execute(
+        _PREPARED,
+        {
+            "tenant_id": tenant_id,
+            "ids": list(ids),
+            "vector": retrieval.vector_literal(vector),
+            "abandoned": abandoned,
+        },
+    )
+    return retrieval.candidates_of(rows)
+
+
+async def _search_legs(
+    conn: AsyncConnection,
+    *,
+    tenant_id: int,
+    conversation_ids: Sequence[int],
+    query: str,
+    vector: Sequence[float] | None,
+    exclude: tuple[int, int],
+    newest: int,
+    abandoned: bool,
+    fulltext: Candidates | None,
+) -> list[Candidates]:
+    """Hybrid retrieval's legs over messages, enough candidates that a note is chosen among
+    several times more."""
+    if fulltext is None:
+        fulltext = await retrieval.fulltext_candidates(
+            conn,
+            tenant_id=tenant_id,
+            conversation_ids=conversation_ids,
+            query=query,
+            levels=[0],
+            exclude_from=exclude,
+            abandoned=abandoned,
+        )
+    legs = [fulltext]
+    if vector is not None:
+        legs += await retrieval.vector_legs(
+            conn,
+            tenant_id=tenant_id,
+            conversation_ids=conversation_ids,
+            query_vector=vector,
+            levels=[0],
+            exclude_from=exclude,
+            messages=newest + 1 if len(conversation_ids) == 1 else None,
+            abandoned=abandoned,
+        )
+    return legs
+
+
+def _unjudged(legs: Sequence[Candidates], *, searched: bool) -> list[Key]:
+    """The full-text leg's first candidates (the first of searched `legs`) that no vector leg
+    scored."""
+    if not searched or not legs:
+        return []
+    judged = {place.key for leg in legs[1:] for place in leg.ranked}
+    return [place.key for place in legs[0].ranked[:FULLTEXT_FIRST] if place.key not in judged]
+
+
+async def _similarities(
+    conn: AsyncConnection,
+    *,
+    tenant_id: int,
+    keys: Sequence[Key],
+    vector: Sequence[float] | None,
+    abandoned: bool,
+) -> dict[Key, float | None]:
+    """The similarity to the query of the messages at `keys` (None: no vector yet)."""
+    if not keys:
+        return {}
+    if vector is None:
+        return dict.fromkeys(keys)
+    rows = await conn.execute(
+        _SIMILARITY,
+        {
+            "tenant_id": tenant_id,
+            "vector": retrieval.vector_literal(vector),
+            "conversations": [key[0] for key in keys],
+            "seqs": [key[2] for key in keys],
+            "abandoned": abandoned,
+        },
+    )
+    return {(conv, level, seq): sim for conv, level, seq, sim in rows}
+
+
+def _eligible(
+    legs: Sequence[Candidates], scores: Collection[Key], similar: Mapping[Key, float | None]
+) -> set[Key]:
+    """The places that bear on the query (see the module docstring): similar enough, an exact
+    identifier, a first full-text match not yet embedded, or next to one of those."""
+    relevant = {
+        place.key
+        for leg in legs
+        for place in leg.ranked
+        if place.exact or (place.similarity or 0.0) >= RELEVANCE
+    }
+    relevant.update(key for key, sim in similar.items() if sim is None or sim >= RELEVANCE)
+    eligible = set(relevant)
+    for conversation, level, seq in relevant:
+        for distance in range(1, NEIGHBOURS + 1):
+            eligible.update(
+                key
+                for key in (
+                    (conversation, level, seq - distance),
+                    (conversation, level, seq + distance),
+                )
+                if key in scores
+            )
+    return eligible

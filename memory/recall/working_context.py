@@ -1,0 +1,385 @@
+"""The working context of a conversation: the stable part of its last prompt, persisted (SPEC §6).
+
+A conversation that no longer fits its budget is sent, turn after turn, the same growing
+prompt, so that a provider can cache its prefix:
+
+    client system prompt → stable memory → verbatim turns → (recall note) → new messages
+
+* **Stable memory**: one `system` message per compaction since the last consolidation
+  (`StablePart`), each holding the summaries of the messages that compaction took out of the
+  verbatim turns, tagged `[#id]`, and the milestones among them, verbatim (`memory.recall.
+  compaction` writes them). Its text is stored: it never changes until a consolidation.
+* **Verbatim turns**: every stored message from the compaction point `verbatim_from` on, in
+  order, the client's system messages aside (the request's own system prompt goes first); a
+  tool result before `mask_before` of more than `MASK_MIN_TOKENS` is masked (`masked()`: its
+  node id, its size, and "memory_expand to read").
+* **Recall notes** kept since the last compaction (`Note`), each before the message it was
+  recalled for (`memory.recall.recall_note`).
+
+`State` is the row of `memory.schema.working_contexts`: what the prompt is rebuilt from, with
+the stored messages. `render()` rebuilds it deterministically: the same state and the same
+stored messages give the same messages, serialized to the same bytes (`canonical()`: fixed key
+order, nested keys sorted), in every process. A turn adds its new messages (rendered
+`canonical()` too, so the next prompt, reading them from storage, repeats them byte for byte)
+and the note; the prompt changes before its end only when the state is rebuilt (a compaction,
+or a branch: `version` then grows).
+
+`load` reads the state (the caller holds the conversation's row lock when it means to change
+it); `save` writes it back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import Any, Final
+
+from sqlalchemy import case, func, null, select, text
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.ext.asyncio import AsyncConnection
+
+from memory import tokens
+from memory.schema import working_contexts
+from memory.write import store
+
+__all__ = [
+    "MASK_MIN_TOKENS",
+    "Item",
+    "Note",
+    "Policy",
+    "Rendered",
+    "StablePart",
+    "State",
+    "canonical",
+    "load",
+    "masked",
+    "read_items",
+    "render",
+    "save",
+]
+
+MASK_MIN_TOKENS: Final = 64
+"""Tool results this small are never masked: the placeholder would save next to nothing."""
+
+SYSTEM_ROLES: Final = ("system", "developer")
+
+
+@dataclass(frozen=True)
+class Policy:
+    """How the working context spends the budget (shares of it)."""
+
+    high: float = 0.85
+    """A turn whose prompt without its note (system prompt, context, new messages) would pass
+    this share compacts first."""
+    low: float = 0.45
+    """A compaction rebuilds the context so that the prompt without its note takes this share."""
+    note: float = 0.2
+    """Most the recall note of a message that asks something (`memory.recall.query.asks`) may
+    take, never more than the budget leaves; a statement gets none."""
+    keep_notes: bool = False
+    """Notes stay in the context until the next compaction (else: sent with their turn only)."""
+    fresh: float = 0.15
+    """The newest turns within this share are the fresh tail: their tool results stay whole."""
+    stable: float = 0.25
+    """Stable memory past this share is consolidated into one message."""
+    tools_guide: str | None = None
+    """How the stable memory tells the model to use the memory tools (None: not offered)."""
+    cache_control: bool = False
+    """Mark the last stable-memory message with an Anthropic-style `cache_control` breakpoint."""
+
+
+@dataclass(frozen=True)
+class StablePart:
+    """One stable-memory message: the summaries of messages `start` to `end - 1`, and the
+    milestones among them (`ids`: quoted verbatim, so a note need not recall them)."""
+
+    text: str
+    start: int
+    end: int
+    tokens: int
+    ids: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class Note:
+    """A recall note kept in the context, before the message at seq `before`."""
+
+    before: int
+    text: str
+    ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class State:
+    """A conversation's working context (see the module docstring)."""
+
+    tenant_id: int
+    conversation_id: int
+    model: str
+    budget: int
+    verbatim_from: int
+    mask_before: int
+    upto: int
+    stable: tuple[StablePart, ...] = ()
+    notes: tuple[Note, ...] = ()
+    tokens: int = 0
+    system_tokens: int = 0
+    version: int = 1
+    compactions: int = 0
+    prepared: Mapping[str, Any] | None = None
+    recall_after: int | None = None
+    recall_vector: Sequence[float] | None = None
+    recall_ids: tuple[int, ...] = ()
+
+    def present(self) -> set[int]:
+        """Messages the context quotes verbatim outside the verbatim turns (milestones, notes)."""
+        found = {node for part in self.stable for node in part.ids}
+        found.update(node for note in self.notes for node in note.ids)
+        return found
+
+    def rebuilt(self, **changes: Any) -> State:
+        """This state with a new prefix: `version` grows, notes and prepared work are dropped."""
+        return replace(
+            self,
+            **{"notes": (), "prepared": None, **changes, "version": self.version + 1},
+        )
+
+
+@dataclass(frozen=True)
+class Item:
+    """One stored message of the verbatim turns: as sent (`message`, `canonical()`) and what
+    it costs whole."""
+
+    node_id: int
+    seq: int
+    role: str
+    name: str | None
+    message: dict[str, Any]
+    tokens: int
+
+    @property
+    def maskable(self) -> bool:
+        return self.role == "tool" and self.tokens > MASK_MIN_TOKENS
+
+
+@dataclass(frozen=True)
+class Rendered:
+    """The context's messages with a label each (`stable`, `verbatim`, `note`) and their
+    tokens."""
+
+    messages: list[dict[str, Any]]
+    labels: list[str]
+    counts: list[int]
+
+    @property
+    def tokens(self) -> int:
+        return sum(self.counts)
+
+
+# -- rendering ---------------------------------------------------------------------------------
+
+
+def canonical(message: Mapping[str, Any]) -> dict[str, Any]:
+    """`message` as the prompt sends it: role, content, then name, tool calls and tool call id
+    when set, then any other field in name order; nested objects with their keys sorted. A
+    message the client sends and the same message read back from storage (JSONB orders keys its
+    own way) come out identical."""
+    out: dict[str, Any] = {"role": message.get("role"), "content": _sorted(message.get("content"))}
+    for key in ("name", "tool_calls", "tool_call_id"):
+        if message.get(key) is not None:
+            out[key] = _sorted(message[key])
+    for key in sorted(k for k in message if k not in out and k not in store.MESSAGE_FIELDS):
+        out[key] = _sorted(message[key])
+    return out
+
+
+def _sorted(value: Any) -> Any:
+    if isinstance(value, Mapping):
+        return {key: _sorted(value[key]) for key in sorted(value)}
+    if isinstance(value, list):
+        return [_sorted(item) for item in value]
+    return value
+
+
+def masked(item: Item) -> dict[str, Any]:
+    """The one-line placeholder a masked tool result is sent as."""
+    return {
+        "role": "tool",
+        "content": (
+            f"[#{item.node_id} tool result, {item.tokens:,} tokens, masked: memory_expand to read]"
+        ),
+        "tool_call_id": item.message.get("tool_call_id"),
+    }
+
+
+def stable_message(part: StablePart, *, breakpoint: bool) -> dict[str, Any]:
+    """A stable-memory message; with `breakpoint`, its text is one part carrying an
+    Anthropic-style `cache_control` mark."""
+    if not breakpoint:
+        return {"role": "system", "content": part.text}
+    return {
+        "role": "system",
+        "content": [{"cache_control": {"type": "ephemeral"}, "text": part.text, "type": "text"}],
+    }
+
+
+def note_message(note_text: str) -> dict[str, Any]:
+    return {"role": "system", "content": note_text}
+
+
+def render(state: State, items: Sequence[Item], *, policy: Policy, model: str) -> Rendered:
+    """The context's messages: stable memory, then the verbatim turns from `verbatim_from` (old
+    tool results masked) with the kept notes in their places."""
+    messages: list[dict[str, Any]] = []
+    labels: list[str] = []
+    counts: list[int] = []
+
+    def add(message: dict[str, Any], label: str, count: int | None = None) -> None:
+        messages.append(message)
+        labels.append(label)
+        counts.append(count if count is not None else tokens.count_message(message, model=model))
+
+    for index, part in enumerate(state.stable):
+        breakpoint = policy.cache_control and index == len(state.stable) - 1
+        add(stable_message(part, breakpoint=breakpoint), "stable", part.tokens)
+    notes = {note.before: note for note in state.notes}
+    for item in items:
+        if item.seq < state.verbatim_from:
+            continue
+        if item.seq in notes:
+            add(note_message(notes.pop(item.seq).text), "note")
+        if item.maskable and item.seq < state.mask_before:
+            add(masked(item), "verbatim")
+        else:
+            add(item.message, "verbatim", item.tokens)
+    return Rendered(messages=messages, labels=labels, counts=counts)
+
+
+_ITEMS = text(
+    "SELECT id, seq, role, name, content, tool_calls, tool_call_id, meta FROM nodes "
+    "WHERE tenant_id = :tenant_id AND conversation_id = :conversation_id AND level = 0 "
+    "AND seq >= :start AND seq < :end AND superseded_at IS NULL ORDER BY seq"
+)
+
+
+async def read_items(
+    conn: AsyncConnection, *, tenant_id: int, conversation_id: int, start: int, end: int, model: str
+) -> list[Item]:
+    """The current branch's messages from seq `start` to `end - 1` as verbatim turns, as a
+    prompt carries them (`store.prompt_message`; the client's system messages left out), each
+    counted in `model`'s encoding."""
+    if end <= start:
+        return []
+    rows = await conn.execute(
+        _ITEMS,
+        {"tenant_id": tenant_id, "conversation_id": conversation_id, "start": start, "end": end},
+    )
+    items: list[Item] = []
+    for row in rows:
+        if row.role in SYSTEM_ROLES:
+            continue
+        message = canonical(store.prompt_message(row))
+        items.append(
+            Item(
+                node_id=row.id,
+                seq=row.seq,
+                role=row.role,
+                name=row.name,
+                message=message,
+                tokens=tokens.count_message(message, model=model),
+            )
+        )
+    return items
+
+
+# -- persistence -------------------------------------------------------------------------------
+
+
+async def load(conn: AsyncConnection, *, tenant_id: int, conversation_id: int) -> State | None:
+    """The conversation's working context, or None when it has none."""
+    row = (
+        await conn.execute(
+            select(working_contexts).where(
+                working_contexts.c.conversation_id == conversation_id,
+                working_contexts.c.tenant_id == tenant_id,
+            )
+        )
+    ).one_or_none()
+    if row is None:
+        return None
+    return State(
+        tenant_id=row.tenant_id,
+        conversation_id=row.conversation_id,
+        model=row.model,
+        budget=row.budget,
+        verbatim_from=row.verbatim_from,
+        mask_before=row.mask_before,
+        upto=row.upto,
+        stable=tuple(parts(row.stable)),
+        notes=tuple(
+            Note(before=int(n["before"]), text=str(n["text"]), ids=tuple(n["ids"]))
+            for n in row.notes
+        ),
+        tokens=row.tokens,
+        system_tokens=row.system_tokens,
+        version=row.version,
+        compactions=row.compactions,
+        prepared=row.prepared,
+        recall_after=row.recall_after,
+        recall_vector=None if row.recall_vector is None else [float(x) for x in row.recall_vector],
+        recall_ids=tuple(row.recall_ids or ()),
+    )
+
+
+def parts(raw: Any) -> list[StablePart]:
+    """Stable parts from their JSON form (`part_json`)."""
+    return [
+        StablePart(
+            text=str(p["text"]),
+            start=int(p["start"]),
+            end=int(p["end"]),
+            tokens=int(p["tokens"]),
+            ids=tuple(int(i) for i in p.get("ids", ())),
+        )
+        for p in raw or ()
+    ]
+
+
+def part_json(part: StablePart) -> dict[str, Any]:
+    return {
+        "text": part.text,
+        "start": part.start,
+        "end": part.end,
+        "tokens": part.tokens,
+        "ids": list(part.ids),
+    }
+
+
+async def save(conn: AsyncConnection, state: State) -> None:
+    """Write the state (created or replaced). What the background job prepared stays: the
+    recall always, the compaction while the version it was prepared for is current."""
+    values = {
+        "tenant_id": state.tenant_id,
+        "model": state.model,
+        "budget": state.budget,
+        "tokens": state.tokens,
+        "system_tokens": state.system_tokens,
+        "version": state.version,
+        "compactions": state.compactions,
+        "stable": [part_json(part) for part in state.stable],
+        "verbatim_from": state.verbatim_from,
+        "mask_before": state.mask_before,
+        "notes": [{"before": n.before, "text": n.text, "ids": list(n.ids)} for n in state.notes],
+        "upto": state.upto,
+    }
+    statement = pg_insert(working_contexts).values(conversation_id=state.conversation_id, **values)
+    kept = case(
+        (working_contexts.c.version == statement.excluded.version, working_contexts.c.prepared),
+        else_=null(),
+    )
+    await conn.execute(
+        statement.on_conflict_do_update(
+            index_elements=[working_contexts.c.conversation_id],
+            set_={**values, "prepared": kept, "updated_at": func.now()},
+        )
+    )

@@ -1,0 +1,218 @@
+"""Provider caching end to end, through real `memstrata serve` processes and the fake upstream
+(which reports as cached the leading messages an earlier prompt began with, byte for byte):
+
+* two serve processes alternating on one conversation build the same prefix: each prompt
+  repeats the previous one, byte for byte, except on the turns that compacted;
+* the conversation's statistics and `/metrics` show memory reuse, compactions and what the
+  upstream reported as cached;
+* a conversation-scoped `prompt_cache_key` goes upstream when the client sent none, never in
+  place of the client's own.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from pydantic import ValidationError
+
+from devkit import synthetic
+from devkit.gateway import GatewayProcess
+from devkit.upstream import UpstreamServer
+from gateway.settings import Settings
+
+CHAT = "/v1/chat/completions"
+MODEL = "gpt-4o"
+SETTINGS: dict[str, Any] = {"workers": 0, "memory_tools": "never", "keep_notes": "on"}
+
+
+@pytest.fixture(scope="module")
+def gateways(
+    database_url: str, upstream: UpstreamServer
+) -> Iterator[tuple[GatewayProcess, GatewayProcess]]:
+    with (
+        GatewayProcess(
+            database_url=database_url,
+            upstream_url=upstream.url,
+            name="gateway-a",
+            prompt_cache_key="on",
+            **SETTINGS,
+        ) as first,
+        GatewayProcess(
+            database_url=database_url,
+            upstream_url=upstream.url,
+            name="gateway-b",
+            prompt_cache_key="on",
+            **SETTINGS,
+        ) as second,
+    ):
+        yield first, second
+
+
+def turns(prompt: list[dict[str, Any]]) -> list[tuple[str, Any]]:
+    """The messages after the system ones (stable memory): the verbatim turns and the new."""
+    start = 0
+    while start < len(prompt) and prompt[start]["role"] == "system":
+        start += 1
+    return [(m["role"], m.get("content")) for m in prompt[start:]]
+
+
+def raw(messages: list[dict[str, Any]]) -> list[str]:
+    return [json.dumps(m, ensure_ascii=False, separators=(",", ":")) for m in messages]
+
+
+def metric(text: str, name: str) -> float:
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name:
+                return float(sample.value)
+    return 0.0
+
+
+def test_two_serve_processes_alternating_build_the_same_prefix(
+    gateways: tuple[GatewayProcess, GatewayProcess], upstream: UpstreamServer
+) -> None:
+    conversation = f"two-{uuid.uuid4().hex}"
+    headers = {"X-Memstrata-Conversation": conversation, "X-Memstrata-Budget": "3000"}
+    clients = [httpx.Client(base_url=g.root_url, timeout=60) for g in gateways]
+    try:
+        imported = clients[0].post(
+            f"/admin/conversations/{conversation}/messages",
+            json={"messages": synthetic.messages(300, seed=14), "model": MODEL},
+        )
+        assert imported.status_code == 201, imported.text
+        upstream.reset()
+        before = [metric(c.get("/metrics").text, "memstrata_compactions_total") for c in clients]
+        asks = [m for m in synthetic.messages(200, seed=15) if m["role"] == "user"][:24]
+        previous: list[dict[str, Any]] | None = None
+        compactions = 0
+        compared = 0
+        for number, ask in enumerate(asks):
+            http = clients[number % 2]
+            response = http.post(CHAT, json={"model": MODEL, "messages": [ask]}, headers=headers)
+            assert response.status_code == 200, response.text
+            sent = upstream.requests(CHAT)[-1]["body"]
+            assert sent["prompt_cache_key"].startswith("memstrata-")
+            prompt = sent["messages"]
+            stats = http.get(f"/admin/conversations/{conversation}").json()
+            if previous is not None:
+                if stats["compactions"] == compactions:
+                    # Whichever process served it, the prompt repeats the previous one whole.
+                    assert raw(prompt[: len(previous)]) == raw(previous)
+                    compared += 1
+                else:
+                    assert prompt[0] == previous[0]  # stable memory before the compaction
+            compactions = stats["compactions"]
+            previous = prompt
+        assert compactions >= 1 and compared >= 12
+        keys = {request["body"]["prompt_cache_key"] for request in upstream.requests(CHAT)}
+        assert len(keys) == 1  # one key for the conversation, from both processes
+        stats = clients[0].get(f"/admin/conversations/{conversation}").json()
+        assert stats["memory_reuse"] > 0.5
+        assert stats["tokens_cached"] > 0
+        assert stats["working_context"]["compactions"] == compactions
+        # The dry run: the next prompt for a question, its parts labelled, and what it repeats.
+        dry = clients[1].post(
+            f"/admin/conversations/{conversation}/context",
+            json={"query": "What did we decide about the budget?", "budget": 3000},
+        )
+        assert dry.status_code == 200, dry.text
+        context = dry.json()
+        labels = [part["label"] for part in context["parts"]]
+        assert labels[0] == "stable" and labels[-1] == "new" and "verbatim" in labels
+        assert sum(part["messages"] for part in context["parts"]) == len(context["messages"])
+        assert context["working_context"] and not context["compacted"]
+        assert 0.5 < context["reuse"] <= 1 and context["reused_tokens"] > 0
+        after = [metric(c.get("/metrics").text, "memstrata_compactions_total") for c in clients]
+        assert sum(after) - sum(before) == compactions
+        assert all(
+            metric(c.get("/metrics").text, "memstrata_upstream_cached_tokens_total") > 0
+            for c in clients
+        )
+    finally:
+        for client in clients:
+            client.close()
+
+
+def test_an_edit_rebuilds_the_context_without_duplicates_a_regenerate_keeps_it(
+    gateways: tuple[GatewayProcess, GatewayProcess], upstream: UpstreamServer
+) -> None:
+    """A client that resends its whole history edits a message the working context holds
+    verbatim, then regenerates the answer: the edit rebuilds the context, whose verbatim turns
+    are the current branch's newest messages, each once, none of the abandoned ones; the
+    regenerate branches after what the context holds, which keeps its prefix."""
+    conversation = f"edit-{uuid.uuid4().hex}"
+    headers = {"X-Memstrata-Conversation": conversation, "X-Memstrata-Budget": "3000"}
+    history: list[dict[str, Any]] = synthetic.messages(300, seed=16)
+    with httpx.Client(base_url=gateways[0].root_url, timeout=60) as http:
+
+        def ask(messages: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
+            response = http.post(
+                CHAT, json={"model": MODEL, "messages": messages, **extra}, headers=headers
+            )
+            assert response.status_code == 200, response.text
+            message = response.json()["choices"][0]["message"]
+            return {"role": "assistant", "content": message["content"]}
+
+        def version() -> int:
+            stats = http.get(f"/admin/conversations/{conversation}").json()
+            return int(stats["working_context"]["version"])
+
+        imported = http.post(
+            f"/admin/conversations/{conversation}/messages",
+            json={"messages": history, "model": MODEL},
+        )
+        assert imported.status_code == 201, imported.text
+        for number in range(4):
+            history.append({"role": "user", "content": f"question {number} {uuid.uuid4().hex}"})
+            history.append(ask(history))
+        before = version()
+        # Edit the second to last question: a branch inside the verbatim turns.
+        edited = [*history[:-3], {"role": "user", "content": f"edited {uuid.uuid4().hex}"}]
+        edited.append(ask(edited))
+        prompt = upstream.requests(CHAT)[-1]["body"]["messages"]
+        assert version() == before + 1
+        assert history[-3]["content"] not in json.dumps(prompt)
+        assert turns(prompt) == turns(edited[:-1])[-len(turns(prompt)) :]
+        # Regenerate the answer just given (the same history asked again): it branches after
+        # what the context holds, so the prefix stays; the abandoned answer is not sent.
+        previous = prompt
+        ask(edited[:-1], temperature=0.9)
+        prompt = upstream.requests(CHAT)[-1]["body"]["messages"]
+        assert version() == before + 1
+        assert raw(prompt) == raw(previous)
+
+
+def test_a_cache_key_by_default_only_for_openais_own_api() -> None:
+    assert Settings(_env_file=None).sends_cache_key
+    local = Settings(_env_file=None, upstream_base_url="http://localhost:8000/v1")
+    assert not local.sends_cache_key
+    assert Settings(
+        _env_file=None, upstream_base_url="http://localhost:8000/v1", prompt_cache_key="on"
+    ).sends_cache_key
+    assert not Settings(_env_file=None, prompt_cache_key="off").sends_cache_key
+
+
+def test_the_marks_must_be_in_order() -> None:
+    with pytest.raises(ValidationError, match="LOW_WATER must be below"):
+        Settings(_env_file=None, context_low_water=0.9, context_high_water=0.8)
+
+
+def test_the_clients_own_cache_key_is_kept(
+    gateways: tuple[GatewayProcess, GatewayProcess], upstream: UpstreamServer
+) -> None:
+    upstream.reset()
+    with httpx.Client(base_url=gateways[0].root_url, timeout=30) as http:
+        body = {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": f"hello {uuid.uuid4().hex}"}],
+            "prompt_cache_key": "mine",
+        }
+        assert http.post(CHAT, json=body).status_code == 200
+    [sent] = upstream.requests(CHAT)
+    assert sent["body"]["prompt_cache_key"] == "mine"

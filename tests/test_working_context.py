@@ -1,0 +1,539 @@
+"""The working context (`memory.recall.working_context`, `compaction`, `anticipation`,
+`recall_note`, through `memory.recall.assemble`) against a real Postgres, turn by turn as the
+gateway drives it (store the turn, assemble under the conversation's lock, record the reply):
+
+* consecutive prompts share a byte-identical prefix until a compaction, the budget is kept and
+  a tool call is never split from its results (a property test over random conversations);
+* compaction keeps the budget and loses nothing: every compacted message is under a summary
+  the prompt tags, and the summary expands;
+* masked tool results expand back to the original;
+* a branch inside the context rebuilds it;
+* a prepared recall candidate is used, a stale one ignored.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from collections.abc import Sequence
+from dataclasses import replace
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from sqlalchemy import update
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from devkit import synthetic
+from memory import tokens
+from memory.build import tree
+from memory.build.segments import SegmentPolicy
+from memory.build.summarize import ExtractiveSummarizer
+from memory.embeddings import LocalEmbedder
+from memory.recall import anticipation, browsing, tools
+from memory.recall import working_context as wc
+from memory.recall.assemble import Assembled, Budget, Recall, StoredTurn, assemble
+from memory.recall.working_context import Policy
+from memory.schema import working_contexts
+from memory.write import store
+
+MODEL = "gpt-4o"
+SYSTEM = {"role": "system", "content": "You are a careful assistant."}
+WORDS = [
+    *("alpha", "budget", "invoice", "flight", "Lisbon", "migration", "schema", "rollback"),
+    *("ticket", "deploy", "garden", "tile", "plumber", "offer", "salary", "candidate"),
+]
+# A prompt forwarded as the client's history, or one from the working context.
+LABELS = re.compile(r"(system )*((history )+|(stable )*((verbatim|note) )*(new )+)")
+
+Message = dict[str, Any]
+
+EMBEDDER = LocalEmbedder()
+
+
+class Conversation:
+    """One conversation driven turn by turn, as the gateway does."""
+
+    def __init__(self, engine: AsyncEngine, tenant_id: int, conversation_id: int) -> None:
+        self.engine = engine
+        self.tenant_id = tenant_id
+        self.id = conversation_id
+
+    @classmethod
+    async def start(
+        cls, engine: AsyncEngine, tenant_id: int, history: Sequence[Message] = ()
+    ) -> Conversation:
+        async with engine.begin() as conn:
+            ref, _ = await store.open_conversation(
+                conn, tenant_id=tenant_id, external_id=f"wc-{uuid.uuid4().hex}"
+            )
+            await store.append(
+                conn,
+                tenant_id=tenant_id,
+                conversation_id=ref.id,
+                messages=[SYSTEM, *history],
+                model=MODEL,
+            )
+        return cls(engine, tenant_id, ref.id)
+
+    async def turn(
+        self,
+        new: Sequence[Message],
+        *,
+        limit: int,
+        recall: Recall,
+        branched_at: int | None = None,
+    ) -> Assembled:
+        """Store `new` and assemble its prompt in one transaction (the row lock held)."""
+        async with self.engine.begin() as conn:
+            appended = await store.append(
+                conn,
+                tenant_id=self.tenant_id,
+                conversation_id=self.id,
+                messages=new,
+                model=MODEL,
+            )
+            stored = StoredTurn(
+                tenant_id=self.tenant_id,
+                conversation_id=self.id,
+                model=MODEL,
+                system=[SYSTEM],
+                new_messages=list(new),
+                first_seq=appended.first_seq,
+                whole=None,
+                stored_tokens=appended.token_count,
+                next_seq=appended.first_seq + len(appended.node_ids),
+                branched_at=branched_at,
+                previous_fingerprint=appended.prompt_fingerprint,
+            )
+            return await assemble(
+                conn, stored, Budget(limit=limit, reserved=0), recall, tools_guide=False
+            )
+
+    async def reply(self, message: Message, assembled: Assembled) -> None:
+        async with self.engine.begin() as conn:
+            await store.append(
+                conn,
+                tenant_id=self.tenant_id,
+                conversation_id=self.id,
+                messages=[message],
+                model=MODEL,
+                request=store.RequestStats(
+                    sent=assembled.tokens,
+                    full=assembled.full_tokens,
+                    reused=assembled.reused,
+                    fingerprint=assembled.fingerprint,
+                    prepare_context=assembled.context_version is not None,
+                ),
+            )
+
+    async def state(self) -> wc.State:
+        async with self.engine.begin() as conn:
+            found = await wc.load(conn, tenant_id=self.tenant_id, conversation_id=self.id)
+        assert found is not None
+        return found
+
+    async def build_tree(self, policy: SegmentPolicy | None = None) -> None:
+        config = tree.TreeConfig(
+            embedder=EMBEDDER,
+            summarizer=ExtractiveSummarizer(),
+            policy=policy or SegmentPolicy(),
+        )
+        await tree.build(
+            self.engine, tenant_id=self.tenant_id, conversation_id=self.id, config=config
+        )
+
+
+def raw(messages: Sequence[Message]) -> list[str]:
+    """The messages as the upstream receives them, byte for byte."""
+    return [json.dumps(m, ensure_ascii=False, separators=(",", ":")) for m in messages]
+
+
+def check_tool_pairs(messages: Sequence[Message]) -> None:
+    """Every tool result follows its call's assistant message (only results between)."""
+    open_calls: set[str] = set()
+    for message in messages:
+        if message["role"] == "tool":
+            assert message["tool_call_id"] in open_calls, "a tool result without its call"
+            open_calls.discard(message["tool_call_id"])
+            continue
+        assert not open_calls, f"calls without results: {open_calls}"
+        if message["role"] == "assistant" and message.get("tool_calls"):
+            open_calls = {call["id"] for call in message["tool_calls"]}
+
+
+def check_prompt(assembled: Assembled, limit: int) -> None:
+    assert assembled.tokens == tokens.count_messages(assembled.messages, model=MODEL)
+    assert assembled.tokens <= limit
+    assert LABELS.fullmatch("".join(f"{label} " for label in assembled.labels))
+    check_tool_pairs(assembled.messages)
+
+
+def stable_end(assembled: Assembled) -> int:
+    """How many leading messages are the system prompt and the context (before any note of
+    this turn and the new messages)."""
+    labels = assembled.labels
+    end = len(labels) - labels.count("new")
+    if end and labels[end - 1] == "note":
+        end -= 1
+    return end
+
+
+# -- the prefix property -----------------------------------------------------------------------
+
+
+def words(draw: st.DrawFn, low: int, high: int) -> str:
+    count = draw(st.integers(low, high))
+    return " ".join(draw(st.lists(st.sampled_from(WORDS), min_size=count, max_size=count)))
+
+
+@st.composite
+def scripts(draw: st.DrawFn) -> list[tuple[str, Any]]:
+    """Turns: ("user", text: a question or not) answered by ("reply", text) or by ("calls",
+    [(id, result)]), the client then sending the results as its next turn."""
+    turns: list[tuple[str, Any]] = []
+    for number in range(draw(st.integers(6, 24))):
+        turns.append(("user", words(draw, 1, 60) + draw(st.sampled_from(["", "?"]))))
+        if draw(st.integers(0, 3)) == 0:
+            results = [
+                (f"call_{number}_{n}", words(draw, 1, 150)) for n in range(draw(st.integers(1, 2)))
+            ]
+            turns.append(("calls", results))
+        turns.append(("reply", words(draw, 1, 80)))
+    return turns
+
+
+@pytest.fixture(scope="module")
+async def property_tenant(engine: AsyncEngine) -> int:
+    async with engine.begin() as conn:
+        return await store.tenant_id_by_name(conn)
+
+
+@settings(
+    max_examples=12,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(
+    script=scripts(),
+    history=st.integers(0, 60),
+    limit=st.integers(500, 1600),
+    keep_notes=st.booleans(),
+    note=st.sampled_from([0.0, 0.1, 0.25]),
+    marks=st.sampled_from([(0.3, 0.7), (0.45, 0.85), (0.6, 0.95)]),
+)
+async def test_consecutive_prompts_share_a_prefix_until_a_compaction(
+    engine: AsyncEngine,
+    property_tenant: int,
+    script: list[tuple[str, Any]],
+    history: int,
+    limit: int,
+    keep_notes: bool,
+    note: float,
+    marks: tuple[float, float],
+) -> None:
+    policy = Policy(low=marks[0], high=marks[1], note=note, keep_notes=keep_notes)
+    recall = Recall(embedder=EMBEDDER, policy=policy)
+    conversation = await Conversation.start(
+        engine, property_tenant, synthetic.messages(history, seed=history)
+    )
+    previous: Assembled | None = None
+    pending: list[Message] = []
+    for kind, value in script:
+        if kind == "user":
+            pending = [{"role": "user", "content": value}]
+            continue
+        assembled = await conversation.turn(pending, limit=limit, recall=recall)
+        check_prompt(assembled, limit)
+        if previous is not None and previous.context_version is not None:
+            same = assembled.context_version == previous.context_version
+            assert same != assembled.compacted
+            if same:
+                # Everything before the previous turn's note (all of it, notes kept) is
+                # repeated byte for byte.
+                end = len(previous.messages) if keep_notes else stable_end(previous)
+                assert raw(assembled.messages[:end]) == raw(previous.messages[:end])
+                assert assembled.reused >= sum(previous.counts[:end])
+        previous = assembled
+        if kind == "calls":
+            calls = [
+                {"id": call, "type": "function", "function": {"name": "look", "arguments": "{}"}}
+                for call, _ in value
+            ]
+            await conversation.reply(
+                {"role": "assistant", "content": None, "tool_calls": calls}, assembled
+            )
+            pending = [
+                {"role": "tool", "tool_call_id": call, "content": result} for call, result in value
+            ]
+        else:
+            await conversation.reply({"role": "assistant", "content": value}, assembled)
+
+
+# -- compaction on a real tree -----------------------------------------------------------------
+
+FACT = "The storage unit door code is 5821-KESTREL."
+
+
+async def test_compaction_keeps_the_budget_and_loses_nothing(
+    engine: AsyncEngine, tenant_id: int
+) -> None:
+    """Turn after turn on a summarized conversation (the tree built after each reply, as the
+    background worker would): every compaction keeps the prompt within its budget and every
+    message before the compaction point is under a summary the prompt tags, which expands."""
+    limit = 2500
+    segments = SegmentPolicy(token_cap=400, min_tokens=64)
+    history = synthetic.messages(400, seed=21)
+    conversation = await Conversation.start(engine, tenant_id, history)
+    await conversation.build_tree(segments)
+    # Marks close together: a compaction every few turns.
+    recall = Recall(embedder=EMBEDDER, policy=Policy(low=0.45, high=0.6))
+    compactions = 0
+    asks = [m for m in synthetic.messages(200, seed=22) if m["role"] == "user"][:40]
+    for number, message in enumerate(asks):
+        assembled = await conversation.turn([message], limit=limit, recall=recall)
+        check_prompt(assembled, limit)
+        compactions += assembled.compacted
+        await conversation.reply({"role": "assistant", "content": f"noted {number}"}, assembled)
+        await conversation.build_tree(segments)
+        state = await conversation.state()
+        stable = "\n".join(part.text for part in state.stable)
+        assert "not summarized here" not in stable
+        tagged = {int(node) for node in re.findall(r"\[#(\d+) level \d+", stable)}
+        async with engine.begin() as conn:
+            nodes = [
+                await store.get_node(conn, tenant_id=tenant_id, node_id=node) for node in tagged
+            ]
+        covered = set()
+        for node in nodes:
+            covered.update(range(node.span_start, node.span_end + 1))
+        # Every message before the compaction point (the system prompt aside) is under one.
+        assert set(range(1, state.verbatim_from)) <= covered
+    assert compactions >= 2
+    # A summary of the prompt expands to what it summarizes.
+    scope = browsing.Scope(tenant_id=tenant_id, conversation_id=conversation.id)
+    async with engine.begin() as conn:
+        opened = await browsing.expand(conn, scope, node_id=nodes[-1].id)
+    assert f"summarizes {len(nodes[-1].children)} nodes" in opened
+
+
+async def test_a_cache_control_breakpoint_marks_the_last_stable_message(
+    engine: AsyncEngine, tenant_id: int
+) -> None:
+    limit = 1500
+    recall = Recall(embedder=EMBEDDER, policy=Policy(cache_control=True))
+    conversation = await Conversation.start(engine, tenant_id, synthetic.messages(200, seed=4))
+    prompts = []
+    for number in range(2):
+        ask = {"role": "user", "content": f"and the budget {number}?"}
+        assembled = await conversation.turn([ask], limit=limit, recall=recall)
+        check_prompt(assembled, limit)
+        await conversation.reply({"role": "assistant", "content": "noted"}, assembled)
+        prompts.append(assembled)
+    first, second = prompts
+    last = max(i for i, label in enumerate(first.labels) if label == "stable")
+    [part] = first.messages[last]["content"]
+    assert part["cache_control"] == {"type": "ephemeral"} and part["type"] == "text"
+    assert part["text"].startswith("[Memory of this conversation")
+    assert raw(second.messages[: last + 1]) == raw(first.messages[: last + 1])
+
+
+# -- masking -----------------------------------------------------------------------------------
+
+
+async def test_masked_tool_results_expand_back_to_the_original(
+    engine: AsyncEngine, tenant_id: int
+) -> None:
+    limit = 2400
+    # A low-water mark that masking alone reaches: the old results are most of the context.
+    recall = Recall(embedder=EMBEDDER, policy=Policy(note=0.0, low=0.6))
+    conversation = await Conversation.start(engine, tenant_id)
+    results: dict[str, str] = {}
+    masked_only = False
+    previous: wc.State | None = None
+
+    async def turn(new: list[Message]) -> Assembled:
+        nonlocal masked_only, previous
+        assembled = await conversation.turn(new, limit=limit, recall=recall)
+        check_prompt(assembled, limit)
+        state = await conversation.state() if assembled.context_version else None
+        if assembled.compacted and previous is not None and state is not None:
+            # Masking comes first: here it was enough, the compaction point stayed.
+            masked_only |= (
+                state.verbatim_from == previous.verbatim_from
+                and state.mask_before > previous.mask_before
+            )
+        previous = state
+        return assembled
+
+    for number in range(24):
+        ask = {"role": "user", "content": f"look up record {number} please"}
+        assembled = await turn([ask])
+        call = f"call_{number}"
+        await conversation.reply(
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {
+                        "id": call,
+                        "type": "function",
+                        "function": {"name": "lookup", "arguments": json.dumps({"n": number})},
+                    }
+                ],
+            },
+            assembled,
+        )
+        results[call] = f"record {number}: " + " ".join(
+            WORDS[(number + i) % len(WORDS)] for i in range(220)
+        )
+        assembled = await turn([{"role": "tool", "tool_call_id": call, "content": results[call]}])
+        await conversation.reply({"role": "assistant", "content": f"done {number}"}, assembled)
+    assert masked_only
+    placeholders = [
+        (found, message["tool_call_id"])
+        for message in assembled.messages
+        if message["role"] == "tool"
+        and (
+            found := re.fullmatch(
+                r"\[#(\d+) tool result, [\d,]+ tokens, masked: memory_expand to read\]",
+                message["content"],
+            )
+        )
+    ]
+    assert placeholders
+    # The newest results (the fresh tail) stay whole.
+    assert assembled.messages[-1]["content"] == results["call_23"]
+    found, call = placeholders[0]
+    scope = await _scope(engine, tenant_id, conversation.id)
+    async with engine.begin() as conn:
+        opened = await tools.run_tool(
+            conn,
+            scope,
+            name="memory_expand",
+            arguments=json.dumps({"node_id": int(found.group(1))}),
+            embedder=EMBEDDER,
+        )
+    assert results[call] in opened
+
+
+async def _scope(engine: AsyncEngine, tenant_id: int, conversation_id: int) -> tools.Scope:
+    async with engine.begin() as conn:
+        return await tools.scope_for(
+            conn, tenant_id=tenant_id, conversation_id=conversation_id, cross_conversation=False
+        )
+
+
+# -- branches ----------------------------------------------------------------------------------
+
+
+async def test_a_branch_inside_the_context_rebuilds_it(engine: AsyncEngine, tenant_id: int) -> None:
+    limit = 1500
+    recall = Recall(embedder=EMBEDDER, policy=Policy())
+    conversation = await Conversation.start(engine, tenant_id, synthetic.messages(200, seed=3))
+    for number in range(3):
+        ask = {"role": "user", "content": f"what about the invoice {number}?"}
+        assembled = await conversation.turn([ask], limit=limit, recall=recall)
+        await conversation.reply({"role": "assistant", "content": "checking"}, assembled)
+    state = await conversation.state()
+    # A branch after the context's end: the prefix stays.
+    ask = {"role": "user", "content": "and the flight?"}
+    kept = await conversation.turn([ask], limit=limit, recall=recall, branched_at=state.upto)
+    assert kept.context_version == state.version and not kept.compacted
+    await conversation.reply({"role": "assistant", "content": "checking"}, kept)
+    # A branch inside it (an edit of a message the context holds): rebuilt from scratch.
+    edit = {"role": "user", "content": "actually, the hotel?"}
+    rebuilt = await conversation.turn(
+        [edit], limit=limit, recall=recall, branched_at=state.verbatim_from + 1
+    )
+    check_prompt(rebuilt, limit)
+    assert rebuilt.context_version == state.version + 1
+    assert (await conversation.state()).notes == ()
+    assert rebuilt.messages[-1] == edit
+
+
+# -- anticipatory recall -----------------------------------------------------------------------
+
+
+async def test_a_prepared_candidate_is_used_and_a_stale_one_ignored(
+    engine: AsyncEngine, tenant_id: int
+) -> None:
+    limit = 2000
+    recall = Recall(embedder=EMBEDDER, policy=Policy(note=0.2))
+    history = synthetic.messages(300, seed=8)
+    history[40] = {"role": "user", "content": FACT}
+    conversation = await Conversation.start(engine, tenant_id, history)
+    await conversation.build_tree()
+    ask = {"role": "user", "content": "I am moving boxes into the storage unit today."}
+    assembled = await conversation.turn([ask], limit=limit, recall=recall)
+    await conversation.reply(
+        {"role": "assistant", "content": "Good luck with the move."}, assembled
+    )
+    await conversation.build_tree()
+    prepared = await anticipation.prepare(
+        engine,
+        EMBEDDER,
+        tenant_id=tenant_id,
+        conversation_id=conversation.id,
+        cross_conversation=False,
+    )
+    assert prepared
+    state = await conversation.state()
+    assert state.recall_after == state.upto and state.recall_ids
+    async with engine.begin() as conn:
+        fact = (
+            await store.list_messages(
+                conn, tenant_id=tenant_id, conversation_id=conversation.id, after_seq=40, limit=1
+            )
+        )[0]
+    assert fact.node_id in state.recall_ids  # the exchange was about the storage unit
+    # Only the fact is left among the candidates: a note built from them holds it and the
+    # messages next to it (which it lends its relevance: an answer sits next to its question).
+    async with engine.begin() as conn:
+        await conn.execute(
+            update(working_contexts)
+            .where(working_contexts.c.conversation_id == conversation.id)
+            .values(recall_ids=[fact.node_id])
+        )
+    follow = {"role": "user", "content": "What is the code for the storage unit door?"}
+    used = await conversation.turn([follow], limit=limit, recall=recall)
+    assert used.prepared_recall and used.labels[-2:] == ["note", "new"]
+    note = used.messages[-2]["content"]
+    assert f"[#{fact.node_id} user] {FACT}" in note
+    quoted = [int(node) for node in re.findall(r"^\[#(\d+) ", note, re.MULTILINE)]
+    assert fact.node_id in quoted  # imported at once: ids follow the seqs
+    assert all(abs(node - fact.node_id) <= 2 for node in quoted)
+    await conversation.reply({"role": "assistant", "content": "It is 5821-KESTREL."}, used)
+    # Stale: prepared before the last exchange (another turn since), so retrieval runs.
+    async with engine.begin() as conn:
+        await conn.execute(
+            update(working_contexts)
+            .where(working_contexts.c.conversation_id == conversation.id)
+            .values(recall_after=state.recall_after, recall_ids=[fact.node_id])
+        )
+    again = {"role": "user", "content": "Which unit was it, the storage unit by the door?"}
+    fresh = await conversation.turn([again], limit=limit, recall=recall)
+    assert not fresh.prepared_recall
+
+
+def test_usable_needs_the_exchange_just_before_and_a_close_message() -> None:
+    vector = [1.0, 0.0, 0.0]
+    state = wc.State(
+        tenant_id=1,
+        conversation_id=1,
+        model=MODEL,
+        budget=1000,
+        verbatim_from=0,
+        mask_before=0,
+        upto=10,
+        recall_after=9,
+        recall_vector=vector,
+        recall_ids=(5,),
+    )
+    assert anticipation.usable(state, first_seq=10, vector=[0.9, 0.1, 0.0])
+    assert not anticipation.usable(state, first_seq=11, vector=vector)  # stale
+    assert not anticipation.usable(state, first_seq=10, vector=[0.0, 1.0, 0.0])  # elsewhere
+    assert not anticipation.usable(replace(state, recall_ids=()), first_seq=10, vector=vector)
+    assert not anticipation.usable(state, first_seq=10, vector=None)
