@@ -13,6 +13,7 @@ its test ends (SIGTERM, then SIGKILL).
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import json
 import time
@@ -21,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from sqlalchemy import func, select
+from sqlalchemy import func, select, text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from devkit import synthetic
@@ -90,6 +91,18 @@ async def wait_for(
         await asyncio.sleep(0.2)
 
 
+async def listeners(engine: AsyncEngine, *, at_least: int) -> bool:
+    """Whether `at_least` sessions of this database hold a worker's LISTEN connection."""
+    async with engine.connect() as conn:
+        count = await conn.scalar(
+            text(
+                "SELECT count(*) FROM pg_stat_activity"
+                " WHERE datname = current_database() AND application_name = 'memstrata-listen'"
+            )
+        )
+    return int(count or 0) >= at_least
+
+
 async def check_no_duplicates(engine: AsyncEngine, tenant_id: int) -> None:
     """No two summaries of a conversation share a level and span or a level and seq, and at
     each level the spans are disjoint (no message has two ancestors at one level)."""
@@ -156,6 +169,14 @@ async def test_two_workers_run_every_job_once(
         "segment_token_cap": TOKEN_CAP,
     }
     workers.extend(WorkerProcess(database_url, **settings) for _ in range(2))
+    # Both listening before any job exists: on a busy machine one process may start seconds
+    # after the other, which would then do every job alone.
+    await wait_for(
+        functools.partial(listeners, engine, at_least=len(workers)),
+        within=120,
+        what="both workers listening",
+        workers=workers,
+    )
     # Messages keep arriving while the workers run: a batch that lands while its
     # conversation's build is running queues another build behind it.
     conversations = [synthetic.generate(MESSAGES, seed=100 + i) for i in range(CONVERSATIONS)]
