@@ -6,9 +6,9 @@ no GPU, no network of its own: no updates, sync or QUIC), so `playwright install
 `launch(playwright)` starts it.
 
 `seed(http, conversation, messages=n, seed=s)` imports a synthetic conversation
-(`devkit.synthetic`) through the admin API of the gateway `http` reaches, and
-`wait_built(http)` waits until the tenant's queue has nothing left to do (a gateway or worker
-builds the tree meanwhile).
+(`devkit.synthetic`), after a system prompt when given one, through the admin API of the
+gateway `http` reaches, and `wait_built(http)` waits until the tenant's queue has nothing left
+to do (a gateway or worker builds the tree meanwhile).
 """
 
 from __future__ import annotations
@@ -59,11 +59,15 @@ async def seed(
     seed: int = 0,
     tenant: str | None = None,
     user: str | None = None,
+    system: str | None = None,
 ) -> synthetic.Conversation:
-    """Import a synthetic conversation of `messages` messages (with their times) through the
-    admin API, `_BATCH` at a time; its processing is queued."""
+    """Import a synthetic conversation of `messages` messages (with their times), after the
+    `system` prompt if given, through the admin API, `_BATCH` at a time; its processing is
+    queued."""
     generated = synthetic.generate(messages, seed=seed)
     rows = generated.with_created_at()
+    if system is not None:
+        rows = [{"role": "system", "content": system, "created_at": rows[0]["created_at"]}, *rows]
     params = {"tenant": tenant} if tenant else {}
     for start in range(0, len(rows), _BATCH):
         body: dict[str, Any] = {"messages": rows[start : start + _BATCH]}

@@ -34,6 +34,7 @@ from memory.build.summarize import ExtractiveSummarizer
 from memory.embeddings import LocalEmbedder
 from memory.errors import ContextOverflow
 from memory.recall import prompt
+from memory.recall.assemble import Assembled
 from memory.schema import tenants
 from memory.write import identity, store
 
@@ -397,22 +398,30 @@ async def test_dry_run_of_a_conversation_that_fits_is_the_history(engine: AsyncE
     assert assembled.why == []
 
 
-async def test_dry_run_rebuilds_when_the_history_does_not_fit(
-    engine: AsyncEngine, built_tree: tuple[int, int, list[Message], list[int]]
-) -> None:
-    tenant_id, conversation_id, _messages, node_ids = built_tree
+async def dry_run_of_the_tree(
+    engine: AsyncEngine, built_tree: tuple[int, int, list[Message], list[int]], **settings: Any
+) -> Assembled:
+    """The dry run of the built tree's conversation for the door code, in 1,500 tokens."""
+    tenant_id, conversation_id, _messages, _node_ids = built_tree
     async with engine.connect() as conn:
         external_id = await conn.scalar(
             text("SELECT external_id FROM conversations WHERE id = :i"),
             {"i": conversation_id},
         )
-    assembled = await chat.dry_run(
-        state_for(engine),
+    return await chat.dry_run(
+        state_for(engine, **settings),
         tenant_id=tenant_id,
         external_id=str(external_id),
         query="what is the storage unit door code",
         budget=1500,
     )
+
+
+async def test_dry_run_rebuilds_when_the_history_does_not_fit(
+    engine: AsyncEngine, built_tree: tuple[int, int, list[Message], list[int]]
+) -> None:
+    node_ids = built_tree[3]
+    assembled = await dry_run_of_the_tree(engine, built_tree)
     messages = assembled.messages
     assert assembled.tokens == tokens.count_messages(messages, model=MODEL) <= 1500
     assert messages[-1] == {"role": "user", "content": "what is the storage unit door code"}
@@ -433,19 +442,8 @@ async def test_dry_run_rebuilds_when_the_history_does_not_fit(
 async def test_dry_run_rebuilt_per_query_says_why_the_memory_message_quotes_each(
     engine: AsyncEngine, built_tree: tuple[int, int, list[Message], list[int]]
 ) -> None:
-    tenant_id, conversation_id, _messages, node_ids = built_tree
-    async with engine.connect() as conn:
-        external_id = await conn.scalar(
-            text("SELECT external_id FROM conversations WHERE id = :i"),
-            {"i": conversation_id},
-        )
-    assembled = await chat.dry_run(
-        state_for(engine, context_mode="rebuild"),
-        tenant_id=tenant_id,
-        external_id=str(external_id),
-        query="what is the storage unit door code",
-        budget=1500,
-    )
+    node_ids = built_tree[3]
+    assembled = await dry_run_of_the_tree(engine, built_tree, context_mode="rebuild")
     messages = assembled.messages
     # Each message labelled and counted: the parts add up to the prompt, less the priming.
     assert assembled.labels[0] == "memory" and assembled.labels[-1] == "new"

@@ -5,8 +5,11 @@ Debian's `chromium`, driven by Playwright for Python through its `executable_pat
 `memstrata serve` process on the session's Postgres with the fake upstream, and without
 in-process workers: the trees of the synthetic conversations this module imports are built by
 a `memstrata worker` process, which also dead-letters a job no worker knows how to run; once it
-stops, nothing moves in the queue but what the page does. Everything lives in two tenants of
-this module's own: the page works within the first, and nothing of the second may show.
+stops, nothing moves in the queue but what the page does. One conversation, which starts with a
+system prompt, also answers chat requests with a tenant key under a small budget, so that its
+prompts come from its working context and cost what the page shows. Everything lives in two
+tenants of this module's own: the page works within the first, and nothing of the second may
+show.
 """
 
 from __future__ import annotations
@@ -41,6 +44,10 @@ RUN = uuid.uuid4().hex[:8]
 SETTINGS: dict[str, object] = {"summary_mode": "extractive", "fanout": 4, "log_level": "warning"}
 TOKEN = "ui-admin-token-0123456789"
 SECRET = "ZEBRA-4417 is the other tenant's vault code"
+SYSTEM = "You are the travel desk's assistant: answer in one short paragraph."
+MODEL = "gpt-4o"
+BUDGET = "700"
+TURNS = ("Which hotel did we pick in the end?", "And what did the refund come to?")
 
 
 @dataclass(frozen=True)
@@ -58,8 +65,9 @@ class Data:
 
 @pytest.fixture(scope="module")
 def gateway(database_url: str, upstream: UpstreamServer) -> Iterator[GatewayProcess]:
+    # Chat requests name their tenant by its key.
     with GatewayProcess(
-        database_url=database_url, upstream_url=upstream.url, workers=0, **SETTINGS
+        database_url=database_url, upstream_url=upstream.url, workers=0, auth="on", **SETTINGS
     ) as process:
         yield process
 
@@ -83,7 +91,9 @@ async def data(
             ids[name] = created.json()["id"]
         trip, chat, secret = f"trip-{RUN}", f"chat-{RUN}", f"vault-{RUN}"
         generated = await seed(http, trip, messages=300, seed=3, tenant=tenant, user="alice")
-        await seed(http, chat, messages=40, seed=5, tenant=tenant, user="bob")
+        await seed(http, chat, messages=40, seed=5, tenant=tenant, user="bob", system=SYSTEM)
+        key = await http.post(f"/admin/tenants/{tenant}/keys", json={"name": "ui chat"})
+        assert key.status_code == 201, key.text
         hidden = await http.post(
             f"/admin/conversations/{secret}/messages",
             params={"tenant": other},
@@ -94,6 +104,8 @@ async def data(
             async with asyncio.timeout(240):
                 for name in (tenant, other):
                     await wait_built(http, tenant=name)
+                await _chat(http, key.json()["key"], chat)
+                await wait_built(http, tenant=tenant)
             built = (await http.get("/admin/jobs", params={"tenant": tenant})).json()["jobs"]
             conversation_id = next(
                 job["conversation_id"] for job in built if job["conversation"] == trip
@@ -116,6 +128,23 @@ async def data(
         yield Data(tenant, other, trip, chat, secret, generated, dead)
         for name in (tenant, other):
             await http.delete(f"/admin/tenants/{name}")
+
+
+async def _chat(http: httpx.AsyncClient, key: str, conversation: str) -> None:
+    """`TURNS`, one request each, in `BUDGET` tokens: the history does not fit it, so every
+    prompt comes from the conversation's working context, the second repeating the first's
+    start."""
+    for question in TURNS:
+        answer = await http.post(
+            "/v1/chat/completions",
+            json={"model": MODEL, "messages": [{"role": "user", "content": question}]},
+            headers={
+                "Authorization": f"Bearer {key}",
+                "X-Memstrata-Conversation": conversation,
+                "X-Memstrata-Budget": BUDGET,
+            },
+        )
+        assert answer.status_code == 200, answer.text
 
 
 async def _is_dead(http: httpx.AsyncClient, tenant: str, job_id: int) -> bool:
@@ -257,6 +286,44 @@ async def test_a_search_hit_leads_to_its_place_in_the_tree(
         assert await li.get_attribute("aria-expanded") == "true"
 
 
+def _formatted(value: float | None, *, percent: bool = False) -> str:
+    """A figure as the page writes it (`dom.js`: `number`, `percent`)."""
+    if value is None:
+        return "\N{EN DASH}"
+    return f"{100 * value:.0f}%" if percent else f"{value:,}"
+
+
+async def test_the_list_and_a_conversation_show_what_its_prompts_cost(
+    page: Page, gateway: GatewayProcess, data: Data, http: httpx.AsyncClient
+) -> None:
+    """Tokens sent, cached tokens the upstream reported, memory reuse and compactions: the
+    admin API's figures, in the list and in the conversation's own figures."""
+    stats = (
+        await http.get(f"/admin/conversations/{data.chat}", params={"tenant": data.tenant})
+    ).json()
+    # The turns' prompts came from the working context: the second repeated the first's start,
+    # and the fake upstream reported that run of leading messages as cached.
+    assert stats["requests"] == len(TURNS) and stats["working_context"] is not None
+    assert stats["tokens_sent"] > 0 and stats["tokens_cached"] > 0 and stats["memory_reuse"] > 0
+    expected = {
+        "Tokens sent": _formatted(stats["tokens_sent"]),
+        "Cached tokens": _formatted(stats["tokens_cached"]),
+        "Memory reuse": _formatted(stats["memory_reuse"], percent=True),
+        "Compactions": _formatted(stats["compactions"]),
+    }
+    await open_ui(page, gateway.root_url, data.tenant)
+    row = page.locator("tr", has=page.get_by_role("link", name=data.chat, exact=True))
+    for column, value in expected.items():
+        await expect(row.locator(f"td[data-label='{column}']")).to_have_text(value)
+    await row.get_by_role("link", name=data.chat, exact=True).click()
+    figures = page.locator(".figures")
+    for label, value in expected.items():
+        await expect(figures.locator(f".stat[data-stat='{label}'] dd")).to_have_text(value)
+    await expect(figures.locator(".stat[data-stat='Working context'] dd")).to_contain_text(
+        f"version {stats['working_context']['version']}"
+    )
+
+
 async def test_a_dry_run_shows_the_prompt_parts_with_the_apis_token_counts(
     page: Page, gateway: GatewayProcess, data: Data, http: httpx.AsyncClient
 ) -> None:
@@ -274,7 +341,50 @@ async def test_a_dry_run_shows_the_prompt_parts_with_the_apis_token_counts(
             json={"query": question, "budget": 2000},
         )
     ).json()
-    assert [part["label"] for part in api["parts"]] == ["memory", "verbatim", "new"]
+    # The working context's parts: stable memory, the verbatim turns, the recall note, the
+    # question.
+    assert [part["label"] for part in api["parts"]] == ["stable", "verbatim", "note", "new"]
+    await _same_parts(page, api)
+    await expect(page.locator("p.reuse")).to_contain_text(
+        f"({api['reused_tokens']:,} tokens, what a provider can cache)"
+    )
+    # Why each message of the recall note was picked: the same messages, in the same order, as
+    # the API, each one the note quotes.
+    why = page.locator(".why-list > li")
+    await expect(why).to_have_count(len(api["recalled"]))
+    assert len(api["recalled"]) > 0
+    [note] = [part for part in api["parts"] if part["label"] == "note"]
+    quoted = api["messages"][note["start"]]["content"]
+    for item, recalled in zip(await why.all(), api["recalled"], strict=True):
+        assert await item.get_attribute("data-node-id") == str(recalled["node_id"])
+        assert f"[#{recalled['node_id']} " in quoted
+        await expect(item.locator(".rank")).to_have_text(f"rank {recalled['rank']}")
+
+    # A conversation with a system prompt: the client's, first, with its tokens.
+    await open_ui(page, gateway.root_url, data.tenant, f"#/c/{data.chat}/prompt")
+    await page.fill("textarea[name=query]", question)
+    await page.fill("input[name=budget]", BUDGET)
+    await page.click(".prompt-form button[type=submit]")
+    await expect(parts.first).to_be_visible()
+    api = (
+        await http.post(
+            f"/admin/conversations/{data.chat}/context",
+            params={"tenant": data.tenant},
+            json={"query": question, "budget": int(BUDGET)},
+        )
+    ).json()
+    labels = [part["label"] for part in api["parts"]]
+    assert labels[0] == "system" and labels[-1] == "new" and "verbatim" in labels, labels
+    assert api["working_context"] and api["reuse"] > 0
+    await _same_parts(page, api)
+    await expect(parts.first).to_contain_text(SYSTEM)
+
+
+async def _same_parts(page: Page, api: dict[str, Any]) -> None:
+    """The page shows the dry run's parts, in order, each with the API's label and tokens, and
+    the API's total."""
+    parts = page.locator("ol.parts > li.part")
+    await expect(parts).to_have_count(len(api["parts"]))
     shown = [
         (await part.get_attribute("data-label"), int(await part.get_attribute("data-tokens") or -1))
         for part in await parts.all()
@@ -283,15 +393,6 @@ async def test_a_dry_run_shows_the_prompt_parts_with_the_apis_token_counts(
     for part, expected in zip(await parts.all(), api["parts"], strict=True):
         await expect(part.locator(".part-tokens")).to_have_text(f"{expected['tokens']:,} tokens")
     await expect(page.locator(".prompt-total strong")).to_have_text(f"{api['tokens']:,} tokens")
-    # Why each recalled message was picked: the same messages, in the same order, as the API.
-    why = page.locator(".why-list > li")
-    await expect(why).to_have_count(len(api["recalled"]))
-    assert len(api["recalled"]) > 0
-    memory = api["messages"][api["parts"][0]["start"]]["content"]
-    for item, recalled in zip(await why.all(), api["recalled"], strict=True):
-        assert await item.get_attribute("data-node-id") == str(recalled["node_id"])
-        assert f"[#{recalled['node_id']} " in memory
-        await expect(item.locator(".rank")).to_have_text(f"rank {recalled['rank']}")
 
 
 @pytest.mark.parametrize("width", [390, 1280])
@@ -332,73 +433,18 @@ async def test_every_view_fits_the_width_without_sideways_scrolling(
     await context.close()
 
 
-async def test_the_graph_says_there_is_none_until_the_gateway_builds_one(
+async def test_the_graph_says_plainly_that_there_is_none(
     page: Page, gateway: GatewayProcess, data: Data
 ) -> None:
+    """The gateway builds no concept graph (issue #14 has not landed): the tab says so, in
+    words, without asking the gateway for one."""
+    asked: list[str] = []
+    page.on("request", lambda request: asked.append(request.url))
     await open_ui(page, gateway.root_url, data.tenant, f"#/c/{data.trip}/graph")
-    await expect(page.locator(".tab-panel .empty")).to_contain_text("No graph yet")
-
-
-async def test_a_graph_draws_its_concepts_and_lists_the_messages_of_one(
-    page: Page, gateway: GatewayProcess, data: Data, http: httpx.AsyncClient
-) -> None:
-    """`GET /admin/conversations/{id}/graph` comes with the concept graph (issue #14, its own
-    branch): until it lands the browser stands in for it, answering in that branch's shape
-    (`GraphPublic`); the messages a concept lists are the gateway's, found by search."""
-    fact = next(f for f in data.generated.facts if f.kind == "name")
-    scope = "user:alice"
-
-    def concept(id: int, name: str, frequency: int, mentions: int) -> dict[str, Any]:
-        return {
-            "id": id,
-            "name": name,
-            "scope": scope,
-            "frequency": frequency,
-            "schematic": frequency >= 5,
-            "mentions": mentions,
-        }
-
-    graph = {
-        "conversation": data.trip,
-        "scope": scope,
-        "version": 3,
-        "concepts": [
-            concept(1, fact.value, 7, 9),
-            concept(2, "refund", 2, 2),
-            concept(3, "garden", 1, 1),
-        ],
-        "edges": [
-            {"source": 1, "target": 2, "kind": "co_occurs", "weight": 3},
-            {"source": 2, "target": 3, "kind": "precedes", "weight": 1},
-        ],
-    }
-    await page.route(f"**/admin/conversations/{data.trip}/graph*", lambda r: r.fulfill(json=graph))
-    await open_ui(page, gateway.root_url, data.tenant, f"#/c/{data.trip}/graph")
-    concepts = page.locator("svg.graph-drawing g.concept")
-    await expect(concepts).to_have_count(3)
-    await expect(page.locator("svg.graph-drawing line")).to_have_count(2)
-    await expect(page.locator("svg.graph-drawing line.precedes")).to_have_count(1)
-    await expect(page.locator("g.concept.schematic")).to_have_count(1)
-    await expect(page.locator("g.concept.schematic text")).to_have_text(fact.value)
-    await page.locator("g.concept.schematic").focus()
-    await page.keyboard.press("Enter")
-    mentions = page.locator(".concept-detail ul.mentions > li")
-    await expect(mentions.first).to_be_visible()
-    await expect(page.locator(".concept-detail")).to_contain_text("the graph counts 9 mentions")
-    found = await http.get(
-        "/admin/search",
-        params={
-            "q": fact.value,
-            "conversation": data.trip,
-            "level": 0,
-            "limit": 50,
-            "tenant": data.tenant,
-        },
-    )
-    naming = [hit for hit in found.json()["data"] if fact.value.lower() in hit["text"].lower()]
-    assert await mentions.count() == len(naming) > 0
-    await mentions.first.locator("a").click()
-    await expect(page.locator("li.target")).to_contain_text(fact.value)
+    await expect(page.locator(".tab-panel .empty")).to_contain_text("No concept graph")
+    await expect(page.locator(".figures .stat[data-stat=Messages] dd")).to_have_text("300")
+    assert not [url for url in asked if "graph" in url]
+    await expect(page.locator("main .error")).to_have_count(0)
 
 
 async def test_a_dead_job_is_retried_from_the_page(
@@ -529,6 +575,18 @@ async def test_without_a_token_a_remote_browser_is_refused(
         body: dict[str, Any] = await answer.json()
         assert body["error"]["code"] == "admin_forbidden"
         assert "loopback" in body["error"]["message"]
+
+
+async def test_without_a_token_a_page_named_by_another_host_is_refused(
+    gateway: GatewayProcess, http: httpx.AsyncClient
+) -> None:
+    """A loopback client is not enough: the page must be addressed by a loopback name too (a
+    page of another site whose name resolves to 127.0.0.1 sends its own `Host`)."""
+    for path in ("/ui", "/ui/", "/ui/static/app.js", "/admin/conversations"):
+        answer = await http.get(path, headers={"Host": "memstrata.example.com"})
+        assert answer.status_code == 403, path
+        assert answer.json()["error"]["code"] == "admin_forbidden"
+    assert (await http.get("/ui/")).status_code == 200
 
 
 async def test_with_a_token_set_the_page_shows_nothing_until_given_it(

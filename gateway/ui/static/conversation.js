@@ -1,11 +1,13 @@
 // One conversation: its figures, what can be done to it (compact, export, delete), and its
 // tabs: the tree, search, the prompt, the graph and its jobs.
+//
+// The gateway builds no concept graph yet (issue #14 has not landed): the graph tab says so
+// and calls nothing.
 
 import { api } from "./api.js";
-import { confirmDialog, errorPanel, h, levelName, number, percent, ratio, replace, stat, timeTag } from "./dom.js";
+import { confirmDialog, empty, errorPanel, h, levelName, number, percent, ratio, replace, stat, timeTag } from "./dom.js";
 import { pending as pendingJobs } from "./conversations.js";
 import { flash, go, link } from "./nav.js";
-import { showGraph } from "./graph.js";
 import { jobsPanel } from "./jobs.js";
 import { showPrompt } from "./prompt.js";
 import { showSearch } from "./search.js";
@@ -36,6 +38,10 @@ export async function showConversation(view, id, tab, query) {
   await chosen[2](panel, id, query);
 }
 
+function showGraph(panel) {
+  replace(panel, empty("No concept graph: this gateway does not build one. Concepts and their edges will show here once it does."));
+}
+
 async function loadFigures(target, id) {
   replace(target, h("p", { class: "muted loading" }, "Loading figures…"));
   try {
@@ -47,15 +53,7 @@ async function loadFigures(target, id) {
 
 function figures(stats) {
   const levels = Object.entries(stats.levels || {}).sort(([a], [b]) => Number(b) - Number(a));
-  const extra = [];
-  if (stats.memory_reuse !== undefined) extra.push(stat("Memory reuse", percent(stats.memory_reuse), "Share of a prompt that repeats the previous prompt's prefix"));
-  if (stats.tokens_cached !== undefined) extra.push(stat("Cached tokens", number(stats.tokens_cached), "Prompt tokens the upstream reported as cached"));
-  if (stats.compactions !== undefined) extra.push(stat("Compactions", number(stats.compactions)));
   const context = stats.working_context;
-  if (context) {
-    extra.push(stat("Working context", `version ${number(context.version)} · ${number(context.tokens)} tokens · verbatim from message ${number(context.verbatim_from)}`,
-      "The prompt the next turn grows from: stable memory, then the verbatim turns", "wide"));
-  }
   return h(
     "dl", { class: "stats" },
     stat("Messages", number(stats.messages)),
@@ -65,8 +63,12 @@ function figures(stats) {
     stat("Tokens stored", number(stats.tokens_stored), "Tokens of every stored message, verbatim"),
     stat("Tokens sent", number(stats.tokens_sent), "Prompt tokens sent upstream"),
     stat("Compression", ratio(stats.compression_ratio), "Tokens the whole histories would have cost ÷ tokens sent"),
+    stat("Cached tokens", number(stats.tokens_cached), "Prompt tokens the upstream reported as cached"),
+    stat("Memory reuse", percent(stats.memory_reuse), "Share of the tokens sent that repeated the previous prompt's prefix"),
+    stat("Compactions", number(stats.compactions), "Turns whose working context was compacted"),
     stat("Requests", number(stats.requests)),
-    ...extra,
+    context ? stat("Working context", `version ${number(context.version)} · ${number(context.tokens)} tokens · ${number(context.stable_messages)} stable · verbatim from message ${number(context.verbatim_from)}`,
+      "The prompt the next turn grows from: stable memory, then the verbatim turns", "wide") : null,
     stat("Pending jobs", pendingJobs(stats.pending_jobs)),
     stat("User", stats.user || "–"),
     stat("Last activity", timeTag(stats.last_activity)),

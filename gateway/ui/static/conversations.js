@@ -2,7 +2,7 @@
 // activity (kept in the address, so a filtered list can be linked), pages of 50.
 
 import { api } from "./api.js";
-import { empty, errorPanel, field, h, number, ratio, replace, table, timeTag } from "./dom.js";
+import { empty, errorPanel, field, h, number, percent, ratio, replace, table, timeTag } from "./dom.js";
 import { go, link } from "./nav.js";
 
 const PAGE = 50;
@@ -83,7 +83,6 @@ export function pending(jobs) {
 }
 
 function rows(conversations) {
-  const reuse = conversations.some((c) => c.tokens_reused !== undefined || c.tokens_cached !== undefined);
   const columns = [
     ["Conversation", (c) => h("a", { href: link(["c", c.conversation]), class: "conversation-link" }, c.conversation)],
     ["User", (c) => c.user || h("span", { class: "muted" }, "–")],
@@ -91,7 +90,9 @@ function rows(conversations) {
     ["Tokens stored", (c) => number(c.tokens_stored)],
     ["Tokens sent", (c) => number(c.tokens_sent)],
     ["Compression", (c) => (c.tokens_sent ? ratio(c.tokens_full / c.tokens_sent) : "–")],
-    ...(reuse ? [["Cached tokens", (c) => number(c.tokens_cached)]] : []),
+    ["Cached tokens", (c) => number(c.tokens_cached)],
+    ["Memory reuse", (c) => percent(c.memory_reuse)],
+    ["Compactions", (c) => number(c.compactions)],
     ["Requests", (c) => number(c.requests)],
     ["Pending jobs", (c) => pending(c.pending_jobs)],
     ["Last activity", (c) => timeTag(c.last_activity)],

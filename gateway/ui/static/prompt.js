@@ -1,6 +1,8 @@
 // The prompt the gateway would send upstream for a question typed here (the admin dry run:
-// nothing stored, nothing sent): its parts coloured, each with its messages and tokens, and
-// for every recalled message why it was picked (its rank once fused, and in each leg).
+// nothing stored, nothing sent): the working context's parts coloured (the client's system
+// prompt, stable memory, verbatim turns, the recall note, the new message), each with its
+// messages and tokens, how much of it repeats the last prompt sent, and for every message the
+// recall note quotes why it was picked (its rank once fused, and in each leg).
 
 import { api } from "./api.js";
 import { empty, errorPanel, field, h, number, percent, replace } from "./dom.js";
@@ -9,7 +11,7 @@ import { link } from "./nav.js";
 const NAMES = {
   system: "System prompt",
   stable: "Stable memory",
-  memory: "Memory",
+  memory: "Memory (rebuilt per query)",
   verbatim: "Verbatim turns",
   note: "Recall note",
   new: "New message",
@@ -46,24 +48,15 @@ export async function showPrompt(panel, id) {
   query.focus();
 }
 
-// The parts of a prompt: the API's, or one per message for an API that does not label them.
-function partsOf(built) {
-  if (Array.isArray(built.parts)) return built.parts;
-  return built.messages.map((message, index) => ({ label: message.role, start: index, messages: 1, tokens: null }));
-}
-
 function draw(built, id) {
-  const parts = partsOf(built);
-  const counted = parts.reduce((sum, part) => sum + (part.tokens || 0), 0);
-  const priming = built.tokens - counted;
+  const parts = built.parts;
+  const counted = parts.reduce((sum, part) => sum + part.tokens, 0);
   return h(
     "div", {},
     h("p", { class: "prompt-total" },
       h("strong", { "data-total": built.tokens }, `${number(built.tokens)} tokens`),
-      ` in ${number(built.messages.length)} messages`,
-      counted ? ` (parts ${number(counted)} + reply priming ${number(priming)})` : "",
-      built.route ? ` · retrieval route: ${built.route}` : ""),
-    built.reuse === undefined ? null : h("p", { class: "muted" },
+      ` in ${number(built.messages.length)} messages (parts ${number(counted)} + reply priming ${number(built.tokens - counted)})`),
+    h("p", { class: "muted reuse" },
       `Repeats ${percent(built.reuse)} of the last prompt sent (${number(built.reused_tokens)} tokens, what a provider can cache)`,
       built.working_context ? " · from the working context" : "",
       built.compacted ? " · the working context would be compacted" : "",
@@ -88,13 +81,13 @@ function bar(parts, counted) {
 function partView(part, index, built) {
   const messages = built.messages.slice(part.start, part.start + part.messages);
   return h(
-    "li", { class: `part part-${part.label}`, dataset: { label: part.label, tokens: part.tokens ?? "" } },
+    "li", { class: `part part-${part.label}`, dataset: { label: part.label, tokens: part.tokens } },
     // The long parts start folded: the short ones say what this turn adds.
     h("details", { open: ["system", "note", "new"].includes(part.label) },
       h("summary", {},
         h("span", { class: "part-name" }, NAMES[part.label] || part.label),
         h("span", { class: "part-count" }, `${number(part.messages)} message${part.messages === 1 ? "" : "s"}`),
-        h("span", { class: "part-tokens" }, part.tokens === null ? "" : `${number(part.tokens)} tokens`)),
+        h("span", { class: "part-tokens" }, `${number(part.tokens)} tokens`)),
       messages.map((message) => h(
         "div", { class: "prompt-message" },
         h("div", { class: "node-head" }, h("strong", {}, message.role), message.name ? ` (${message.name})` : ""),
@@ -112,12 +105,11 @@ function text(message) {
 }
 
 function recalled(why, id) {
-  if (!Array.isArray(why)) return null;
-  const heading = h("h2", {}, "Why each quoted message was picked");
-  if (!why.length) return h("section", { class: "why" }, heading, empty("No past message was recalled for this question (the conversation fits, or nothing bore on it)."));
+  const heading = h("h2", {}, "Why the recall note quotes each message");
+  if (!why.length) return h("section", { class: "why" }, heading, empty("No past message was recalled for this question: the conversation fits, nothing bore on it, or it asks nothing (a statement gets no note)."));
   return h(
     "section", { class: "why" }, heading,
-    h("p", { class: "muted" }, "Rank once the legs are fused (1: the best of every candidate), then each leg that found it. A message no leg found was lent part of a neighbour's score; a pinned milestone is in every prompt."),
+    h("p", { class: "muted" }, "Rank once the legs are fused (1: the best of every candidate), then each leg that found it. A message no leg found was lent part of a neighbour's score (the answer after a matching question); a pinned milestone is in every prompt."),
     h("ol", { class: "why-list" }, why.map((one) => h(
       "li", { dataset: { nodeId: one.node_id } },
       h("a", { href: link(["c", id, "tree"], { node: one.node_id }) }, `message ${one.seq}`),
