@@ -4,7 +4,8 @@
 first, and the fused score of every place, `memory.recall.fusion`) and says, for each hit:
 
 * its rank among every fused place (1: the best) and its fused score;
-* its rank in each leg that found it (full text, vector, passages; 1-based), with the cosine
+* its rank in each leg that found it (full text, vector, passages; or, for a recall note drawn
+  from the candidates prepared after the last reply, `prepared`; 1-based), with the cosine
   similarity the vector legs measured;
 * `exact`: it holds a rare identifier of the query (a bonus in every leg); `standout`: its
   similarity stands far above the rest of its vector leg (`fusion.standouts`);
@@ -27,10 +28,13 @@ from typing import Final
 from memory.recall.fusion import Candidates, Key, standouts
 from memory.recall.retrieval import Hit
 
-__all__ = ["LEGS", "LegRank", "Why", "explain"]
+__all__ = ["LEGS", "PREPARED_LEGS", "LegRank", "Why", "explain"]
 
 LEGS: Final = ("full text", "vector", "passages")
 """The legs' names, in the order retrieval runs them (`retrieval.search`, `prompt.build`)."""
+PREPARED_LEGS: Final = ("prepared", "full text")
+"""The legs of a recall note from prepared candidates: those candidates by similarity, then the
+identifiers the new message names (`recall_note.recall`)."""
 
 
 @dataclass(frozen=True)
@@ -64,9 +68,11 @@ def explain(
     hits: Sequence[Hit],
     *,
     pinned: Collection[int] = (),
+    names: Sequence[str] = LEGS,
 ) -> list[Why]:
-    """Why each of `hits` was found, best rank first (see the module docstring). `legs` are in
-    `LEGS` order; `scores` is what fusion made of them; `pinned` are the milestones' ids."""
+    """Why each of `hits` was found, best rank first (see the module docstring). `legs` are
+    named by `names`, in order; `scores` is what fusion made of them; `pinned` are the
+    milestones' ids."""
     places: list[dict[Key, tuple[int, float | None]]] = []
     exact: set[Key] = set()
     for leg in legs:
@@ -86,7 +92,7 @@ def explain(
         for index, ranks in enumerate(places):
             if key in ranks:
                 rank, similarity = ranks[key]
-                found.append(LegRank(leg=LEGS[index], rank=rank, similarity=similarity))
+                found.append(LegRank(leg=names[index], rank=rank, similarity=similarity))
         score = scores.get(key, hit.score)
         explained.append(
             Why(

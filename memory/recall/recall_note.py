@@ -173,7 +173,9 @@ async def recall(
         return None
     conversation_id = conversation_ids[0]
     search_text = retrieval.without_names(query, participants)
+    names: Sequence[str] = explain.LEGS
     if prepared is not None and vector is not None:
+        names = explain.PREPARED_LEGS
         legs = [
             await _prepared_leg(
                 conn, tenant_id=tenant_id, ids=prepared, vector=vector, abandoned=abandoned
@@ -235,7 +237,7 @@ async def recall(
         note = HEADER + block.render()
         count = tokens.count_message({"role": "system", "content": note}, model=model)
         if count <= room:
-            why = explain.explain(legs, fused, block.messages) if explained else []
+            why = explain.explain(legs, fused, block.messages, names=names) if explained else []
             return Recalled(
                 text=note, ids=tuple(sorted(block.message_ids)), tokens=count, why=tuple(why)
             )

@@ -293,7 +293,10 @@ class ContextPart(BaseModel):
 class LegRankPublic(BaseModel):
     model_config = FROM_RECORD
 
-    leg: str = Field(description="`full text`, `vector` or `passages`")
+    leg: str = Field(
+        description="`full text`, `vector` or `passages`; `prepared`: the candidates prepared "
+        "after the last reply (anticipatory recall), by similarity"
+    )
     rank: int = Field(description="Its place in that leg's candidates, 1: the best")
     similarity: float | None = Field(description="Cosine similarity to the query (vector legs)")
 
