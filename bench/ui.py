@@ -2,8 +2,11 @@
 
 `python -m bench.ui [--messages 10000] [--repeat 5] [--screenshots]` starts a throw-away
 Postgres, the fake upstream and a `memstrata serve` with its in-process worker (extractive
-summaries, local embeddings), imports a synthetic conversation of `--messages` messages and a
-few small ones (`devkit.synthetic`), waits until every tree is built, then measures:
+summaries, local embeddings), imports a synthetic conversation of `--messages` messages (after
+a system prompt) and a few small ones (`devkit.synthetic`), waits until every tree is built,
+sends the large one `TURNS` chat requests in a 4,000-token budget (its prompts then come from
+its working context: what the list's tokens sent, cached tokens, memory reuse and compactions
+show), then measures:
 
 * **the admin API** the page reads, by httpx (10 requests per `--repeat`): a page of the
   tree's roots, a page of one node's children and of one segment's messages, the whole tree at
@@ -11,7 +14,7 @@ few small ones (`devkit.synthetic`), waits until every tree is built, then measu
   and on a 100-message one;
 * **the page** in headless Chromium (`devkit.browser`), `--repeat` times each, from the action
   to the result drawn: the conversation opened (its tree's roots), a node opened, a search hit
-  followed down to its place in the tree, and a dry-run prompt.
+  followed down to its place in the tree, and a dry-run prompt (from the working context).
 
 Results go to `bench/results/ui.json` (the machine beside the figures). With `--screenshots`,
 the main views are saved to `docs/img/ui-*.png` at 1280 px wide, and the tree at 390 px, for
@@ -43,12 +46,19 @@ IMAGES = h.REPO_ROOT / "docs" / "img"
 RESULTS = h.REPO_ROOT / "bench" / "results" / "ui.json"
 WIDE = {"width": 1280, "height": 900}
 NARROW = {"width": 390, "height": 844}
+SYSTEM = "You are the support desk's assistant: answer briefly, and name the ticket."
+BUDGET = 4000
+TURNS = (
+    "Where did we leave the refund for the broken headset?",
+    "Which flight did we book to Nairobi, and with what seat?",
+    "Remind me what the hotel in Lisbon cost.",
+)
 
 
 async def prepare(http: httpx.AsyncClient, database_url: str, messages: int) -> dict[str, Any]:
     """The conversations the page shows, their trees built, and one dead letter."""
     began = time.perf_counter()
-    large = await seed(http, LARGE, messages=messages, seed=11, user="alice")
+    large = await seed(http, LARGE, messages=messages, seed=11, user="alice", system=SYSTEM)
     await seed(http, SMALL, messages=100, seed=12, user="bob")
     for index, size in enumerate((24, 60, 8)):
         await seed(http, f"chat-{index + 41}", messages=size, seed=20 + index, user="carol")
@@ -56,6 +66,13 @@ async def prepare(http: httpx.AsyncClient, database_url: str, messages: int) -> 
         await wait_built(http)
     built = time.perf_counter() - began
     h.log(f"{messages:,} messages imported and summarized in {built:.0f} s")
+    for question in TURNS:
+        answer = await http.post(
+            "/v1/chat/completions",
+            json={"model": "gpt-4o", "messages": [{"role": "user", "content": question}]},
+            headers={"X-Memstrata-Conversation": LARGE, "X-Memstrata-Budget": str(BUDGET)},
+        )
+        answer.raise_for_status()
     # A job no worker can run, dead-lettered at its first attempt: what the retry button is for.
     listed = (await http.get("/admin/jobs", params={"conversation": LARGE, "limit": 1})).json()
     tenant = (await http.get("/admin/tenants/default")).json()["id"]
@@ -146,7 +163,7 @@ async def page_timings(
         await page.fill("textarea[name=query]", f"What happened with {fact.value}?")
         started = time.perf_counter()
         await page.click(".prompt-form button[type=submit]")
-        await expect(page.locator(".why-list > li").first).to_be_visible()
+        await expect(page.locator("section.why")).to_be_visible()
         found["prompt"].append(since(started))
     return {name: h.summarize(values) for name, values in found.items()}
 
@@ -184,10 +201,12 @@ async def screenshots(page: Page, root: str, facts: list[synthetic.Fact]) -> lis
 
     await page.goto(f"{root}/ui/#/c/{LARGE}/prompt")
     await page.fill("textarea[name=query]", question)
-    await page.fill("input[name=budget]", "4000")
+    await page.fill("input[name=budget]", str(BUDGET))
     await page.click(".prompt-form button[type=submit]")
-    await expect(page.locator(".why-list > li").first).to_be_visible()
-    await page.evaluate("document.querySelector('.prompt-form').scrollIntoView()")
+    await expect(page.locator("section.why")).to_be_visible()
+    # The note folded, so that the parts and why the note quotes each message show together.
+    await page.locator("li.part-note > details > summary").click()
+    await page.evaluate("document.querySelector('.prompt-total').scrollIntoView()")
     await shot("prompt")
 
     await page.goto(f"{root}/ui/#/jobs")
@@ -237,13 +256,17 @@ async def main() -> None:
         "machine": h.machine_info(),
         "messages": args.messages,
         "levels": stats["levels"],
+        "turns": {
+            name: stats[name]
+            for name in ("requests", "tokens_sent", "tokens_cached", "memory_reuse", "compactions")
+        },
         "built_seconds": prepared["built_seconds"],
         "api_ms": api,
         "page_ms": measured,
         "screenshots": saved,
     }
     h.write_results(RESULTS, results)
-    h.log(f"levels: {stats['levels']}")
+    h.log(f"levels: {stats['levels']}; turns: {results['turns']}")
     for conversation, timings in api.items():
         for name, figures in timings.items():
             h.log(f"api {conversation} {name}: p50 {figures['p50']} ms, {figures['bytes']:,} bytes")
