@@ -32,7 +32,7 @@ from memory.build import tree
 from memory.build.segments import SegmentPolicy
 from memory.build.summarize import ExtractiveSummarizer
 from memory.embeddings import LocalEmbedder
-from memory.recall import anticipation, browsing, tools
+from memory.recall import anticipation, browsing, explain, tools
 from memory.recall import working_context as wc
 from memory.recall.assemble import Assembled, Budget, Recall, StoredTurn, assemble
 from memory.recall.working_context import Policy
@@ -85,8 +85,10 @@ class Conversation:
         limit: int,
         recall: Recall,
         branched_at: int | None = None,
+        explained: bool = False,
     ) -> Assembled:
-        """Store `new` and assemble its prompt in one transaction (the row lock held)."""
+        """Store `new` and assemble its prompt in one transaction (the row lock held);
+        `explained`: with why the note quotes each message."""
         async with self.engine.begin() as conn:
             appended = await store.append(
                 conn,
@@ -109,7 +111,12 @@ class Conversation:
                 previous_fingerprint=appended.prompt_fingerprint,
             )
             return await assemble(
-                conn, stored, Budget(limit=limit, reserved=0), recall, tools_guide=False
+                conn,
+                stored,
+                Budget(limit=limit, reserved=0),
+                recall,
+                tools_guide=False,
+                explained=explained,
             )
 
     async def reply(self, message: Message, assembled: Assembled) -> None:
@@ -498,8 +505,12 @@ async def test_a_prepared_candidate_is_used_and_a_stale_one_ignored(
             .values(recall_ids=[fact.node_id])
         )
     follow = {"role": "user", "content": "What is the code for the storage unit door?"}
-    used = await conversation.turn([follow], limit=limit, recall=recall)
+    used = await conversation.turn([follow], limit=limit, recall=recall, explained=True)
     assert used.prepared_recall and used.labels[-2:] == ["note", "new"]
+    # Why: the fact was the prepared leg's only candidate; its neighbours were lent its score.
+    why = {one.node_id: one for one in used.why}
+    assert [(leg.leg, leg.rank) for leg in why[fact.node_id].legs][:1] == [("prepared", 1)]
+    assert {leg.leg for one in used.why for leg in one.legs} <= {"prepared", "full text"}
     note = used.messages[-2]["content"]
     assert f"[#{fact.node_id} user] {FACT}" in note
     quoted = [int(node) for node in re.findall(r"^\[#(\d+) ", note, re.MULTILINE)]
@@ -514,8 +525,9 @@ async def test_a_prepared_candidate_is_used_and_a_stale_one_ignored(
             .values(recall_after=state.recall_after, recall_ids=[fact.node_id])
         )
     again = {"role": "user", "content": "Which unit was it, the storage unit by the door?"}
-    fresh = await conversation.turn([again], limit=limit, recall=recall)
+    fresh = await conversation.turn([again], limit=limit, recall=recall, explained=True)
     assert not fresh.prepared_recall
+    assert fresh.why and {leg.leg for one in fresh.why for leg in one.legs} <= set(explain.LEGS)
 
 
 def test_usable_needs_the_exchange_just_before_and_a_close_message() -> None:

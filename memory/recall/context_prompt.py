@@ -18,7 +18,8 @@ that does not fit its budget, in the caller's transaction:
    point of recall), nor does a turn whose new messages are tool results (a note between a
    call and its results is not allowed);
 4. with `persist`, the context is saved as this turn leaves it (the note kept with
-   `Policy.keep_notes`).
+   `Policy.keep_notes`); with `explained` (a dry run), the prompt says why each message of
+   the note was picked.
 
 The prompt is the system prompt, the context, the note and the new messages; `marks` are the
 message counts where a later prompt may stop repeating it (`memory.recall.reuse`).
@@ -33,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from memory import tokens
-from memory.recall import anticipation, compaction, recall_note, retrieval
+from memory.recall import anticipation, compaction, explain, recall_note, retrieval
 from memory.recall import working_context as wc
 from memory.recall.compaction import Fixed
 from memory.recall.working_context import Policy
@@ -48,8 +49,8 @@ Message = dict[str, Any]
 
 @dataclass(frozen=True)
 class ContextPrompt:
-    """A turn's prompt from the working context, what each message is and costs, and the
-    context's version."""
+    """A turn's prompt from the working context, what each message is and costs, the
+    context's version, and why the note's messages were picked (when asked)."""
 
     messages: list[Message]
     labels: list[str]
@@ -58,6 +59,7 @@ class ContextPrompt:
     compacted: bool
     prepared_recall: bool
     version: int
+    why: tuple[explain.Why, ...] = ()
 
 
 async def build(
@@ -69,6 +71,7 @@ async def build(
     system: list[Message],
     related: list[int],
     persist: bool,
+    explained: bool = False,
 ) -> ContextPrompt:
     """The prompt for `turn` from its working context (see the module docstring); `related`
     are the same user's other conversations, whose messages a note may recall."""
@@ -152,6 +155,7 @@ async def build(
         model=model,
         abandoned=recall.abandoned_branches,
         fulltext=fulltext,
+        explained=explained,
     )
     if persist:
         notes = tuple(kept for kept in state.notes if kept.before < turn.first_seq)
@@ -184,6 +188,7 @@ async def build(
         compacted=compacted,
         prepared_recall=prepared,
         version=state.version,
+        why=note.why if note is not None else (),
     )
 
 
