@@ -208,6 +208,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         scores = Scores(evidence.states(engine, embedder, tenant), budgets, systems)
         report = await evaluate(scores, samples, budgets)
         report["memory_tool_definition_tokens"] = tools.tool_tokens(MODEL)
+        report["context_settings"] = evidence.context_settings(scores.states)
     return {
         "benchmark": "locomo evidence recall",
         "measured": datetime.now(UTC).isoformat(timespec="seconds"),

@@ -8,7 +8,9 @@ gateway drives it (store the turn, assemble under the conversation's lock, recor
   the prompt tags, and the summary expands;
 * masked tool results expand back to the original;
 * a branch inside the context rebuilds it;
-* a prepared recall candidate is used, a stale one ignored.
+* a prepared recall candidate is used, a stale one ignored;
+* the dry run (what the recall benchmarks and the admin context endpoint measure) is the prompt
+  the next turn sends, and saves nothing.
 """
 
 from __future__ import annotations
@@ -34,7 +36,15 @@ from memory.build.summarize import ExtractiveSummarizer
 from memory.embeddings import LocalEmbedder
 from memory.recall import anticipation, browsing, tools
 from memory.recall import working_context as wc
-from memory.recall.assemble import Assembled, Budget, Recall, StoredTurn, assemble
+from memory.recall.assemble import (
+    Assembled,
+    Budget,
+    BudgetRules,
+    Recall,
+    StoredTurn,
+    assemble,
+    dry_run,
+)
 from memory.recall.working_context import Policy
 from memory.schema import working_contexts
 from memory.write import store
@@ -452,6 +462,46 @@ async def test_a_branch_inside_the_context_rebuilds_it(engine: AsyncEngine, tena
     assert rebuilt.context_version == state.version + 1
     assert (await conversation.state()).notes == ()
     assert rebuilt.messages[-1] == edit
+
+
+async def test_the_dry_run_is_the_prompt_the_next_turn_sends(
+    engine: AsyncEngine, tenant_id: int
+) -> None:
+    """A conversation imported at once has no working context yet: the dry run builds it as the
+    first turn past the budget does (the newest turns verbatim, stable memory over the rest),
+    adds the question's note and saves nothing; that turn then sends the same prompt, byte for
+    byte."""
+    limit = 2000
+    recall = Recall(embedder=EMBEDDER, policy=Policy())
+    history = synthetic.messages(300, seed=31)
+    history[60] = {"role": "user", "content": FACT}
+    conversation = await Conversation.start(engine, tenant_id, history)
+    await conversation.build_tree()
+    async with engine.begin() as conn:
+        external_id = await store.external_id(
+            conn, tenant_id=tenant_id, conversation_id=conversation.id
+        )
+    question = "What is the code for the storage unit door?"
+    dry = await dry_run(
+        engine,
+        tenant_id=tenant_id,
+        external_id=external_id,
+        query=question,
+        budget=limit,
+        rules=BudgetRules(default=limit, window=128_000, output_reserve=0),
+        tools_room=0,
+        recall=recall,
+        model=MODEL,
+    )
+    check_prompt(dry, limit)
+    assert {"stable", "verbatim"} <= set(dry.labels) and dry.labels[-2:] == ["note", "new"]
+    assert FACT in dry.messages[-2]["content"]
+    async with engine.begin() as conn:
+        assert await wc.load(conn, tenant_id=tenant_id, conversation_id=conversation.id) is None
+    ask = {"role": "user", "content": question}
+    sent = await conversation.turn([ask], limit=limit, recall=recall)
+    assert raw(sent.messages) == raw(dry.messages) and sent.labels == dry.labels
+    assert (await conversation.state()).upto == len(history) + 2  # the system prompt, the ask
 
 
 # -- anticipatory recall -----------------------------------------------------------------------
