@@ -107,6 +107,19 @@ memstrata does) the same baseline reaches 0.878 at 4k in the offline replay, and
 text lines instead of `[date speaker]` ones (14 tokens a line here)."""
 
 
+def _merged(report: dict[str, Any]) -> list[str]:
+    """What the rows not measured in this run are (`bench.locomo.merge`)."""
+    merged = report.get("merged_from")
+    if not merged or not merged["methods"]:
+        return []
+    rows = ", ".join(SHORT[m] for m in merged["methods"])
+    return [
+        f"The rows {rows} are from the run of {merged['measured']} (`{merged['file']}`, the same "
+        "questions and scoring; `--merge`): this run measured the rest.",
+        "",
+    ]
+
+
 def render(report: dict[str, Any]) -> str:
     """The `## Memory quality (LoCoMo)` section of docs/benchmarks.md."""
     budgets = [str(b) for b in report["budgets"]]
@@ -118,6 +131,7 @@ def render(report: dict[str, Any]) -> str:
         f"`python -m bench.locomo` ({report['total_seconds']:.0f} s here). Raw figures: "
         "`bench/results/locomo.json`.",
         "",
+        *_merged(report),
         "**What is measured.** Every conversation is replayed through the import path and its "
         "summary tree built (extractive summaries, local MiniLM embeddings). For each question "
         "the prompt is built exactly as the gateway would send it upstream "

@@ -35,16 +35,9 @@ from memory.build.segments import SegmentPolicy
 from memory.build.summarize import ExtractiveSummarizer
 from memory.embeddings import LocalEmbedder
 from memory.recall import anticipation, browsing, tools
+from memory.recall import assemble as assembly
 from memory.recall import working_context as wc
-from memory.recall.assemble import (
-    Assembled,
-    Budget,
-    BudgetRules,
-    Recall,
-    StoredTurn,
-    assemble,
-    dry_run,
-)
+from memory.recall.assemble import Assembled, Budget, Recall, StoredTurn, assemble
 from memory.recall.working_context import Policy
 from memory.schema import working_contexts
 from memory.write import store
@@ -482,13 +475,13 @@ async def test_the_dry_run_is_the_prompt_the_next_turn_sends(
             conn, tenant_id=tenant_id, conversation_id=conversation.id
         )
     question = "What is the code for the storage unit door?"
-    dry = await dry_run(
+    dry = await assembly.dry_run(
         engine,
         tenant_id=tenant_id,
         external_id=external_id,
         query=question,
         budget=limit,
-        rules=BudgetRules(default=limit, window=128_000, output_reserve=0),
+        rules=assembly.BudgetRules(default=limit, window=128_000, output_reserve=0),
         tools_room=0,
         recall=recall,
         model=MODEL,
