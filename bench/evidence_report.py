@@ -40,9 +40,10 @@ of the summary tree over everything older, {stable} of the budget), then the que
 note (`memory.recall.recall_note`: past messages outside the context, verbatim, best fused \
 score first, at most {note:.0%} of the budget) and the question; nothing is saved, and the \
 next real turn sends the same prompt byte for byte (`tests/test_working_context.py`). The \
-prompt is therefore {share} of the budget: the rest is room a cacheable prefix leaves unused \
-at this point of its cycle (a context later grows to the high-water mark, {high:.0%}, and the \
-note gets what is left below the budget, at most its share). The per-query rebuild \
+prompt is {share} of the budget. This is the note's best point of the context's cycle: turn \
+after turn the context grows toward the high-water mark ({high:.0%} of the budget) and the \
+note gets what is left below the budget, at most its share, until a compaction brings the \
+context back to the low-water mark. The per-query rebuild \
 (`MEMSTRATA_CONTEXT_MODE=rebuild`, the layout every figure here had before issue #13) fills the \
 whole budget for each question."""
 
