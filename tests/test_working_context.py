@@ -20,7 +20,7 @@ import re
 import uuid
 from collections.abc import Sequence
 from dataclasses import replace
-from typing import Any
+from typing import Any, cast
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -29,13 +29,15 @@ from sqlalchemy import update
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from devkit import synthetic
+from gateway.openai import chat
+from gateway.settings import Settings
+from gateway.state import State
 from memory import tokens
 from memory.build import tree
 from memory.build.segments import SegmentPolicy
 from memory.build.summarize import ExtractiveSummarizer
 from memory.embeddings import LocalEmbedder
 from memory.recall import anticipation, browsing, tools
-from memory.recall import assemble as assembly
 from memory.recall import working_context as wc
 from memory.recall.assemble import Assembled, Budget, Recall, StoredTurn, assemble
 from memory.recall.working_context import Policy
@@ -460,12 +462,18 @@ async def test_a_branch_inside_the_context_rebuilds_it(engine: AsyncEngine, tena
 async def test_the_dry_run_is_the_prompt_the_next_turn_sends(
     engine: AsyncEngine, tenant_id: int
 ) -> None:
-    """A conversation imported at once has no working context yet: the dry run builds it as the
-    first turn past the budget does (the newest turns verbatim, stable memory over the rest),
-    adds the question's note and saves nothing; that turn then sends the same prompt, byte for
-    byte."""
+    """A conversation imported at once has no working context yet: the gateway's dry run builds
+    it as the first turn past the budget does (the newest turns verbatim, stable memory over the
+    rest), adds the question's note and saves nothing; that turn then sends the same prompt,
+    byte for byte."""
     limit = 2000
-    recall = Recall(embedder=EMBEDDER, policy=Policy())
+    state = State(
+        settings=Settings(_env_file=None, memory_tools="never"),
+        engine=engine,
+        upstream=cast(Any, None),
+        embedder=EMBEDDER,
+        default_tenant_id=tenant_id,
+    )
     history = synthetic.messages(300, seed=31)
     history[60] = {"role": "user", "content": FACT}
     conversation = await Conversation.start(engine, tenant_id, history)
@@ -475,16 +483,8 @@ async def test_the_dry_run_is_the_prompt_the_next_turn_sends(
             conn, tenant_id=tenant_id, conversation_id=conversation.id
         )
     question = "What is the code for the storage unit door?"
-    dry = await assembly.dry_run(
-        engine,
-        tenant_id=tenant_id,
-        external_id=external_id,
-        query=question,
-        budget=limit,
-        rules=assembly.BudgetRules(default=limit, window=128_000, output_reserve=0),
-        tools_room=0,
-        recall=recall,
-        model=MODEL,
+    dry = await chat.dry_run(
+        state, tenant_id=tenant_id, external_id=external_id, query=question, budget=limit
     )
     check_prompt(dry, limit)
     assert {"stable", "verbatim"} <= set(dry.labels) and dry.labels[-2:] == ["note", "new"]
@@ -492,7 +492,7 @@ async def test_the_dry_run_is_the_prompt_the_next_turn_sends(
     async with engine.begin() as conn:
         assert await wc.load(conn, tenant_id=tenant_id, conversation_id=conversation.id) is None
     ask = {"role": "user", "content": question}
-    sent = await conversation.turn([ask], limit=limit, recall=recall)
+    sent = await conversation.turn([ask], limit=limit, recall=chat.recall_of(state))
     assert raw(sent.messages) == raw(dry.messages) and sent.labels == dry.labels
     assert (await conversation.state()).upto == len(history) + 2  # the system prompt, the ask
 
