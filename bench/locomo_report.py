@@ -99,7 +99,8 @@ with the most names, numbers and dates, which reads poorly for chit-chat; they t
 budget and count only where they happen to hold a whole turn. \
 With the memory tools offered (`MEMSTRATA_MEMORY_TOOLS=auto`, the default), their definitions \
 ({tools} tokens with gpt-4o's tokenizer, compact JSON) are reserved out of the same budget, \
-which is what the "memory tools offered" row pays; the baselines carry no tools. The issue \
+which is what the "memory tools offered" row pays when a run measures it; the baselines carry \
+no tools. The issue \
 quotes other figures for the baselines at 4k (newest 0.19, flat MiniLM 0.83, MiniLM + TF-IDF \
 0.87), measured elsewhere. Our flat MiniLM baseline embeds the question as asked, participants' \
 names included, which pulls it toward every turn that greets them: with the names removed (as \
