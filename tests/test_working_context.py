@@ -8,7 +8,9 @@ gateway drives it (store the turn, assemble under the conversation's lock, recor
   the prompt tags, and the summary expands;
 * masked tool results expand back to the original;
 * a branch inside the context rebuilds it;
-* a prepared recall candidate is used, a stale one ignored.
+* a prepared recall candidate is used, a stale one ignored;
+* the dry run (what the recall benchmarks and the admin context endpoint measure) is the prompt
+  the next turn sends, and saves nothing.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import re
 import uuid
 from collections.abc import Sequence
 from dataclasses import replace
-from typing import Any
+from typing import Any, cast
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -27,6 +29,9 @@ from sqlalchemy import update
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from devkit import synthetic
+from gateway.openai import chat
+from gateway.settings import Settings
+from gateway.state import State
 from memory import tokens
 from memory.build import tree
 from memory.build.segments import SegmentPolicy
@@ -459,6 +464,44 @@ async def test_a_branch_inside_the_context_rebuilds_it(engine: AsyncEngine, tena
     assert rebuilt.context_version == state.version + 1
     assert (await conversation.state()).notes == ()
     assert rebuilt.messages[-1] == edit
+
+
+async def test_the_dry_run_is_the_prompt_the_next_turn_sends(
+    engine: AsyncEngine, tenant_id: int
+) -> None:
+    """A conversation imported at once has no working context yet: the gateway's dry run builds
+    it as the first turn past the budget does (the newest turns verbatim, stable memory over the
+    rest), adds the question's note and saves nothing; that turn then sends the same prompt,
+    byte for byte."""
+    limit = 2000
+    state = State(
+        settings=Settings(_env_file=None, memory_tools="never"),
+        engine=engine,
+        upstream=cast(Any, None),
+        embedder=EMBEDDER,
+        default_tenant_id=tenant_id,
+    )
+    history = synthetic.messages(300, seed=31)
+    history[60] = {"role": "user", "content": FACT}
+    conversation = await Conversation.start(engine, tenant_id, history)
+    await conversation.build_tree()
+    async with engine.begin() as conn:
+        external_id = await store.external_id(
+            conn, tenant_id=tenant_id, conversation_id=conversation.id
+        )
+    question = "What is the code for the storage unit door?"
+    dry = await chat.dry_run(
+        state, tenant_id=tenant_id, external_id=external_id, query=question, budget=limit
+    )
+    check_prompt(dry, limit)
+    assert {"stable", "verbatim"} <= set(dry.labels) and dry.labels[-2:] == ["note", "new"]
+    assert FACT in dry.messages[-2]["content"]
+    async with engine.begin() as conn:
+        assert await wc.load(conn, tenant_id=tenant_id, conversation_id=conversation.id) is None
+    ask = {"role": "user", "content": question}
+    sent = await conversation.turn([ask], limit=limit, recall=chat.recall_of(state))
+    assert raw(sent.messages) == raw(dry.messages) and sent.labels == dry.labels
+    assert (await conversation.state()).upto == len(history) + 2  # the system prompt, the ask
 
 
 # -- anticipatory recall -----------------------------------------------------------------------

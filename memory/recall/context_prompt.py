@@ -10,7 +10,8 @@ that does not fit its budget, in the caller's transaction:
    computed now); a prompt that does not fit the budget even so (the new messages take most of
    it) is compacted as far as it goes, and sent without its stable memory if that still does
    not fit;
-3. the new message is embedded meanwhile, and the recall note is chosen
+3. the new message is embedded meanwhile (again without the participants' names once the
+   verbatim turns tell them, when it names one), and the recall note is chosen
    (`memory.recall.recall_note`), from the candidates prepared after the last reply when they
    cover it (`memory.recall.anticipation.usable`), in the room `Policy.note` gives a message
    that asks something, never more than the budget leaves; a statement gets no note (measured
@@ -114,6 +115,12 @@ async def build(
                 context = wc.render(replace(state, stable=()), items, policy=policy, model=model)
         scope = [turn.conversation_id, *related]
         participants = {item.name for item in items if item.name}
+        unnamed = retrieval.without_names(query, participants) if vector_task else query
+        if vector_task is not None and unnamed != query:
+            # A participant's name says nothing about the topic and pulls the vector toward
+            # every message that greets them: embedded again without it, as the rebuild does.
+            vector_task.cancel()
+            vector_task = asyncio.ensure_future(recall_note.embed_query(recall.embedder, unnamed))
         # Small budgets still give a note room for a few messages, when they leave it.
         wanted = max(int(share * limit), recall_note.FLOOR) if share else 0
         room = min(wanted, limit - fixed.system - context.tokens - fixed.new)

@@ -57,6 +57,9 @@ NEIGHBOURS: Final = len(fusion.CONTIGUITY)
 """Messages this close to a relevant one are eligible too: they lent it their score."""
 FULLTEXT_FIRST: Final = 10
 """Full-text candidates this high that have no vector are judged by their rank alone."""
+POOL: Final = 400
+"""Candidates each retrieval leg gives a note to be chosen among: the rebuild's pool at 4k and
+8k (`memory.recall.prompt`); the legs' default of 100 cost LoCoMo and LongMemEval recall."""
 MIN_ROOM: Final = 48
 """A note needs at least this many tokens to say anything."""
 FLOOR: Final = 160
@@ -262,6 +265,7 @@ async def fulltext_leg(
         conversation_ids=conversation_ids,
         query=retrieval.without_names(query, participants),
         levels=[0],
+        limit=POOL,
         exclude_from=(conversation_ids[0], exclude_from),
         abandoned=abandoned,
     )
@@ -308,6 +312,7 @@ async def _search_legs(
             conversation_ids=conversation_ids,
             query=query,
             levels=[0],
+            limit=POOL,
             exclude_from=exclude,
             abandoned=abandoned,
         )
@@ -319,6 +324,7 @@ async def _search_legs(
             conversation_ids=conversation_ids,
             query_vector=vector,
             levels=[0],
+            limit=POOL,
             exclude_from=exclude,
             messages=newest + 1 if len(conversation_ids) == 1 else None,
             abandoned=abandoned,
