@@ -278,11 +278,11 @@ async def replay(
     upstream: UpstreamServer,
     scenario: Scenario,
     budget: int,
-    prompts: Path | None = None,
+    keep: Path | None = None,
 ) -> None:
     """Import the scenario's start, then send its exchanges as a client resending its whole
-    history; every turn's figures go to `scenario.turns` (and, with `prompts`, the gateway's
-    prompt to `prompts/<conversation>-<turn>.json`)."""
+    history; every turn's figures go to `scenario.turns` (and, with `keep`, the gateway's
+    prompt to `keep/<conversation>-<turn>.json`)."""
     harness.log(f"{scenario.external_id}: importing {len(scenario.imported)} messages")
     await harness.import_conversation(
         client, gateway.root_url, scenario.external_id, scenario.imported
@@ -310,8 +310,8 @@ async def replay(
             )
         [recorded] = upstream.requests("/v1/chat/completions")
         body = recorded["body"]
-        if prompts is not None:
-            _dump(prompts / f"{scenario.external_id}-{number:03d}.json", body["messages"])
+        if keep is not None:
+            _dump(keep / f"{scenario.external_id}-{number:03d}.json", body["messages"])
         prompts = {
             "gateway": serialize(body["messages"], body.get("tools")),
             "full_history": serialize(sent),
@@ -472,6 +472,40 @@ def plot(report: dict[str, Any], images: Path) -> None:
         plt.close(figure)
 
 
+def _mean_share(turns: Sequence[dict[str, Any]]) -> str:
+    return f"{statistics.fmean(t['gateway']['share'] for t in turns):.2f}" if turns else "-"
+
+
+def breakdown(report: dict[str, Any]) -> list[str]:
+    """Where the gateway's share goes, per scenario: compaction turns, and the other turns with
+    and without a recall note (new on its turn, so never cached)."""
+    lines = [
+        "**Where the share goes** (the gateway, turns after the first): a compaction rebuilds "
+        "the prefix after the system prompt (or after the stable memory it keeps); on the other "
+        "turns the recall note, new each turn, is the uncached part beside the new messages.",
+        "",
+        "| scenario | compactions per 100 turns | share on compaction turns | share on other "
+        "turns with a note | share on other turns without | turns with a note | note tokens "
+        "(mean, when sent) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for kind in report["summary"]:
+        turns = [t for c in report["conversations"] if c["kind"] == kind for t in c["turns"][1:]]
+        rebuilt = [t for t in turns if t.get("rebuilt")]
+        noted = [t for t in turns if not t.get("rebuilt") and t.get("note_tokens")]
+        plain = [t for t in turns if not t.get("rebuilt") and not t.get("note_tokens")]
+
+        sent = [t for t in turns if t.get("note_tokens")]
+        lines.append(
+            f"| {kind} | {100 * len(rebuilt) / max(len(turns), 1):.1f} | "
+            f"{_mean_share(rebuilt)} | {_mean_share(noted)} | {_mean_share(plain)} | "
+            f"{len(sent)} of {len(turns)} | "
+            + (f"{statistics.fmean(t['note_tokens'] for t in sent):,.0f}" if sent else "-")
+            + " |"
+        )
+    return lines
+
+
 def targets(report: dict[str, Any]) -> list[str]:
     """Issue #13's targets, met or not."""
     warm = [t for c in report["conversations"] for t in c["turns"][1:]]
@@ -567,6 +601,7 @@ def render(report: dict[str, Any]) -> str:
         "definitions, the system prompt and what follows them unchanged); below 1,024 nothing "
         "is cacheable.",
     ]
+    lines += ["", *breakdown(report)]
     lines += ["", "Gateway ÷ full history, billed input per turn:", ""]
     lines += ["| scenario | at 10 % | at 50 % |", "|---|---|---|"]
     for kind, part in report["summary"].items():

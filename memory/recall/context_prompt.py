@@ -45,6 +45,9 @@ __all__ = ["ContextPrompt", "build"]
 
 Message = dict[str, Any]
 Change = Literal["kept", "compacted", "built"]
+# The note's two costs, timed as the request path's stages (`memory.stages`).
+_embed_query = stages.staged("embed")(recall_note.embed_query)
+_recall = stages.staged("note")(recall_note.recall)
 
 
 @dataclass(frozen=True)
@@ -83,7 +86,7 @@ async def build(
     query = "" if answers_calls else recall_note.query_of(new)
     # Only a message that asks something gets a note: only its query is embedded.
     share = policy.note if query and retrieval.asks(query) else 0.0
-    vector_task = asyncio.ensure_future(_embed(recall, query)) if share else None
+    vector_task = asyncio.ensure_future(_embed_query(recall.embedder, query)) if share else None
     try:
         with stages.stage("context"):
             state, items, context, change = await _advance(
@@ -137,23 +140,22 @@ async def build(
         if vector_task is not None and not vector_task.done():
             vector_task.cancel()
     prepared = fresh and anticipation.usable(state, first_seq=turn.first_seq, vector=vector)
-    with stages.stage("note"):
-        note = await recall_note.recall(
-            conn,
-            tenant_id=turn.tenant_id,
-            conversation_ids=scope,
-            query=query,
-            vector=vector,
-            prepared=state.recall_ids if prepared else None,
-            newest=turn.first_seq - 1,
-            exclude_from=state.verbatim_from,
-            present=state.present(),
-            participants=participants,
-            room=room,
-            model=model,
-            abandoned=recall.abandoned_branches,
-            fulltext=fulltext,
-        )
+    note = await _recall(
+        conn,
+        tenant_id=turn.tenant_id,
+        conversation_ids=scope,
+        query=query,
+        vector=vector,
+        prepared=state.recall_ids if prepared else None,
+        newest=turn.first_seq - 1,
+        exclude_from=state.verbatim_from,
+        present=state.present(),
+        participants=participants,
+        room=room,
+        model=model,
+        abandoned=recall.abandoned_branches,
+        fulltext=fulltext,
+    )
     if persist:
         notes = tuple(kept for kept in state.notes if kept.before < turn.first_seq)
         if note is not None and policy.keep_notes:
@@ -253,11 +255,6 @@ async def _advance(
         wc.render(compacted, items, policy=policy, model=turn.model),
         "compacted",
     )
-
-
-async def _embed(recall: Recall, query: str) -> list[float] | None:
-    with stages.stage("embed"):
-        return await recall_note.embed_query(recall.embedder, query)
 
 
 def _branched(state: wc.State, turn: StoredTurn) -> bool:
