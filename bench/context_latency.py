@@ -5,6 +5,7 @@ p95 ≤ 30 ms; first byte added for a stream ≤ 20 ms).
     python -m bench.context_latency [--size 10000] [--turns 150] [--budget 8000]
                                     [--modes non-stream,stream] [--latency 0.005]
                                     [--output bench/results/context-latency.json]
+    python -m bench.context_latency --tables bench/results/context-latency.json
 
 A synthetic conversation of `--size` messages (`harness.conversation`) is imported and its
 summary tree built; then a client talks to it turn by turn, one request at a time, naming it in
@@ -199,6 +200,39 @@ def summary(records: Sequence[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
+STAGE_NAMES = (
+    *("store", "assemble", "context", "embed", "fulltext", "vector"),
+    *("passages", "load", "fuse", "note", "save"),
+)
+
+
+def tables(report: dict[str, Any]) -> list[str]:
+    """The summary as Markdown: latency per kind of turn, then the mean stages of the turns
+    without compaction."""
+    lines = [
+        "| turns | n | added p50 / p95 ms | first byte added p50 / p95 ms | "
+        "X-Memstrata-Overhead-Ms p50 / p95 | load average (1 min) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for kind, part in report["summary"].items():
+        added, own, load = part["added_ms"], part["overhead_header_ms"], part["load_average_1min"]
+        first = part.get("first_byte_added_ms")
+        lines.append(
+            f"| {kind} | {part['turns']} | {added['p50']:.0f} / {added['p95']:.0f} | "
+            + (f"{first['p50']:.0f} / {first['p95']:.0f}" if first else "-")
+            + f" | {own['p50']:.0f} / {own['p95']:.0f} | "
+            f"{load['mean']} ({load['min']}-{load['max']}) |"
+        )
+    lines += ["", "| turns | " + " | ".join(STAGE_NAMES) + " |"]
+    lines.append("|---|" + "---|" * len(STAGE_NAMES))
+    for kind, part in report["summary"].items():
+        if "without compaction" in kind:
+            stages = part["stages_mean_ms"]
+            cells = [f"{stages[name]:.1f}" if name in stages else "-" for name in STAGE_NAMES]
+            lines.append(f"| {kind} | " + " | ".join(cells) + " |")
+    return lines
+
+
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     conversation_id = f"context-{args.size}"
     modes = args.modes.split(",")
@@ -236,7 +270,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                         count=args.turns,
                         offset=args.warmup + len(records),
                     )
-                    h.log(f"{mode}: {args.turns} turns, {summary(records)}")
+                    h.log(f"{mode}: {args.turns} turns measured")
                 gateway.stop()
     return {
         "benchmark": "context latency",
@@ -263,10 +297,16 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--modes", default="non-stream,stream")
     parser.add_argument("--latency", type=float, default=0.005, help="upstream latency (s)")
     parser.add_argument("--output", type=Path, default=h.RESULTS_DIR / "context-latency.json")
+    parser.add_argument(
+        "--tables", type=Path, default=None, help="print the Markdown tables of a results file"
+    )
     args = parser.parse_args(argv)
+    if args.tables is not None:
+        print("\n".join(tables(json.loads(args.tables.read_text(encoding="utf-8")))))
+        return
     report = asyncio.run(run(args))
     h.write_results(args.output, report)
-    print(json.dumps(report["summary"], indent=1))
+    print("\n".join(tables(report)))
 
 
 if __name__ == "__main__":
