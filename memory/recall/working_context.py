@@ -31,6 +31,7 @@ counts, how far it reaches, its notes) without rewriting the stable memory.
 
 from __future__ import annotations
 
+import json
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -67,9 +68,10 @@ MASK_MIN_TOKENS: Final = 64
 SYSTEM_ROLES: Final = ("system", "developer")
 
 _COUNTS_KEPT: Final = 65_536
-# A stored message never changes (an edit stores a new one), so its count in an encoding is
-# kept by node id: the verbatim turns are read, and were re-encoded, on every turn.
-_counts: OrderedDict[tuple[str, int], int] = OrderedDict()
+# The verbatim turns are read, and were re-encoded, on every turn: a stored message's count in
+# an encoding is kept by node id and a hash of the message as sent (ids restart in a recreated
+# database; hashing is a small fraction of encoding).
+_counts: OrderedDict[tuple[str, int, int], int] = OrderedDict()
 
 
 @dataclass(frozen=True)
@@ -303,7 +305,7 @@ async def read_items(
 
 def _count(node_id: int, message: dict[str, Any], model: str, encoding: str) -> int:
     """What stored message `node_id` (as `message`) costs in `model`'s encoding."""
-    key = (encoding, node_id)
+    key = (encoding, node_id, hash(json.dumps(message, separators=(",", ":"), default=str)))
     found = _counts.get(key)
     if found is None:
         found = _counts[key] = tokens.count_message(message, model=model)
