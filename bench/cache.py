@@ -6,7 +6,8 @@ from its prompt cache, and what the input then costs, beside sending the whole h
                           [--longmemeval ../shared/data/longmemeval_s_dev] [--haystacks 3]
                           [--lme-turns 20] [--seed 13] [--budget 8000]
                           [--scenarios locomo,longmemeval] [--set NAME=VALUE ...]
-                          [--output FILE] [--report-only]
+                          [--output FILE] [--prompts DIR] [--report-only]
+    python -m bench.cache --grid FILE [FILE ...]
 
 A client is replayed as real ones behave: it keeps its whole history and resends it with every
 new user message, with no conversation header, to a real `memstrata serve`
@@ -35,12 +36,21 @@ framing a message). Per turn: the common prefix with the previous prompt of the 
 conversation, the cacheable part under OpenAI's rule (`cacheable()`: nothing below 1,024
 tokens, then 1,024 plus whole 128-token steps), its share of the prompt, and the billed input
 with cached tokens at 10 % and 50 % of the price (in uncached-token equivalents). A
-conversation's first replayed turn has no previous prompt and is left out of the means.
+conversation's first replayed turn has no previous prompt and is left out of the means. Each
+turn also says whether the gateway's prompt was rebuilt (`rebuilt()`: it does not repeat the
+previous prompt, whole or without that turn's recall note: a compaction), and how many tokens
+its note and its stable memory take; the summary gives compactions per 100 turns and the share
+on the other turns. `--prompts DIR` keeps every gateway prompt (one JSON file per turn).
 
 Results: `bench/results/cache.json` (every turn's figures), plots `docs/img/cache-share.png`
 (the share turn by turn: a compaction shows as a drop) and `docs/img/cache-billed.png`, and the
 `## Prompt caching` section of docs/benchmarks.md. A narrowed run (`--scenarios`, fewer turns,
-haystacks or conversations than the defaults) writes `cache-quick.json`, docs untouched.
+haystacks or conversations than the defaults) writes `cache-quick.json`, docs untouched;
+`--grid` prints a table comparing such runs (how the marks' defaults were chosen).
+
+Quick, while tuning (one LoCoMo conversation, one haystack; ~5 min on a loaded machine):
+`python -m bench.cache --conversations 0 --turns 30 --haystacks 1 --set context_low_water=0.5
+--output /tmp/low50.json`.
 """
 
 from __future__ import annotations
@@ -73,6 +83,7 @@ from devkit.gateway import GatewayProcess
 from devkit.postgres import throwaway_postgres
 from devkit.upstream import UpstreamServer
 from memory import tokens
+from memory.recall.recall_note import HEADER as NOTE_HEADER
 
 RESULTS = ROOT / "bench" / "results" / "cache.json"
 IMAGES = ROOT / "docs" / "img"
@@ -224,6 +235,27 @@ def cacheable(common: int) -> int:
     return 0 if common < MIN_PREFIX else MIN_PREFIX + STEP * ((common - MIN_PREFIX) // STEP)
 
 
+def is_note(message: dict[str, Any]) -> bool:
+    content = message.get("content")
+    return (
+        message.get("role") == "system"
+        and isinstance(content, str)
+        and (content.startswith(NOTE_HEADER))
+    )
+
+
+def rebuilt(current: Sequence[dict[str, Any]], previous: Sequence[dict[str, Any]] | None) -> bool:
+    """Whether the gateway's prompt does not repeat its previous one, whole or without the
+    previous turn's note (a note dropped at the next turn): a compaction (or a rebuild)."""
+    if previous is None:
+        return False
+    notes = [index for index, message in enumerate(previous) if is_note(message)]
+    candidates = [list(previous)]
+    if notes:
+        candidates.append([m for i, m in enumerate(previous) if i != notes[-1]])
+    return not any(list(current[: len(c)]) == c for c in candidates)
+
+
 def figures(prompt: np.ndarray[Any, Any], previous: np.ndarray[Any, Any] | None) -> dict[str, Any]:
     """One prompt's size, cacheable part, share and billed input at each rate."""
     common = common_prefix(prompt, previous) if previous is not None else 0
@@ -246,9 +278,11 @@ async def replay(
     upstream: UpstreamServer,
     scenario: Scenario,
     budget: int,
+    keep: Path | None = None,
 ) -> None:
     """Import the scenario's start, then send its exchanges as a client resending its whole
-    history; every turn's figures go to `scenario.turns`."""
+    history; every turn's figures go to `scenario.turns` (and, with `keep`, the gateway's
+    prompt to `keep/<conversation>-<turn>.json`)."""
     harness.log(f"{scenario.external_id}: importing {len(scenario.imported)} messages")
     await harness.import_conversation(
         client, gateway.root_url, scenario.external_id, scenario.imported
@@ -256,6 +290,7 @@ async def replay(
     await _drain(client, gateway)
     history = [{k: v for k, v in m.items() if k != "created_at"} for m in scenario.imported]
     previous: dict[str, np.ndarray[Any, Any] | None] = {"gateway": None, "full_history": None}
+    sent_before: list[dict[str, Any]] | None = None
     for number, exchange in enumerate(scenario.exchanges, start=1):
         sent = [*history, *exchange.new]
         upstream.reset()
@@ -275,6 +310,8 @@ async def replay(
             )
         [recorded] = upstream.requests("/v1/chat/completions")
         body = recorded["body"]
+        if keep is not None:
+            _dump(keep / f"{scenario.external_id}-{number:03d}.json", body["messages"])
         prompts = {
             "gateway": serialize(body["messages"], body.get("tools")),
             "full_history": serialize(sent),
@@ -288,13 +325,28 @@ async def replay(
                 # The gateway's own count (messages only, no tools): what its budget bounds.
                 "gateway_message_tokens": tokens.count_messages(body["messages"], model=MODEL),
                 "memory_tools_offered": bool(body.get("tools")),
+                "rebuilt": rebuilt(body["messages"], sent_before),
+                "note_tokens": sum(
+                    tokens.count_message(m, model=MODEL) for m in body["messages"] if is_note(m)
+                ),
+                "stable_tokens": sum(
+                    tokens.count_message(m, model=MODEL)
+                    for m in body["messages"]
+                    if m.get("role") == "system" and tokens.message_text(m).startswith("[Memory")
+                ),
                 **{name: figures(p, previous[name]) for name, p in prompts.items()},
             }
         )
         previous = dict(prompts)
+        sent_before = body["messages"]
         history = [*sent, response.json()["choices"][0]["message"]]
         await _drain(client, gateway)
     harness.log(f"{scenario.external_id}: {len(scenario.exchanges)} turns replayed")
+
+
+def _dump(path: Path, messages: Any) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(messages, indent=1, ensure_ascii=False), encoding="utf-8")
 
 
 async def _drain(client: httpx.AsyncClient, gateway: GatewayProcess) -> None:
@@ -310,6 +362,19 @@ def _means(turns: Sequence[dict[str, Any]], system: str) -> dict[str, float]:
     return {
         key: round(statistics.fmean(t[system][key] for t in turns), 4 if key == "share" else 1)
         for key in ("tokens", "cacheable", "share", "billed_10", "billed_50")
+    }
+
+
+def _rebuilds(turns: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """How often the prefix was rebuilt (compactions), the share on the other turns, and the
+    notes' size (the share's other cost: a note is new on its turn)."""
+    kept = [t for t in turns if not t.get("rebuilt")]
+    return {
+        "rebuilt_per_100_turns": round(100 * (len(turns) - len(kept)) / max(len(turns), 1), 1),
+        "share_without_rebuilds": round(
+            statistics.fmean(t["gateway"]["share"] for t in kept) if kept else 0.0, 4
+        ),
+        "note_tokens": round(statistics.fmean(t.get("note_tokens", 0) for t in turns), 1),
     }
 
 
@@ -355,6 +420,7 @@ def summary(scenarios: Sequence[Scenario]) -> dict[str, Any]:
             "gateway_message_tokens": round(
                 statistics.fmean(t["gateway_message_tokens"] for t in turns), 1
             ),
+            **_rebuilds(turns),
             "gateway_cheaper_from": {
                 s.external_id: {k: cheaper_from(s.turns, k) for k in ("billed_10", "billed_50")}
                 for s in chosen
@@ -404,6 +470,40 @@ def plot(report: dict[str, Any], images: Path) -> None:
         figure.tight_layout()
         figure.savefig(images / f"cache-{name}.png", dpi=100)
         plt.close(figure)
+
+
+def _mean_share(turns: Sequence[dict[str, Any]]) -> str:
+    return f"{statistics.fmean(t['gateway']['share'] for t in turns):.2f}" if turns else "-"
+
+
+def breakdown(report: dict[str, Any]) -> list[str]:
+    """Where the gateway's share goes, per scenario: compaction turns, and the other turns with
+    and without a recall note (new on its turn, so never cached)."""
+    lines = [
+        "**Where the share goes** (the gateway, turns after the first): a compaction rebuilds "
+        "the prefix after the system prompt (or after the stable memory it keeps); on the other "
+        "turns the recall note, new each turn, is the uncached part beside the new messages.",
+        "",
+        "| scenario | compactions per 100 turns | share on compaction turns | share on other "
+        "turns with a note | share on other turns without | turns with a note | note tokens "
+        "(mean, when sent) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for kind in report["summary"]:
+        turns = [t for c in report["conversations"] if c["kind"] == kind for t in c["turns"][1:]]
+        rebuilt = [t for t in turns if t.get("rebuilt")]
+        noted = [t for t in turns if not t.get("rebuilt") and t.get("note_tokens")]
+        plain = [t for t in turns if not t.get("rebuilt") and not t.get("note_tokens")]
+
+        sent = [t for t in turns if t.get("note_tokens")]
+        lines.append(
+            f"| {kind} | {100 * len(rebuilt) / max(len(turns), 1):.1f} | "
+            f"{_mean_share(rebuilt)} | {_mean_share(noted)} | {_mean_share(plain)} | "
+            f"{len(sent)} of {len(turns)} | "
+            + (f"{statistics.fmean(t['note_tokens'] for t in sent):,.0f}" if sent else "-")
+            + " |"
+        )
+    return lines
 
 
 def targets(report: dict[str, Any]) -> list[str]:
@@ -501,6 +601,7 @@ def render(report: dict[str, Any]) -> str:
         "definitions, the system prompt and what follows them unchanged); below 1,024 nothing "
         "is cacheable.",
     ]
+    lines += ["", *breakdown(report)]
     lines += ["", "Gateway ÷ full history, billed input per turn:", ""]
     lines += ["| scenario | at 10 % | at 50 % |", "|---|---|---|"]
     for kind, part in report["summary"].items():
@@ -543,6 +644,31 @@ def render(report: dict[str, Any]) -> str:
         "",
     ]
     return "\n".join(lines)
+
+
+def grid(paths: Sequence[Path]) -> list[str]:
+    """A Markdown table comparing runs (`--output` files of narrowed runs with `--set`): per
+    scenario, the mean cacheable share, the share on turns without a compaction, compactions
+    per 100 turns, the note's mean tokens and the billed input beside the full history's."""
+    lines = [
+        "| settings | scenario | share | share, no compaction | compactions / 100 turns | "
+        "note tokens | billed at 10 % (full history) | billed at 50 % (full history) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for path in paths:
+        report = json.loads(path.read_text(encoding="utf-8"))
+        name = ", ".join(f"{k}={v}" for k, v in report["settings"].items()) or "defaults"
+        warm = [t for c in report["conversations"] for t in c["turns"][1:]]
+        pooled = statistics.fmean(t["gateway"]["share"] for t in warm)
+        for kind, part in report["summary"].items():
+            g, f = part["gateway"], part["full_history"]
+            lines.append(
+                f"| {name} (pooled {pooled:.3f}) | {kind} | {g['share']:.3f} | "
+                f"{part['share_without_rebuilds']:.3f} | {part['rebuilt_per_100_turns']} | "
+                f"{part['note_tokens']:,.0f} | {g['billed_10']:,.0f} ({f['billed_10']:,.0f}) | "
+                f"{g['billed_50']:,.0f} ({f['billed_50']:,.0f}) |"
+            )
+    return lines
 
 
 # -- main ------------------------------------------------------------------------------------
@@ -592,7 +718,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     ):
         async with httpx.AsyncClient(timeout=600, trust_env=False) as client:
             for scenario in chosen:
-                await replay(client, gateway, upstream, scenario, args.budget)
+                await replay(client, gateway, upstream, scenario, args.budget, args.prompts)
     return {
         "benchmark": "prompt caching",
         "measured": datetime.now(UTC).isoformat(timespec="seconds"),
@@ -641,9 +767,18 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     parser.add_argument("--output", type=Path, default=None)
     parser.add_argument(
+        "--prompts", type=Path, default=None, help="write every gateway prompt to this folder"
+    )
+    parser.add_argument(
         "--report-only", action="store_true", help="redraw docs/benchmarks.md from the results"
     )
+    parser.add_argument(
+        "--grid", type=Path, nargs="+", help="print a table comparing these results files"
+    )
     args = parser.parse_args(argv)
+    if args.grid:
+        print("\n".join(grid(args.grid)))
+        return
     if args.report_only:
         report = json.loads(RESULTS.read_text(encoding="utf-8"))
     else:

@@ -525,6 +525,41 @@ async def test_the_dry_run_is_the_prompt_the_next_turn_sends(
     assert (await conversation.state()).upto == len(history) + 2  # the system prompt, the ask
 
 
+async def test_a_turn_that_keeps_the_prefix_leaves_the_rest_as_stored(
+    engine: AsyncEngine, tenant_id: int
+) -> None:
+    """A turn without compaction writes its counts, how far the context reaches and its notes
+    (`working_context.advance`); the stable memory and the compaction prepared for the version
+    stay as stored, and the next turn finds them."""
+    limit = 1500
+    recall = Recall(embedder=EMBEDDER, policy=Policy(keep_notes=True))
+    conversation = await Conversation.start(engine, tenant_id, synthetic.messages(200, seed=5))
+    first = await conversation.turn([{"role": "user", "content": "ok"}], limit=limit, recall=recall)
+    await conversation.reply({"role": "assistant", "content": "fine"}, first)
+    built = await conversation.state()
+    prepared = {"version": built.version, "stable": [], "verbatim_from": 1, "mask_before": 1}
+    async with engine.begin() as conn:
+        await conn.execute(
+            update(working_contexts)
+            .where(working_contexts.c.conversation_id == conversation.id)
+            .values(prepared=prepared)
+        )
+    ask = {"role": "user", "content": "what did we say about the invoice?"}
+    kept = await conversation.turn([ask], limit=limit, recall=recall)
+    assert kept.context_version == built.version and not kept.compacted
+    state = await conversation.state()
+    assert state.prepared == prepared
+    assert (state.stable, state.verbatim_from, state.version) == (
+        built.stable,
+        built.verbatim_from,
+        built.version,
+    )
+    assert state.upto > built.upto
+    noted = "note" in kept.labels
+    assert len(state.notes) == len(built.notes) + noted
+    assert state.tokens == sum(kept.counts[1 : stable_end(kept) + noted])
+
+
 # -- anticipatory recall -----------------------------------------------------------------------
 
 

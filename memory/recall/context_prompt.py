@@ -30,11 +30,11 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from memory import tokens
+from memory import stages, tokens
 from memory.recall import anticipation, compaction, explain, recall_note, retrieval
 from memory.recall import working_context as wc
 from memory.recall.compaction import Fixed
@@ -46,6 +46,10 @@ if TYPE_CHECKING:
 __all__ = ["ContextPrompt", "build"]
 
 Message = dict[str, Any]
+Change = Literal["kept", "compacted", "built"]
+# The note's two costs, timed as the request path's stages (`memory.stages`).
+_embed_query = stages.staged("embed")(recall_note.embed_query)
+_recall = stages.staged("note")(recall_note.recall)
 
 
 @dataclass(frozen=True)
@@ -86,14 +90,13 @@ async def build(
     query = "" if answers_calls else recall_note.query_of(new)
     # Only a message that asks something gets a note: only its query is embedded.
     share = policy.note if query and retrieval.asks(query) else 0.0
-    vector_task = (
-        asyncio.ensure_future(recall_note.embed_query(recall.embedder, query)) if share else None
-    )
+    vector_task = asyncio.ensure_future(_embed_query(recall.embedder, query)) if share else None
     try:
-        state, items, compacted = await _advance(
-            conn, turn, limit=limit, policy=policy, fixed=fixed, answers_calls=answers_calls
-        )
-        context = wc.render(state, items, policy=policy, model=model)
+        with stages.stage("context"):
+            state, items, context, change = await _advance(
+                conn, turn, limit=limit, policy=policy, fixed=fixed, answers_calls=answers_calls
+            )
+        compacted = change == "compacted"
         if fixed.system + context.tokens + fixed.new > limit:
             # Not even the low-water mark: as far as a compaction goes, then, for this turn
             # alone, without stable memory.
@@ -109,7 +112,7 @@ async def build(
                 protect=compaction.calls_start(items, answers_calls, turn.first_seq),
                 consolidate=True,
             )
-            compacted = True
+            compacted, change = True, "compacted"
             context = wc.render(state, items, policy=policy, model=model)
             if fixed.system + context.tokens + fixed.new > limit:
                 context = wc.render(replace(state, stable=()), items, policy=policy, model=model)
@@ -147,7 +150,7 @@ async def build(
         if vector_task is not None and not vector_task.done():
             vector_task.cancel()
     prepared = fresh and anticipation.usable(state, first_seq=turn.first_seq, vector=vector)
-    note = await recall_note.recall(
+    note = await _recall(
         conn,
         tenant_id=turn.tenant_id,
         conversation_ids=scope,
@@ -168,19 +171,21 @@ async def build(
         notes = tuple(kept for kept in state.notes if kept.before < turn.first_seq)
         if note is not None and policy.keep_notes:
             notes += (wc.Note(before=turn.first_seq, text=note.text, ids=note.ids),)
-        await wc.save(
-            conn,
-            replace(
-                state,
-                model=model,
-                budget=limit,
-                tokens=context.tokens + (note.tokens if note and policy.keep_notes else 0),
-                system_tokens=fixed.system,
-                upto=turn.next_seq if turn.next_seq is not None else turn.first_seq,
-                notes=notes,
-                compactions=state.compactions + int(compacted),
-            ),
-        )
+        with stages.stage("save"):
+            # A turn that kept the prefix writes only what it changed.
+            await (wc.advance if change == "kept" else wc.save)(
+                conn,
+                replace(
+                    state,
+                    model=model,
+                    budget=limit,
+                    tokens=context.tokens + (note.tokens if note and policy.keep_notes else 0),
+                    system_tokens=fixed.system,
+                    upto=turn.next_seq if turn.next_seq is not None else turn.first_seq,
+                    notes=notes,
+                    compactions=state.compactions + int(compacted),
+                ),
+            )
     noted = [] if note is None else [(wc.note_message(note.text), note.tokens)]
     stable = context.labels.count("stable")
     return ContextPrompt(
@@ -207,9 +212,10 @@ async def _advance(
     policy: Policy,
     fixed: Fixed,
     answers_calls: bool,
-) -> tuple[wc.State, list[wc.Item], bool]:
+) -> tuple[wc.State, list[wc.Item], wc.Rendered, Change]:
     """The context as this turn finds it (built or rebuilt, compacted if it must be), its
-    verbatim turns, and whether it was compacted."""
+    verbatim turns, their rendering, and what changed: nothing (`kept`), a compaction, or a
+    build."""
     state = await wc.load(conn, tenant_id=turn.tenant_id, conversation_id=turn.conversation_id)
     if state is None or _branched(state, turn):
         built, items = await compaction.build(
@@ -224,7 +230,7 @@ async def _advance(
             answers_calls=answers_calls,
             previous=state,
         )
-        return built, items, False
+        return built, items, wc.render(built, items, policy=policy, model=turn.model), "built"
     items = await wc.read_items(
         conn,
         tenant_id=turn.tenant_id,
@@ -235,14 +241,14 @@ async def _advance(
     )
     context = wc.render(state, items, policy=policy, model=turn.model)
     if fixed.system + context.tokens + fixed.new <= policy.high * limit:
-        return state, items, False
+        return state, items, context, "kept"
     protect = compaction.calls_start(items, answers_calls, turn.first_seq)
     swapped = compaction.swap(state)
     if swapped is not None and swapped.verbatim_from <= protect:
         context = wc.render(swapped, items, policy=policy, model=turn.model)
         # Enough if it leaves the next compaction at least half the usual way off.
         if fixed.system + context.tokens + fixed.new <= (policy.low + policy.high) / 2 * limit:
-            return swapped, items, True
+            return swapped, items, context, "compacted"
         state = replace(swapped, version=state.version)
     compacted = await compaction.compact(
         conn,
@@ -255,7 +261,12 @@ async def _advance(
         end=turn.first_seq,
         protect=protect,
     )
-    return compacted, items, True
+    return (
+        compacted,
+        items,
+        wc.render(compacted, items, policy=policy, model=turn.model),
+        "compacted",
+    )
 
 
 def _branched(state: wc.State, turn: StoredTurn) -> bool:

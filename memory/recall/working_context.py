@@ -25,16 +25,19 @@ and the note; the prompt changes before its end only when the state is rebuilt (
 or a branch: `version` then grows).
 
 `load` reads the state (the caller holds the conversation's row lock when it means to change
-it); `save` writes it back.
+it); `save` writes it back, and `advance` writes what a turn that kept the prefix changed (its
+counts, how far it reaches, its notes) without rewriting the stable memory.
 """
 
 from __future__ import annotations
 
+import json
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Final
 
-from sqlalchemy import case, func, null, select, text
+from sqlalchemy import case, func, null, select, text, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.ext.asyncio import AsyncConnection
 
@@ -50,6 +53,7 @@ __all__ = [
     "Rendered",
     "StablePart",
     "State",
+    "advance",
     "canonical",
     "load",
     "masked",
@@ -62,6 +66,12 @@ MASK_MIN_TOKENS: Final = 64
 """Tool results this small are never masked: the placeholder would save next to nothing."""
 
 SYSTEM_ROLES: Final = ("system", "developer")
+
+_COUNTS_KEPT: Final = 65_536
+# The verbatim turns are read, and were re-encoded, on every turn: a stored message's count in
+# an encoding is kept by node id and a hash of the message as sent (ids restart in a recreated
+# database; hashing is a small fraction of encoding).
+_counts: OrderedDict[tuple[str, int, int], int] = OrderedDict()
 
 
 @dataclass(frozen=True)
@@ -275,6 +285,7 @@ async def read_items(
         {"tenant_id": tenant_id, "conversation_id": conversation_id, "start": start, "end": end},
     )
     items: list[Item] = []
+    encoding = tokens.encoding_name_for_model(model)
     for row in rows:
         if row.role in SYSTEM_ROLES:
             continue
@@ -286,10 +297,23 @@ async def read_items(
                 role=row.role,
                 name=row.name,
                 message=message,
-                tokens=tokens.count_message(message, model=model),
+                tokens=_count(row.id, message, model, encoding),
             )
         )
     return items
+
+
+def _count(node_id: int, message: dict[str, Any], model: str, encoding: str) -> int:
+    """What stored message `node_id` (as `message`) costs in `model`'s encoding."""
+    key = (encoding, node_id, hash(json.dumps(message, separators=(",", ":"), default=str)))
+    found = _counts.get(key)
+    if found is None:
+        found = _counts[key] = tokens.count_message(message, model=model)
+        if len(_counts) > _COUNTS_KEPT:
+            _counts.popitem(last=False)
+    else:
+        _counts.move_to_end(key)
+    return found
 
 
 # -- persistence -------------------------------------------------------------------------------
@@ -355,6 +379,10 @@ def part_json(part: StablePart) -> dict[str, Any]:
     }
 
 
+def _notes_json(notes: Sequence[Note]) -> list[dict[str, Any]]:
+    return [{"before": n.before, "text": n.text, "ids": list(n.ids)} for n in notes]
+
+
 async def save(conn: AsyncConnection, state: State) -> None:
     """Write the state (created or replaced). What the background job prepared stays: the
     recall always, the compaction while the version it was prepared for is current."""
@@ -369,7 +397,7 @@ async def save(conn: AsyncConnection, state: State) -> None:
         "stable": [part_json(part) for part in state.stable],
         "verbatim_from": state.verbatim_from,
         "mask_before": state.mask_before,
-        "notes": [{"before": n.before, "text": n.text, "ids": list(n.ids)} for n in state.notes],
+        "notes": _notes_json(state.notes),
         "upto": state.upto,
     }
     statement = pg_insert(working_contexts).values(conversation_id=state.conversation_id, **values)
@@ -381,5 +409,27 @@ async def save(conn: AsyncConnection, state: State) -> None:
         statement.on_conflict_do_update(
             index_elements=[working_contexts.c.conversation_id],
             set_={**values, "prepared": kept, "updated_at": func.now()},
+        )
+    )
+
+
+async def advance(conn: AsyncConnection, state: State) -> None:
+    """Write what a turn changed in a state whose prefix it kept (the version loaded, under
+    the conversation's row lock): its counts, `upto`, model, budget and notes; the stable
+    memory, the compaction point and what the background prepared stay as stored."""
+    await conn.execute(
+        update(working_contexts)
+        .where(
+            working_contexts.c.conversation_id == state.conversation_id,
+            working_contexts.c.version == state.version,
+        )
+        .values(
+            model=state.model,
+            budget=state.budget,
+            tokens=state.tokens,
+            system_tokens=state.system_tokens,
+            upto=state.upto,
+            notes=_notes_json(state.notes),
+            updated_at=func.now(),
         )
     )
