@@ -375,10 +375,7 @@ async def _consolidated(
     room = min(whole, max(int(whole * CONSOLIDATED), roots * _ROOT_COST))
     budget = int(room * (1 - MILESTONE_SHARE))
     cap = prompt.summary_cap(roots, budget=budget, cap=SUMMARY_CAP)
-    nodes = prompt.frontier(tree, budget=budget, cap=cap)
-    chosen = await retrieval.load_nodes(
-        conn, tenant_id=state.tenant_id, ids=[node.id for node in nodes]
-    )
+    chosen = [node.hit for node in prompt.frontier(tree, budget=budget, cap=cap)]
     guide = f" {policy.tools_guide}" if policy.tools_guide else ""
     header = (
         f"[Memory of this conversation: its first {end:,} messages, summarized (the oldest "

@@ -64,7 +64,6 @@ __all__ = [
     "fulltext_candidates",
     "identifiers",
     "load",
-    "load_nodes",
     "participants_named",
     "periods",
     "route",
@@ -519,22 +518,6 @@ async def load(
     )
     hits = [as_hit(row, scores[(row[1], row[2], row[3])]) for row in rows]
     return sorted(hits, key=lambda hit: (-hit.score, -hit.seq, hit.node_id))
-
-
-@staged("load")
-async def load_nodes(conn: AsyncConnection, *, tenant_id: int, ids: Sequence[int]) -> list[Hit]:
-    """Nodes by id (of this tenant), scored 0."""
-    if not ids:
-        return []
-    rows = await conn.execute(
-        text(
-            "SELECT id, conversation_id, level, seq, span_start, span_end, role, name, text, "
-            "created_at, token_count, tool_calls, tool_call_id FROM nodes "
-            "WHERE tenant_id = :tenant_id AND id = ANY(:ids)"
-        ),
-        {"tenant_id": tenant_id, "ids": list(ids)},
-    )
-    return [as_hit(row, 0.0) for row in rows]
 
 
 async def _newest(
