@@ -61,7 +61,7 @@ async def run_all(args: argparse.Namespace, out_dir: Path) -> dict[str, Path]:
             scale_single: dict[str, Any] | None = None
             conversation_id = f"bench-{max(ov.sizes)}-0"
             if only & {"overhead", "costs", "profile", "scale"}:
-                builder = stack.gateway(name="builder", workers=1)
+                builder = stack.gateway(name="builder", workers=1, worker_nice=0)
                 conversation_id, scale_single = await scale.single(client, stack, builder, sc)
                 data = await overhead.prepare(client, builder, ov, skip=[conversation_id])
                 builder.stop()
@@ -141,7 +141,7 @@ async def run_all(args: argparse.Namespace, out_dir: Path) -> dict[str, Path]:
                     },
                 )
             if "scale" in only and scale_single is not None:
-                gateway = stack.gateway(name="scale", workers=1)
+                gateway = stack.gateway(name="scale", workers=1, worker_nice=0)
                 many = await scale.tenant(client, stack, gateway, sc)
                 gateway.stop()
                 found = await scale.retrieval(stack, sc, conversation_id=conversation_id)

@@ -445,7 +445,7 @@ async def standalone(args: argparse.Namespace) -> dict[str, Any]:
     config = OverheadConfig.quick() if args.quick else OverheadConfig()
     with h.running_stack(h.StackConfig(upstream_latency=args.latency)) as stack:
         async with h.load_client(64) as client:
-            builder = stack.gateway(name="builder", workers=1)
+            builder = stack.gateway(name="builder", workers=1, worker_nice=0)
             data = await prepare(client, builder, config)
             builder.stop()
             gateway = stack.gateway(workers=0)
