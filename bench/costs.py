@@ -137,6 +137,7 @@ async def _fulltext(
                 "tenant_id": tenant_id,
                 "conversation_ids": [conversation_id],
                 "levels": None,
+                "abandoned": False,
                 "exclude_conversation": conversation_id,
                 "exclude_from": next_seq,
                 "query": query,

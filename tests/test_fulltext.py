@@ -82,6 +82,7 @@ async def nodes_read(
         "tenant_id": tenant,
         "conversation_ids": [conversation],
         "levels": None,
+        "abandoned": False,
         "exclude_conversation": None,
         "exclude_from": None,
         "query": query,
