@@ -27,7 +27,7 @@ import re
 import statistics
 import time
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, Literal
 
 from sqlalchemy import event, text
 from sqlalchemy.ext.asyncio import AsyncEngine
@@ -41,6 +41,11 @@ from memory.schema import DEFAULT_TENANT
 
 _RULES = assemble.BudgetRules(default=8000, window=128_000, output_reserve=16_384)
 _EVERY_WORD = 10**9
+MODES: tuple[Literal["rebuild", "working"], ...] = ("rebuild", "working")
+"""The paths a build takes: `rebuild` (`MEMSTRATA_CONTEXT_MODE=rebuild`) runs every leg of
+retrieval for the question, as a topic change, `memory_search` and the admin search do;
+`working` (the default) builds a conversation's first working context, a compaction and a
+recall note (the dry run stores nothing, so every build is such a first turn)."""
 
 
 class _Statements:
@@ -174,29 +179,6 @@ async def run(stack: h.Stack, config: overhead.OverheadConfig, *, builds: int) -
             for kind in h.TEXTS:
                 [external_id] = config.conversation_ids(size, kind)[:1]
                 asked = overhead.questions(kind)
-                walls, cpus, counts, transactions = [], [], [], []
-                for number in range(builds + 3):
-                    statements.reset()
-                    cpu, wall = time.process_time(), time.perf_counter()
-                    await assemble.dry_run(
-                        engine,
-                        tenant_id=tenant_id,
-                        external_id=external_id,
-                        query=asked[number % len(asked)],
-                        budget=None,
-                        rules=_RULES,
-                        tools_room=tools_room,
-                        embedder=embedder,
-                        cross_conversation=True,
-                        model=h.MODEL,
-                    )
-                    if number >= 3:  # the first builds warm caches
-                        walls.append((time.perf_counter() - wall) * 1000)
-                        cpus.append((time.process_time() - cpu) * 1000)
-                        counts.append(len(statements.run))
-                        transactions.append(statements.transactions)
-                load = os.getloadavg()[0]
-                replayed = await _explained(engine, statements.run)
                 leg = {
                     name: [
                         await _fulltext(
@@ -213,29 +195,53 @@ async def run(stack: h.Stack, config: overhead.OverheadConfig, *, builds: int) -
                         ("every word", _EVERY_WORD),
                     )
                 }
-                entry = {
-                    "size": size,
-                    "text": kind,
-                    "builds": len(walls),
-                    "wall_ms": {"p50": _median(walls), "p95": h.summarize(walls)["p95"]},
-                    "load_average_1min": round(load, 2),
-                    "cpu_ms_p50": _median(cpus),
-                    "statements": statistics.mean(counts),
-                    "transactions": statistics.mean(transactions),
-                    "replayed": replayed,
-                    "fulltext": {
-                        name: {
-                            key: _median([figures[key] for figures in runs])
-                            for key in ("buffers", "nodes_rows_read", "server_ms")
-                        }
-                        for name, runs in leg.items()
-                    },
-                }
-                h.log(
-                    f"  costs {size:>6} {kind:<10} cpu {entry['cpu_ms_p50']} ms, "
-                    f"{entry['statements']} statements, full text {entry['fulltext']}"
-                )
-                results.append(entry)
+                for mode in MODES:
+                    walls, cpus, counts, transactions = [], [], [], []
+                    for number in range(builds + 3):
+                        statements.reset()
+                        cpu, wall = time.process_time(), time.perf_counter()
+                        await assemble.dry_run(
+                            engine,
+                            tenant_id=tenant_id,
+                            external_id=external_id,
+                            query=asked[number % len(asked)],
+                            budget=None,
+                            rules=_RULES,
+                            tools_room=tools_room,
+                            recall=assemble.Recall(embedder=embedder, mode=mode),
+                            model=h.MODEL,
+                        )
+                        if number >= 3:  # the first builds warm caches
+                            walls.append((time.perf_counter() - wall) * 1000)
+                            cpus.append((time.process_time() - cpu) * 1000)
+                            counts.append(len(statements.run))
+                            transactions.append(statements.transactions)
+                    load = os.getloadavg()[0]
+                    replayed = await _explained(engine, statements.run)
+                    entry = {
+                        "size": size,
+                        "text": kind,
+                        "mode": mode,
+                        "builds": len(walls),
+                        "wall_ms": {"p50": _median(walls), "p95": h.summarize(walls)["p95"]},
+                        "load_average_1min": round(load, 2),
+                        "cpu_ms_p50": _median(cpus),
+                        "statements": statistics.mean(counts),
+                        "transactions": statistics.mean(transactions),
+                        "replayed": replayed,
+                        "fulltext": {
+                            name: {
+                                key: _median([figures[key] for figures in runs])
+                                for key in ("buffers", "nodes_rows_read", "server_ms")
+                            }
+                            for name, runs in leg.items()
+                        },
+                    }
+                    h.log(
+                        f"  costs {size:>6} {kind:<10} {mode:<8} cpu {entry['cpu_ms_p50']} ms, "
+                        f"{entry['statements']} statements, full text {entry['fulltext']}"
+                    )
+                    results.append(entry)
     finally:
         await engine.dispose()
     return {"reads": retrieval.FULLTEXT_READS, "conversations": results}
@@ -252,6 +258,7 @@ def render(data: Mapping[str, Any]) -> list[str]:
             [
                 f"{entry['size']:,}",
                 entry["text"],
+                entry.get("mode", "rebuild"),
                 f"{entry['statements']:.0f} / {entry['transactions']:.0f}",
                 f"{buffers:,}",
                 f"{sum(item['nodes_rows_read'] for item in replayed):,}",
@@ -260,6 +267,8 @@ def render(data: Mapping[str, Any]) -> list[str]:
                 f"{entry['load_average_1min']:.1f}",
             ]
         )
+        if entry.get("mode", "rebuild") != "rebuild":
+            continue  # the leg's figures do not depend on the path
         built, every = entry["fulltext"]["as built"], entry["fulltext"]["every word"]
         leg_rows.append(
             [
@@ -275,12 +284,15 @@ def render(data: Mapping[str, Any]) -> list[str]:
         "(`bench/costs.py`: the gateway's dry run in-process on the benchmark's conversations, "
         "the overhead questions in turn; buffers and rows from `EXPLAIN (ANALYZE, BUFFERS)` of "
         "the last build's statements replayed; CPU of the process, the query's embedding "
-        "included):",
+        "included). `rebuild`: every leg of retrieval for the question (a topic change, "
+        "`memory_search`, the admin search); `working`: a conversation's first working context "
+        "(a compaction and a recall note), the default mode's most expensive turn:",
         "",
         *h.markdown_table(
             [
                 "stored",
                 "text",
+                "path",
                 "statements / transactions",
                 "buffers",
                 "rows of `nodes` read",
