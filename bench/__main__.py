@@ -70,22 +70,8 @@ async def run_all(args: argparse.Namespace, out_dir: Path) -> dict[str, Path]:
                 cells = await overhead.measure(client, stack, gateway, ov, cells=overhead.grid(ov))
                 memory = h.process_memory(gateway.pid)
                 gateway.stop()
-                searches: list[dict[str, Any]] = []
-                if ov.variant_seconds > 0:
-                    gateway = stack.gateway(name="gateway-default", workers=1)
-                    cells += await overhead.measure(
-                        client,
-                        stack,
-                        gateway,
-                        ov,
-                        cells=overhead.default_serve_cells(ov),
-                        variant=overhead.DEFAULT_SERVE,
-                        seconds={c: ov.variant_seconds for c in ov.concurrencies},
-                        offset=1_000_000,
-                    )
-                    if ov.searches:
-                        searches = await overhead.search_latency(client, gateway, ov)
-                    gateway.stop()
+                more, searches = await overhead.default_serve(client, stack, ov)
+                cells += more
                 written["overhead"] = h.write_results(
                     out_dir / "overhead.json",
                     {

@@ -49,6 +49,10 @@ TARGETS = ("upstream", "relay", "gateway")
 DEFAULT_SERVE = "default serve"
 """The variant label of `memstrata serve` as `make run` starts it (one background job at a time,
 in a child process)."""
+REBUILD_SERVE = "default serve, rebuild"
+"""The variant label of the default `serve` with `MEMSTRATA_CONTEXT_MODE=rebuild`: every turn
+runs every leg of retrieval for its question (what a compaction, a topic change and the dry run
+do), where the working context's turns mostly reuse what they hold or prepared."""
 QUESTIONS = (
     "What did we decide about the maintenance window, and who owns the rollback plan?",
     "Remind me which flight we booked for the conference and the booking reference.",
@@ -433,6 +437,43 @@ async def search_latency(
     return results
 
 
+async def default_serve(
+    client: h.Client, stack: h.Stack, config: OverheadConfig
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The default `serve`'s cells (`default_serve_cells`) and `memory_search` on it, then both
+    texts at c=1 with `MEMSTRATA_CONTEXT_MODE=rebuild` (`REBUILD_SERVE`); nothing when
+    `variant_seconds` is 0."""
+    if config.variant_seconds <= 0:
+        return [], []
+    seconds = {c: config.variant_seconds for c in config.concurrencies}
+    gateway = stack.gateway(name="gateway-default", workers=1)
+    cells = await measure(
+        client,
+        stack,
+        gateway,
+        config,
+        cells=default_serve_cells(config),
+        variant=DEFAULT_SERVE,
+        seconds=seconds,
+        offset=1_000_000,
+    )
+    searches = await search_latency(client, gateway, config) if config.searches else []
+    gateway.stop()
+    gateway = stack.gateway(name="gateway-rebuild", workers=1, context_mode="rebuild")
+    cells += await measure(
+        client,
+        stack,
+        gateway,
+        config,
+        cells=[(size, text, "non-stream", 1) for size in config.repetitive for text in h.TEXTS],
+        variant=REBUILD_SERVE,
+        seconds=seconds,
+        offset=2_000_000,
+    )
+    gateway.stop()
+    return cells, searches
+
+
 def config_dict(config: OverheadConfig) -> dict[str, Any]:
     data = asdict(config)
     data["pools"] = {str(k): v for k, v in config.pools.items()}
@@ -451,22 +492,8 @@ async def standalone(args: argparse.Namespace) -> dict[str, Any]:
             gateway = stack.gateway(workers=0)
             cells = await measure(client, stack, gateway, config, cells=grid(config))
             gateway.stop()
-            searches: list[dict[str, Any]] = []
-            if config.variant_seconds > 0:
-                gateway = stack.gateway(name="gateway-default", workers=1)
-                cells += await measure(
-                    client,
-                    stack,
-                    gateway,
-                    config,
-                    cells=default_serve_cells(config),
-                    variant=DEFAULT_SERVE,
-                    seconds={c: config.variant_seconds for c in config.concurrencies},
-                    offset=1_000_000,
-                )
-                if config.searches:
-                    searches = await search_latency(client, gateway, config)
-                gateway.stop()
+            more, searches = await default_serve(client, stack, config)
+            cells += more
     return {
         "benchmark": "overhead",
         "machine": h.machine_info(),
