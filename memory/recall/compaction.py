@@ -59,6 +59,7 @@ from memory.recall.working_context import (
     render,
 )
 from memory.schema import conversations, working_contexts
+from memory.stages import staged
 
 __all__ = ["Fixed", "build", "calls_start", "compact", "prepare", "swap"]
 
@@ -155,6 +156,7 @@ def calls_start(items: Sequence[Item], answers_calls: bool, end: int) -> int:
 # -- compacting --------------------------------------------------------------------------------
 
 
+@staged("compaction")
 async def compact(
     conn: AsyncConnection,
     state: State,
@@ -235,6 +237,7 @@ def _wide(items: Sequence[Item], start: int, point: int, limit: int) -> bool:
     return sum(item.tokens for item in items if start <= item.seq < point) > 4 * limit
 
 
+@staged("compaction")
 async def build(
     conn: AsyncConnection,
     *,
