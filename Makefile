@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 BENCH_STAMP := $(VENV)/.installed-bench
 
-.PHONY: install run test lint typecheck format clean
+.PHONY: install run test lint typecheck format clean browser
 
 $(STAMP): pyproject.toml
 	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 11) and "memstrata needs Python 3.11+")'
@@ -19,7 +19,20 @@ install: $(STAMP)
 run: install
 	$(BIN)/memstrata serve
 
-test: install
+# The memory browser's tests (tests/test_ui.py) drive Debian's Chromium through Playwright; as
+# root, a missing one is installed with apt-get. Where it cannot be, those tests skip, saying why.
+CHROMIUM := /usr/bin/chromium
+
+browser:
+	@test -x $(CHROMIUM) || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    (apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y chromium) \
+	      || echo "could not install chromium: the memory browser's tests will skip"; \
+	  else \
+	    echo "no $(CHROMIUM) and no way to install it (needs root and apt-get): the memory browser's tests will skip"; \
+	  fi; }
+
+test: install browser
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy

@@ -8,7 +8,10 @@ and token counting go to three baselines. This module holds every part the datas
 * `Turn` and `Replayed` -- a conversation's turns as stored, and what its replay yields (the
   conversation's id, its messages' MiniLM vectors);
 * `database()` -- a throw-away embedded Postgres (or one kept in a folder), migrated, with the
-  benchmark's tenant; `states()` -- the gateway's `State` with the memory tools off and offered;
+  benchmark's tenant; `states()` -- the gateway's `State`s a question is asked through: the
+  memory tools off, the same rebuilding each prompt for its query (`MEMSTRATA_CONTEXT_MODE=
+  rebuild`), and the tools offered; `context_settings()` -- the working context's settings a
+  run measured (the environment's `MEMSTRATA_*` apply);
 * `replay()` -- the turns through `gateway.importer.import_messages`, then the summary tree
   (extractive summaries, local MiniLM; `memory.build.tree.build`, `final=True`);
 * the baselines -- `newest()` (the newest turns as chat messages), `embedding_ranked()` and
@@ -51,7 +54,14 @@ from memory.recall import retrieval, tools
 from memory.schema import nodes, tenants
 
 MODEL = "gpt-4o"
-METHODS = ("memstrata", "memstrata_tools", "newest", "flat_embedding", "flat_fulltext")
+METHODS = (
+    "memstrata",
+    "memstrata_rebuild",
+    "memstrata_tools",
+    "newest",
+    "flat_embedding",
+    "flat_fulltext",
+)
 
 
 @dataclass
@@ -109,20 +119,45 @@ async def database(
         yield engine, int(found)
 
 
-def states(engine: AsyncEngine, embedder: LocalEmbedder, tenant: int) -> tuple[State, State]:
-    """The gateway's state with the memory tools off, and with them offered (the default)."""
-    return cast(
-        tuple[State, State],
-        tuple(
-            State(
-                settings=Settings(_env_file=None, memory_tools=mode),
-                engine=engine,
-                upstream=cast(Any, None),
-                embedder=embedder,
-                default_tenant_id=tenant,
-            )
-            for mode in ("never", "auto")
-        ),
+@dataclass(frozen=True)
+class States:
+    """The gateway's states a question is asked through: the memory tools off (`plain`), the
+    same with each prompt rebuilt for its query (`rebuild`, `MEMSTRATA_CONTEXT_MODE=rebuild`),
+    and the tools offered (`offered`, the default). Other settings come from the environment."""
+
+    plain: State
+    rebuild: State
+    offered: State
+
+
+def context_settings(states: States) -> dict[str, Any]:
+    """The settings the `memstrata` method's prompts depend on, to record beside its figures."""
+    settings = states.plain.settings
+    return {
+        "context_mode": settings.context_mode,
+        "context_high_water": settings.context_high_water,
+        "context_low_water": settings.context_low_water,
+        "note_share": settings.note_share,
+        "keep_notes": settings.keep_notes,
+    }
+
+
+def states(engine: AsyncEngine, embedder: LocalEmbedder, tenant: int) -> States:
+    """The states `Scores` asks through (see `States`)."""
+
+    def state(**overrides: Any) -> State:
+        return State(
+            settings=Settings(_env_file=None, **overrides),
+            engine=engine,
+            upstream=cast(Any, None),
+            embedder=embedder,
+            default_tenant_id=tenant,
+        )
+
+    return States(
+        plain=state(memory_tools="never"),
+        rebuild=state(memory_tools="never", context_mode="rebuild"),
+        offered=state(memory_tools="auto"),
     )
 
 
@@ -248,7 +283,7 @@ class Scores:
     `recall[variant][method][budget][group]` holds one recall per question: a variant is a
     choice of evidence (LoCoMo's cited or corrected), a group what the tables break down by."""
 
-    states: tuple[State, State]
+    states: States
     budgets: Sequence[int]
     systems: Collection[str] = METHODS
     recall: dict[str, Any] = field(
@@ -275,7 +310,7 @@ class Scores:
         """Build every method's prompt for `question` at every budget and score each against
         each variant's `evidence` (a variant without evidence turns is not scored). With a
         `key`, the first variant's recalls are kept under it too (`by_question`)."""
-        plain, offered = self.states
+        plain = self.states.plain
         [vector] = await plain.embedder.embed([question])
         by_embedding = embedding_ranked(replayed, vector)
         by_fulltext = await fulltext_ranked(plain.engine, replayed, question)
@@ -285,8 +320,14 @@ class Scores:
             built, count = await self._dry(plain, replayed, question, budget)
             self.latency[budget].append((time.perf_counter() - began) * 1000)
             prompts = {"memstrata": built}
+            if "memstrata_rebuild" in self.systems:
+                prompts["memstrata_rebuild"], _ = await self._dry(
+                    self.states.rebuild, replayed, question, budget
+                )
             if "memstrata_tools" in self.systems:
-                prompts["memstrata_tools"], _ = await self._dry(offered, replayed, question, budget)
+                prompts["memstrata_tools"], _ = await self._dry(
+                    self.states.offered, replayed, question, budget
+                )
             if "newest" in self.systems:
                 prompts["newest"] = newest(replayed.turns, question, budget)
             if "flat_embedding" in self.systems:

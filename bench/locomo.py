@@ -208,6 +208,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         scores = Scores(evidence.states(engine, embedder, tenant), budgets, systems)
         report = await evaluate(scores, samples, budgets)
         report["memory_tool_definition_tokens"] = tools.tool_tokens(MODEL)
+        report["context_settings"] = evidence.context_settings(scores.states)
     return {
         "benchmark": "locomo evidence recall",
         "measured": datetime.now(UTC).isoformat(timespec="seconds"),
@@ -221,6 +222,32 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         "replay_seconds": round(replayed, 1),
         "total_seconds": round(time.perf_counter() - started, 1),
         **report,
+    }
+
+
+def merge(report: dict[str, Any], earlier: dict[str, Any], name: str) -> None:
+    """Put into `report` the methods it lacks from `earlier` results (the same questions) at
+    the budgets both measured. Results from before the working context (no `context_settings`)
+    measured the per-query rebuild as `memstrata`: it becomes `memstrata_rebuild`, and their
+    `memstrata_tools` (the rebuild with the tools offered) is left out."""
+    renamed = {} if "context_settings" in earlier else {"memstrata": "memstrata_rebuild"}
+    skipped = set() if "context_settings" in earlier else {"memstrata_tools"}
+    budgets = [str(b) for b in report["budgets"]]
+    taken: set[str] = set()
+    for variant, methods in report["recall"].items():
+        for method, cells in earlier["recall"].get(variant, {}).items():
+            now = renamed.get(method, method)
+            if now in methods or method in skipped or not all(b in cells for b in budgets):
+                continue
+            methods[now] = {b: cells[b] for b in budgets}
+            report["prompt_tokens_mean"][now] = {
+                b: earlier["prompt_tokens_mean"][method][b] for b in budgets
+            }
+            taken.add(now)
+    report["merged_from"] = {
+        "file": name,
+        "measured": earlier.get("measured"),
+        "methods": sorted(taken, key=METHODS.index),
     }
 
 
@@ -246,6 +273,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--conversations", default=None, help="e.g. 0-4 (default: all)")
     parser.add_argument("--systems", default=None, help="methods to score (default: all)")
     parser.add_argument(
+        "--merge",
+        type=Path,
+        default=None,
+        help="take the methods this run does not measure from an earlier results file",
+    )
+    parser.add_argument(
         "--report-only", action="store_true", help="redraw docs/benchmarks.md from the results"
     )
     args = parser.parse_args(argv)
@@ -253,7 +286,13 @@ def main(argv: Sequence[str] | None = None) -> None:
         update_docs(render(json.loads(RESULTS.read_text(encoding="utf-8"))))
         return
     report = asyncio.run(main_async(args))
-    partial = args.quick or args.conversations is not None or args.systems is not None
+    if args.merge is not None:
+        merge(report, json.loads(args.merge.read_text(encoding="utf-8")), args.merge.name)
+    partial = (
+        args.quick
+        or args.conversations is not None
+        or (args.systems is not None and args.merge is None)
+    )
     output = args.output or (RESULTS.with_name("locomo-quick.json") if partial else RESULTS)
     output.parent.mkdir(parents=True, exist_ok=True)
     output.write_text(json.dumps(report, indent=2) + "\n")

@@ -49,7 +49,15 @@ from typing import Any
 
 from bench import evidence
 from bench.evidence import METHODS, MODEL, Replayed, Scores, Turn
-from bench.evidence_report import ROOT, group_table, recall_table, size_table, update_docs
+from bench.evidence_report import (
+    ROOT,
+    group_table,
+    layout,
+    methods_named,
+    recall_table,
+    size_table,
+    update_docs,
+)
 from bench.harness import machine_info
 from memory import tokens
 from memory.embeddings import LocalEmbedder
@@ -69,6 +77,9 @@ TYPES = (
 SAMPLE = 60
 SEED = 13
 BUDGETS = "2000,4000,8000"
+BEFORE = {"2000": 0.761, "4000": 0.871, "8000": 0.934}
+"""The per-query rebuild's recall on this sample before issue #13 (measured 2026-11-24T04:59),
+which the working context must not fall below."""
 
 
 @dataclass(kw_only=True)
@@ -192,6 +203,7 @@ async def main_async(args: argparse.Namespace, output: Path) -> dict[str, Any]:
             "recall": scores.table("evidence", weights),
             **scores.figures(),
             "memory_tool_definition_tokens": tools.tool_tokens(MODEL),
+            "context_settings": evidence.context_settings(scores.states),
             "per_question": per_question,
         }
 
@@ -251,6 +263,27 @@ sampled. The question's date reaches nothing: the dry run has no clock, and toda
 reads none."""
 
 
+def _held(recall: dict[str, Any], budgets: Sequence[str]) -> list[str]:
+    """Whether the working context holds the rebuild's recall from before issue #13."""
+    if "memstrata" not in recall or "memstrata_rebuild" not in recall:
+        return []
+    lines = [
+        "### Recall holds (issue #13)",
+        "",
+        "| budget | working context | per-query rebuild, this run | before issue #13 | held |",
+        "|---|---|---|---|---|",
+    ]
+    for b in budgets:
+        working = recall["memstrata"][b]["overall"]
+        before = BEFORE.get(b)
+        held = "-" if before is None else ("yes" if working >= before else "**no**")
+        lines.append(
+            f"| {int(b) // 1000}k | {working:.3f} | {recall['memstrata_rebuild'][b]['overall']:.3f}"
+            f" | {'-' if before is None else f'{before:.3f}'} | {held} |"
+        )
+    return [*lines, ""]
+
+
 def render(report: dict[str, Any]) -> str:
     """The `## Memory quality (LongMemEval-S dev)` section of docs/benchmarks.md."""
     budgets = [str(b) for b in report["budgets"]]
@@ -282,6 +315,7 @@ def render(report: dict[str, Any]) -> str:
         "turns as chat messages; the turns ranked by MiniLM cosine or by Postgres "
         "`ts_rank_cd`, as `[date role] text` lines in one message.",
         "",
+        *layout(report, budgets),
         "### Evidence recall",
         "",
         "Mean over the sample (as many questions of each type):",
@@ -295,8 +329,7 @@ def render(report: dict[str, Any]) -> str:
         "",
         *recall_table(recall, budgets, key="weighted"),
         "",
-        "Per question type (memstrata / with memory tools / newest / flat MiniLM / flat "
-        "full-text):",
+        f"Per question type ({methods_named(recall)}):",
         "",
         *group_table(
             recall,
@@ -305,6 +338,7 @@ def render(report: dict[str, Any]) -> str:
             "question type (questions)",
         ),
         "",
+        *_held(recall, budgets),
         NOTES.format(abstentions=report["abstention_questions_excluded"]),
         "",
         *size_table(report, budgets),

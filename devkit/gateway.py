@@ -1,7 +1,8 @@
 """memstrata's own processes for end-to-end tests and benchmarks: `serve` and `worker`.
 
 `GatewayProcess(database_url=..., upstream_url=..., **settings)` starts `python -m gateway
-serve` on a free loopback port with the given `MEMSTRATA_*` settings (keyword names without the
+serve` on a free loopback port (or one of `host`, an address of this machine) with the given
+`MEMSTRATA_*` settings (keyword names without the
 prefix; `log_level` is `info` unless given), waits until `/healthz` answers, and offers `.url`
 (ending `/v1`), `.root_url`, `.stop()` and `.logs()`. `argv` runs another command configured
 the same way (a benchmark's instrumented gateway); `name` names it in errors.
@@ -33,15 +34,16 @@ class GatewayProcess(Service):
         name: str = "gateway",
         argv: Sequence[str] | None = None,
         startup_timeout: float = 60.0,
+        host: str = "127.0.0.1",
         **settings: object,
     ) -> None:
-        self.port = free_port()
-        self.root_url = f"http://127.0.0.1:{self.port}"
+        self.port = free_port(host)
+        self.root_url = f"http://{host}:{self.port}"
         self.url = f"{self.root_url}/v1"
         values: dict[str, object] = {
             "database_url": database_url,
             "upstream_base_url": upstream_url,
-            "host": "127.0.0.1",
+            "host": host,
             "port": self.port,
             "log_level": "info",
             **settings,

@@ -7,13 +7,15 @@ answers 200 (at once without `ready_url`). A process that exits first, or is not
 `stop()` sends SIGTERM, then SIGKILL after `stop_timeout` seconds; it is idempotent, and
 `logs()` still answers afterwards. A `Service` is a context manager that stops it on exit.
 
-`free_port()` finds a port for a server to listen on; `child_env(settings)` is the environment a
+`free_port()` finds a port for a server to listen on, `own_address()` an address of this machine
+that is not loopback (a client there is a remote one); `child_env(settings)` is the environment a
 child gets: this process's without any `MEMSTRATA_*` variable, the repository on `PYTHONPATH`,
 unbuffered output, and `settings` as `MEMSTRATA_<NAME>` variables.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import socket
 import subprocess
@@ -39,6 +41,18 @@ def free_port(host: str = "127.0.0.1") -> int:
         sock.bind((host, 0))
         port: int = sock.getsockname()[1]
         return port
+
+
+def own_address() -> str | None:
+    """An IPv4 address of this machine other than loopback (the one its default route leaves
+    from), or None. Connecting a UDP socket sends nothing: it only picks the route."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        try:
+            sock.connect(("192.0.2.1", 9))  # TEST-NET-1: never answered, only routed
+        except OSError:
+            return None
+        address: str = sock.getsockname()[0]
+    return None if ipaddress.ip_address(address).is_loopback else address
 
 
 def child_env(settings: Mapping[str, object] | None = None) -> dict[str, str]:

@@ -14,7 +14,7 @@ from contextlib import AsyncExitStack, asynccontextmanager
 
 from fastapi import FastAPI
 
-from gateway import background, mcp, worker_process
+from gateway import background, mcp, ui, worker_process
 from gateway.errors import install_handlers
 from gateway.key_grace import KeyGrace
 from gateway.logs import RequestIdMiddleware
@@ -116,6 +116,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(health.router)
     app.include_router(metrics.router)
     app.include_router(mcp_endpoint.router)
+    app.include_router(ui.router)
     # Added last is outermost: every request gets its id before it is counted.
     app.add_middleware(MetricsMiddleware, metrics=app_metrics, routes=app.router)
     app.add_middleware(RequestIdMiddleware)

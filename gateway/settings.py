@@ -81,7 +81,7 @@ class Settings(BaseSettings):
     context_mode: Literal["working", "rebuild"] = "working"
     context_high_water: float = Field(default=0.85, gt=0.0, le=1.0)
     context_low_water: float = Field(default=0.45, gt=0.0, lt=1.0)
-    note_share: float = Field(default=0.2, ge=0.0, le=0.6)
+    note_share: float = Field(default=0.6, ge=0.0, le=0.6)
     keep_notes: OnOff = "off"
 
     # Provider caching and usage

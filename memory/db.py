@@ -20,6 +20,7 @@ from alembic.config import Config
 from sqlalchemy import Row, event, text
 from sqlalchemy.engine import Connection
 from sqlalchemy.exc import DBAPIError, DisconnectionError, InterfaceError, OperationalError
+from sqlalchemy.exc import TimeoutError as PoolTimeout
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 from sqlalchemy.pool import ConnectionPoolEntry, PoolProxiedConnection
 
@@ -32,12 +33,14 @@ AnyRow: TypeAlias = Row[*tuple[Any, ...]]
 _MIGRATION_LOCK = 7_240_311  # arbitrary, constant advisory-lock key for migrations
 
 
-def connect(url: str, *, pool_size: int = 10) -> AsyncEngine:
-    """The engine for `url`; no connection is opened until first use."""
+def connect(url: str, *, pool_size: int = 10, pool_timeout: float = 30) -> AsyncEngine:
+    """The engine for `url`; no connection is opened until first use. A transaction that
+    waits `pool_timeout` seconds for a free connection fails with `StorageUnavailable`."""
     engine = create_async_engine(
         url,
         pool_size=pool_size,
         max_overflow=pool_size,
+        pool_timeout=pool_timeout,
         pool_recycle=1800,
         # Errors must not quote statement parameters: they hold message contents and key hashes.
         hide_parameters=True,
@@ -128,6 +131,10 @@ async def transaction(engine: AsyncEngine) -> AsyncIterator[AsyncConnection]:
             yield conn
     except (OperationalError, InterfaceError, OSError, TimeoutError) as exc:
         raise StorageUnavailable(f"the database is unavailable: {type(exc).__name__}") from exc
+    except PoolTimeout as exc:
+        # Every pooled connection busy for the whole wait: an overloaded process, which a
+        # client should retry (503), not a fault of its request (it was a 500).
+        raise StorageUnavailable("no database connection came free in time") from exc
     except DBAPIError as exc:
         if unavailable(exc):
             raise StorageUnavailable(f"the database is unavailable: {_reason(exc)}") from exc

@@ -1,21 +1,25 @@
 """Shared fixtures: one real embedded Postgres + pgvector per test session, migrated once.
 
 Tests isolate themselves by tenant: the `tenant_id` fixture makes a fresh tenant, so no test
-sees another's rows and nothing needs truncating.
+sees another's rows and nothing needs truncating. `app` is the gateway's app in-process
+(`tests.inprocess`) for a module's admin API tests, and `admin` a loopback client of it.
 """
 
 import uuid
 from collections.abc import AsyncIterator, Iterator
 
+import httpx
 import pytest
 from sqlalchemy import insert
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from devkit.postgres import throwaway_postgres
 from devkit.upstream import UpstreamServer
+from gateway.settings import Settings
 from memory.db import connect, migrate
 from memory.postgres import EmbeddedPostgres
 from memory.schema import tenants
+from tests.inprocess import App, running_app
 
 
 @pytest.fixture(scope="session")
@@ -61,3 +65,20 @@ async def tenant_id(engine: AsyncEngine) -> int:
         )
     assert created is not None
     return int(created)
+
+
+@pytest.fixture(scope="module")
+async def app(database_url: str, upstream: UpstreamServer) -> AsyncIterator[App]:
+    """The app in-process, without workers or memory tools, one per test module."""
+    settings = Settings(
+        database_url=database_url, upstream_base_url=upstream.url, workers=0, memory_tools="never"
+    )
+    async with running_app(settings) as running:
+        yield running
+
+
+@pytest.fixture
+async def admin(app: App) -> AsyncIterator[httpx.AsyncClient]:
+    """A loopback client of `app` (the admin API answers it without a token)."""
+    async with app.client() as client:
+        yield client

@@ -35,21 +35,6 @@ TOPICS = [
 ]
 
 
-@pytest.fixture(scope="module")
-async def app(database_url: str, upstream: UpstreamServer) -> AsyncIterator[App]:
-    settings = Settings(
-        database_url=database_url, upstream_base_url=upstream.url, workers=0, memory_tools="never"
-    )
-    async with running_app(settings) as running:
-        yield running
-
-
-@pytest.fixture
-async def admin(app: App) -> AsyncIterator[httpx.AsyncClient]:
-    async with app.client() as client:
-        yield client
-
-
 RUN = uuid.uuid4().hex[:8]
 
 
@@ -146,10 +131,12 @@ ADMIN_OPERATIONS = {
     ("get", "/admin/conversations/{conversation}/messages"),
     ("post", "/admin/conversations/{conversation}/messages"),
     ("get", "/admin/conversations/{conversation}/hierarchy"),
+    ("get", "/admin/conversations/{conversation}/tree"),
     ("get", "/admin/conversations/{conversation}/export"),
     ("post", "/admin/conversations/{conversation}/compact"),
     ("post", "/admin/conversations/{conversation}/context"),
     ("get", "/admin/nodes/{node_id}"),
+    ("get", "/admin/nodes/{node_id}/path"),
     ("get", "/admin/search"),
     ("get", "/admin/jobs"),
     ("post", "/admin/jobs/{job_id}/retry"),

@@ -28,7 +28,14 @@ from gateway.settings import Settings
 
 CHAT = "/v1/chat/completions"
 MODEL = "gpt-4o"
-SETTINGS: dict[str, Any] = {"workers": 0, "memory_tools": "never", "keep_notes": "on"}
+# Notes kept in the context, of the share they were measured with when kept: at the default
+# share (the note fills what the context leaves) a kept note brings the next compaction at once.
+SETTINGS: dict[str, Any] = {
+    "workers": 0,
+    "memory_tools": "never",
+    "keep_notes": "on",
+    "note_share": 0.2,
+}
 
 
 @pytest.fixture(scope="module")

@@ -34,6 +34,7 @@ from memory.build.summarize import ExtractiveSummarizer
 from memory.embeddings import LocalEmbedder
 from memory.errors import ContextOverflow
 from memory.recall import prompt
+from memory.recall.assemble import Assembled
 from memory.schema import tenants
 from memory.write import identity, store
 
@@ -394,31 +395,67 @@ async def test_dry_run_of_a_conversation_that_fits_is_the_history(engine: AsyncE
     assert assembled.tokens == tokens.count_messages(assembled.messages, model=MODEL)
     assert assembled.labels == ["system", "history", "history", "history"]
     assert assembled.context_version is None
+    assert assembled.why == []
 
 
-async def test_dry_run_rebuilds_when_the_history_does_not_fit(
-    engine: AsyncEngine, built_tree: tuple[int, int, list[Message], list[int]]
-) -> None:
-    tenant_id, conversation_id, _messages, node_ids = built_tree
+async def dry_run_of_the_tree(
+    engine: AsyncEngine, built_tree: tuple[int, int, list[Message], list[int]], **settings: Any
+) -> Assembled:
+    """The dry run of the built tree's conversation for the door code, in 1,500 tokens."""
+    tenant_id, conversation_id, _messages, _node_ids = built_tree
     async with engine.connect() as conn:
         external_id = await conn.scalar(
             text("SELECT external_id FROM conversations WHERE id = :i"),
             {"i": conversation_id},
         )
-    assembled = await chat.dry_run(
-        state_for(engine),
+    return await chat.dry_run(
+        state_for(engine, **settings),
         tenant_id=tenant_id,
         external_id=str(external_id),
         query="what is the storage unit door code",
         budget=1500,
     )
+
+
+async def test_dry_run_rebuilds_when_the_history_does_not_fit(
+    engine: AsyncEngine, built_tree: tuple[int, int, list[Message], list[int]]
+) -> None:
+    node_ids = built_tree[3]
+    assembled = await dry_run_of_the_tree(engine, built_tree)
     messages = assembled.messages
     assert assembled.tokens == tokens.count_messages(messages, model=MODEL) <= 1500
     assert messages[-1] == {"role": "user", "content": "what is the storage unit door code"}
     # The working context: stable memory, verbatim turns, the recall note, the question; the
     # planted fact, a milestone ("remember that"), is in stable memory, tagged.
     assert assembled.labels[0] == "stable" and assembled.labels[-2:] == ["note", "new"]
+    # Each message counted: the parts add up to the prompt, less the priming.
+    assert sum(assembled.counts) + tokens.REPLY_PRIMING_TOKENS == assembled.tokens
+    # Why the note's messages are there: each explained message is one the note quotes, found
+    # by a leg or lent a neighbour's score, best rank first.
+    note = messages[assembled.labels.index("note")]["content"]
+    assert assembled.why and all(f"[#{one.node_id} " in note for one in assembled.why)
+    assert all(one.legs or one.lent for one in assembled.why)
+    assert [one.rank for one in assembled.why] == sorted(one.rank for one in assembled.why)
     assert f"[#{node_ids[150]} user] {FACT}" in messages[0]["content"]
+
+
+async def test_dry_run_rebuilt_per_query_says_why_the_memory_message_quotes_each(
+    engine: AsyncEngine, built_tree: tuple[int, int, list[Message], list[int]]
+) -> None:
+    node_ids = built_tree[3]
+    assembled = await dry_run_of_the_tree(engine, built_tree, context_mode="rebuild")
+    messages = assembled.messages
+    # Each message labelled and counted: the parts add up to the prompt, less the priming.
+    assert assembled.labels[0] == "memory" and assembled.labels[-1] == "new"
+    assert set(assembled.labels[1:-1]) == {"verbatim"}
+    assert sum(assembled.counts) + tokens.REPLY_PRIMING_TOKENS == assembled.tokens
+    # Why the planted fact is there: a pinned milestone ("remember that") that the legs found
+    # too, ranked first; every message explained is one the memory message quotes.
+    why = {one.node_id: one for one in assembled.why}
+    fact = why[node_ids[150]]
+    assert fact.pinned and fact.legs and not fact.lent and fact.rank == 1
+    assert all(f"[#{node_id} " in messages[0]["content"] for node_id in why)
+    assert [one.rank for one in assembled.why] == sorted(one.rank for one in assembled.why)
 
 
 # -- end to end through the gateway ---------------------------------------------------------------

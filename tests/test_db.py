@@ -17,6 +17,7 @@ from sqlalchemy.engine import Connection
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from memory.db import ALEMBIC_INI, connect, migrate, transaction
+from memory.errors import StorageUnavailable
 from memory.schema import conversations
 from memory.write import identity
 
@@ -36,6 +37,22 @@ async def test_a_dead_pooled_connection_is_replaced_without_an_error(
         async with transaction(own) as conn:
             again = await conn.scalar(text("SELECT pg_backend_pid()"))
         assert again != pid
+    finally:
+        await own.dispose()
+
+
+async def test_a_pool_with_no_free_connection_is_storage_unavailable(database_url: str) -> None:
+    own = connect(database_url, pool_size=1, pool_timeout=0.2)
+    try:
+        async with transaction(own) as first, transaction(own) as second:
+            # Both connections of the pool (one and its overflow of one) are held.
+            await first.execute(text("SELECT 1"))
+            await second.execute(text("SELECT 1"))
+            with pytest.raises(StorageUnavailable, match="no database connection"):
+                async with transaction(own):
+                    pass
+        async with transaction(own) as conn:  # free again
+            assert await conn.scalar(text("SELECT 1")) == 1
     finally:
         await own.dispose()
 

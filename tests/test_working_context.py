@@ -8,7 +8,9 @@ gateway drives it (store the turn, assemble under the conversation's lock, recor
   the prompt tags, and the summary expands;
 * masked tool results expand back to the original;
 * a branch inside the context rebuilds it;
-* a prepared recall candidate is used, a stale one ignored.
+* a prepared recall candidate is used, a stale one ignored;
+* the dry run (what the recall benchmarks and the admin context endpoint measure) is the prompt
+  the next turn sends, and saves nothing.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import re
 import uuid
 from collections.abc import Sequence
 from dataclasses import replace
-from typing import Any
+from typing import Any, cast
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -27,12 +29,15 @@ from sqlalchemy import update
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from devkit import synthetic
+from gateway.openai import chat
+from gateway.settings import Settings
+from gateway.state import State
 from memory import tokens
 from memory.build import tree
 from memory.build.segments import SegmentPolicy
 from memory.build.summarize import ExtractiveSummarizer
 from memory.embeddings import LocalEmbedder
-from memory.recall import anticipation, browsing, tools
+from memory.recall import anticipation, browsing, explain, tools
 from memory.recall import working_context as wc
 from memory.recall.assemble import Assembled, Budget, Recall, StoredTurn, assemble
 from memory.recall.working_context import Policy
@@ -85,8 +90,10 @@ class Conversation:
         limit: int,
         recall: Recall,
         branched_at: int | None = None,
+        explained: bool = False,
     ) -> Assembled:
-        """Store `new` and assemble its prompt in one transaction (the row lock held)."""
+        """Store `new` and assemble its prompt in one transaction (the row lock held);
+        `explained`: with why the note quotes each message."""
         async with self.engine.begin() as conn:
             appended = await store.append(
                 conn,
@@ -109,7 +116,12 @@ class Conversation:
                 previous_fingerprint=appended.prompt_fingerprint,
             )
             return await assemble(
-                conn, stored, Budget(limit=limit, reserved=0), recall, tools_guide=False
+                conn,
+                stored,
+                Budget(limit=limit, reserved=0),
+                recall,
+                tools_guide=False,
+                explained=explained,
             )
 
     async def reply(self, message: Message, assembled: Assembled) -> None:
@@ -454,6 +466,44 @@ async def test_a_branch_inside_the_context_rebuilds_it(engine: AsyncEngine, tena
     assert rebuilt.messages[-1] == edit
 
 
+async def test_the_dry_run_is_the_prompt_the_next_turn_sends(
+    engine: AsyncEngine, tenant_id: int
+) -> None:
+    """A conversation imported at once has no working context yet: the gateway's dry run builds
+    it as the first turn past the budget does (the newest turns verbatim, stable memory over the
+    rest), adds the question's note and saves nothing; that turn then sends the same prompt,
+    byte for byte."""
+    limit = 2000
+    state = State(
+        settings=Settings(_env_file=None, memory_tools="never"),
+        engine=engine,
+        upstream=cast(Any, None),
+        embedder=EMBEDDER,
+        default_tenant_id=tenant_id,
+    )
+    history = synthetic.messages(300, seed=31)
+    history[60] = {"role": "user", "content": FACT}
+    conversation = await Conversation.start(engine, tenant_id, history)
+    await conversation.build_tree()
+    async with engine.begin() as conn:
+        external_id = await store.external_id(
+            conn, tenant_id=tenant_id, conversation_id=conversation.id
+        )
+    question = "What is the code for the storage unit door?"
+    dry = await chat.dry_run(
+        state, tenant_id=tenant_id, external_id=external_id, query=question, budget=limit
+    )
+    check_prompt(dry, limit)
+    assert {"stable", "verbatim"} <= set(dry.labels) and dry.labels[-2:] == ["note", "new"]
+    assert FACT in dry.messages[-2]["content"]
+    async with engine.begin() as conn:
+        assert await wc.load(conn, tenant_id=tenant_id, conversation_id=conversation.id) is None
+    ask = {"role": "user", "content": question}
+    sent = await conversation.turn([ask], limit=limit, recall=chat.recall_of(state))
+    assert raw(sent.messages) == raw(dry.messages) and sent.labels == dry.labels
+    assert (await conversation.state()).upto == len(history) + 2  # the system prompt, the ask
+
+
 # -- anticipatory recall -----------------------------------------------------------------------
 
 
@@ -498,8 +548,12 @@ async def test_a_prepared_candidate_is_used_and_a_stale_one_ignored(
             .values(recall_ids=[fact.node_id])
         )
     follow = {"role": "user", "content": "What is the code for the storage unit door?"}
-    used = await conversation.turn([follow], limit=limit, recall=recall)
+    used = await conversation.turn([follow], limit=limit, recall=recall, explained=True)
     assert used.prepared_recall and used.labels[-2:] == ["note", "new"]
+    # Why: the fact was the prepared leg's only candidate; its neighbours were lent its score.
+    why = {one.node_id: one for one in used.why}
+    assert [(leg.leg, leg.rank) for leg in why[fact.node_id].legs][:1] == [("prepared", 1)]
+    assert {leg.leg for one in used.why for leg in one.legs} <= {"prepared", "full text"}
     note = used.messages[-2]["content"]
     assert f"[#{fact.node_id} user] {FACT}" in note
     quoted = [int(node) for node in re.findall(r"^\[#(\d+) ", note, re.MULTILINE)]
@@ -514,8 +568,9 @@ async def test_a_prepared_candidate_is_used_and_a_stale_one_ignored(
             .values(recall_after=state.recall_after, recall_ids=[fact.node_id])
         )
     again = {"role": "user", "content": "Which unit was it, the storage unit by the door?"}
-    fresh = await conversation.turn([again], limit=limit, recall=recall)
+    fresh = await conversation.turn([again], limit=limit, recall=recall, explained=True)
     assert not fresh.prepared_recall
+    assert fresh.why and {leg.leg for one in fresh.why for leg in one.legs} <= set(explain.LEGS)
 
 
 def test_usable_needs_the_exchange_just_before_and_a_close_message() -> None:

@@ -605,9 +605,14 @@ async def depth(conn: AsyncConnection, *, tenant_id: int | None = None) -> dict[
 
 
 async def list_jobs(
-    conn: AsyncConnection, *, status: str | None, tenant_id: int | None, limit: int = 100
+    conn: AsyncConnection,
+    *,
+    status: str | None,
+    tenant_id: int | None,
+    limit: int = 100,
+    conversation_id: int | None = None,
 ) -> list[JobRecord]:
-    """The newest jobs, of `status` if given, of `tenant_id` if given."""
+    """The newest jobs, of `status`, `tenant_id` and `conversation_id` if given."""
     if status is not None and status not in STATUSES:
         raise InvalidInput(f"status must be one of {', '.join(STATUSES)}", param="status")
     if not 1 <= limit <= 1000:
@@ -632,6 +637,8 @@ async def list_jobs(
     )
     if status is not None:
         query = query.where(jobs.c.status == _status(status))
+    if conversation_id is not None:
+        query = query.where(jobs.c.conversation_id == conversation_id)
     return [
         JobRecord(
             id=row.id,

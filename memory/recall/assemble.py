@@ -34,7 +34,7 @@ from memory import tokens
 from memory.db import transaction
 from memory.embeddings import Embedder
 from memory.errors import ContextOverflow
-from memory.recall import context_prompt, prompt, reuse
+from memory.recall import context_prompt, explain, prompt, reuse
 from memory.recall.recall_note import embed_query, query_of, related_conversations
 from memory.recall.working_context import Policy
 from memory.schema import conversations
@@ -166,7 +166,9 @@ class Assembled:
     message is (`labels`: system, stable, verbatim, note, new; `memory` for a rebuilt turn's
     memory message, `history` for a forwarded one's), the tokens that repeat the previous
     prompt's prefix and the prompt's fingerprint (`memory.recall.reuse`), and whether the
-    working context was compacted for it and its note came from prepared candidates."""
+    working context was compacted for it and its note came from prepared candidates. When
+    asked (`explained`), why each message the recall note (or a rebuilt turn's memory
+    message) quotes was picked (`why`)."""
 
     messages: list[Message]
     tokens: int
@@ -181,6 +183,7 @@ class Assembled:
     prepared_recall: bool = False
     context_version: int | None = None
     """The working context's version the prompt came from (None: not from one)."""
+    why: list[explain.Why] = field(default_factory=list)
 
     @property
     def reuse(self) -> float:
@@ -208,13 +211,15 @@ async def assemble(
     *,
     tools_guide: bool,
     persist: bool = True,
+    explained: bool = False,
 ) -> Assembled:
     """The prompt for `turn` within `budget` (see the module docstring), in the caller's
     transaction, which holds the conversation's row lock when `persist` (the working context
     is saved with the turn; a dry run saves nothing).
 
     The messages and `budget.reserved` together stay within the budget. `tools_guide` tells a
-    rebuilt memory message to say how to use the memory tools (when they are offered)."""
+    rebuilt memory message to say how to use the memory tools (when they are offered);
+    `explained` says why each recalled message was picked."""
     stored_tokens, user = turn.stored_tokens, turn.user
     if stored_tokens is None:
         stored_tokens, user = await _token_count_and_user(conn, turn)
@@ -258,13 +263,21 @@ async def assemble(
             stored_tokens=stored_tokens,
             tools_guide=prompt.TOOLS_GUIDE if tools_guide else None,
             abandoned=recall.abandoned_branches,
+            explained=explained,
         )
-        head = len(system)
-        labels = ["system"] * head + ["memory"] * (len(built.messages) - head)
         counts = tokens.count_each(built.messages, model=turn.model)
-        return _measured(turn, built.messages, counts, labels, full=full, rebuilt=True)
+        return _measured(
+            turn, built.messages, counts, built.labels, full=full, rebuilt=True, why=built.why
+        )
     context = await context_prompt.build(
-        conn, turn, budget, recall, system=system, related=related, persist=persist
+        conn,
+        turn,
+        budget,
+        recall,
+        system=system,
+        related=related,
+        persist=persist,
+        explained=explained,
     )
     return _measured(
         turn,
@@ -277,6 +290,7 @@ async def assemble(
         compacted=context.compacted,
         prepared_recall=context.prepared_recall,
         context_version=context.version,
+        why=context.why,
     )
 
 
@@ -292,6 +306,7 @@ def _measured(
     compacted: bool = False,
     prepared_recall: bool = False,
     context_version: int | None = None,
+    why: Sequence[explain.Why] = (),
 ) -> Assembled:
     """The prompt with its reuse of the previous prompt and its own fingerprint."""
     system = len(leading_system(messages))
@@ -310,6 +325,7 @@ def _measured(
         compacted=compacted,
         prepared_recall=prepared_recall,
         context_version=context_version,
+        why=list(why),
     )
 
 
@@ -326,8 +342,9 @@ async def dry_run(
     model: str = "gpt-4o",
 ) -> Assembled:
     """The prompt `assemble` would send if the stored conversation `external_id` received
-    `query` as a new user message; nothing is stored. `tools_room` is what the memory tools'
-    definitions would take (0 when they would not be offered)."""
+    `query` as a new user message, with why each recalled message was picked; nothing is
+    stored. `tools_room` is what the memory tools' definitions would take (0 when they would
+    not be offered)."""
     question = {"role": "user", "content": query}
     async with transaction(engine) as conn:
         ref = await store.find_conversation(conn, tenant_id=tenant_id, external_id=external_id)
@@ -358,6 +375,7 @@ async def dry_run(
             recall,
             tools_guide=tools_room > 0,
             persist=False,
+            explained=True,
         )
 
 

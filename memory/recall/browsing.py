@@ -38,7 +38,8 @@ from memory.db import AnyRow
 from memory.embeddings import Embedder
 from memory.errors import InvalidInput, NotFound, PatternRejected
 from memory.recall import retrieval
-from memory.schema import conversations, nodes
+from memory.schema import nodes
+from memory.write import conversations
 
 MAX_PATTERN_CHARS: Final = 500
 MAX_MATCHES: Final = 20
@@ -220,7 +221,11 @@ async def search(
     )
     if not hits:
         return f"nothing found for {query!r}"
-    elsewhere = await _external_ids(conn, scope, {h.conversation_id for h in hits})
+    elsewhere = await conversations.external_ids(
+        conn,
+        tenant_id=scope.tenant_id,
+        ids={h.conversation_id for h in hits} - {scope.conversation_id},
+    )
     lines = [f"{len(hits)} results for {query!r}, best first:"]
     for hit in hits:
         node = _Node.from_hit(hit)
@@ -335,19 +340,6 @@ async def _level_counts(conn: AsyncConnection, scope: Scope) -> list[tuple[int, 
         .order_by(nodes.c.level)
     )
     return [(int(level), int(count)) for level, count in rows]
-
-
-async def _external_ids(conn: AsyncConnection, scope: Scope, ids: set[int]) -> dict[int, str]:
-    """External ids of the conversations other than the scope's own among `ids`."""
-    others = ids - {scope.conversation_id}
-    if not others:
-        return {}
-    rows = await conn.execute(
-        select(conversations.c.id, conversations.c.external_id).where(
-            conversations.c.tenant_id == scope.tenant_id, conversations.c.id.in_(others)
-        )
-    )
-    return {int(row.id): str(row.external_id) for row in rows}
 
 
 # -- regular expressions -------------------------------------------------------------------------

@@ -10,7 +10,8 @@ that does not fit its budget, in the caller's transaction:
    computed now); a prompt that does not fit the budget even so (the new messages take most of
    it) is compacted as far as it goes, and sent without its stable memory if that still does
    not fit;
-3. the new message is embedded meanwhile, and the recall note is chosen
+3. the new message is embedded meanwhile (again without the participants' names once the
+   verbatim turns tell them, when it names one), and the recall note is chosen
    (`memory.recall.recall_note`), from the candidates prepared after the last reply when they
    cover it (`memory.recall.anticipation.usable`), in the room `Policy.note` gives a message
    that asks something, never more than the budget leaves; a statement gets no note (measured
@@ -18,7 +19,8 @@ that does not fit its budget, in the caller's transaction:
    point of recall), nor does a turn whose new messages are tool results (a note between a
    call and its results is not allowed);
 4. with `persist`, the context is saved as this turn leaves it (the note kept with
-   `Policy.keep_notes`).
+   `Policy.keep_notes`); with `explained` (a dry run), the prompt says why each message of
+   the note was picked.
 
 The prompt is the system prompt, the context, the note and the new messages; `marks` are the
 message counts where a later prompt may stop repeating it (`memory.recall.reuse`).
@@ -33,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from memory import tokens
-from memory.recall import anticipation, compaction, recall_note, retrieval
+from memory.recall import anticipation, compaction, explain, recall_note, retrieval
 from memory.recall import working_context as wc
 from memory.recall.compaction import Fixed
 from memory.recall.working_context import Policy
@@ -48,8 +50,8 @@ Message = dict[str, Any]
 
 @dataclass(frozen=True)
 class ContextPrompt:
-    """A turn's prompt from the working context, what each message is and costs, and the
-    context's version."""
+    """A turn's prompt from the working context, what each message is and costs, the
+    context's version, and why the note's messages were picked (when asked)."""
 
     messages: list[Message]
     labels: list[str]
@@ -58,6 +60,7 @@ class ContextPrompt:
     compacted: bool
     prepared_recall: bool
     version: int
+    why: tuple[explain.Why, ...] = ()
 
 
 async def build(
@@ -69,6 +72,7 @@ async def build(
     system: list[Message],
     related: list[int],
     persist: bool,
+    explained: bool = False,
 ) -> ContextPrompt:
     """The prompt for `turn` from its working context (see the module docstring); `related`
     are the same user's other conversations, whose messages a note may recall."""
@@ -111,6 +115,12 @@ async def build(
                 context = wc.render(replace(state, stable=()), items, policy=policy, model=model)
         scope = [turn.conversation_id, *related]
         participants = {item.name for item in items if item.name}
+        unnamed = retrieval.without_names(query, participants) if vector_task else query
+        if vector_task is not None and unnamed != query:
+            # A participant's name says nothing about the topic and pulls the vector toward
+            # every message that greets them: embedded again without it, as the rebuild does.
+            vector_task.cancel()
+            vector_task = asyncio.ensure_future(recall_note.embed_query(recall.embedder, unnamed))
         # Small budgets still give a note room for a few messages, when they leave it.
         wanted = max(int(share * limit), recall_note.FLOOR) if share else 0
         room = min(wanted, limit - fixed.system - context.tokens - fixed.new)
@@ -152,6 +162,7 @@ async def build(
         model=model,
         abandoned=recall.abandoned_branches,
         fulltext=fulltext,
+        explained=explained,
     )
     if persist:
         notes = tuple(kept for kept in state.notes if kept.before < turn.first_seq)
@@ -184,6 +195,7 @@ async def build(
         compacted=compacted,
         prepared_recall=prepared,
         version=state.version,
+        why=note.why if note is not None else (),
     )
 
 

@@ -42,6 +42,7 @@ __all__ = [
     "Place",
     "fuse",
     "ranked",
+    "standouts",
 ]
 
 RRF_K: Final = 20
@@ -150,7 +151,7 @@ def fuse(
     recency_weight = weights.recency
     lends = list(enumerate(kernel, start=1))
     # The exact-match bonuses are the node's own: they are not lent to neighbours.
-    scores: dict[Key, float] = dict.fromkeys(_standouts(legs), EXACT_BONUS / (RRF_K + 1))
+    scores: dict[Key, float] = dict.fromkeys(standouts(legs), EXACT_BONUS / (RRF_K + 1))
     scores.update(dict.fromkeys(exact, EXACT_BONUS * len(legs) / (RRF_K + 1)))
     get = scores.get
     for key, score in base.items():
@@ -198,7 +199,7 @@ def fuse(
     return result
 
 
-def _standouts(legs: Sequence[Candidates]) -> set[Key]:
+def standouts(legs: Sequence[Candidates]) -> set[Key]:
     """Candidates whose similarity stands far above the rest of their leg's (more than
     `STANDOUT_Z` standard deviations over the mean of its first 50): a match by meaning that
     clear is as telling as an exact identifier, which rank fusion alone would not show."""

@@ -42,7 +42,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 
 from memory import tokens
 from memory.errors import ContextOverflow
-from memory.recall import fusion, retrieval
+from memory.recall import explain, fusion, retrieval
 from memory.recall.memory_block import MemoryBlock
 from memory.stages import staged
 from memory.write import store
@@ -113,6 +113,10 @@ class BuiltPrompt:
     summaries: list[int] = field(default_factory=list)
     milestones: list[int] = field(default_factory=list)
     route: str = "flat"
+    # What each message is: system, memory (the memory message), verbatim (stored turns), new.
+    labels: list[str] = field(default_factory=list)
+    # Why each message the memory message quotes was recalled (or pinned), when asked.
+    why: list[explain.Why] = field(default_factory=list)
 
 
 def model_limits(model: str, *, default_window: int, default_reserve: int) -> tuple[int, int]:
@@ -219,6 +223,7 @@ async def build(
     tools_guide: str | None = TOOLS_GUIDE,
     shares: BudgetSplit | None = None,
     abandoned: bool = False,
+    explained: bool = False,
 ) -> BuiltPrompt:
     """The prompt for a conversation whose history does not fit (see the module docstring).
 
@@ -227,7 +232,8 @@ async def build(
     conversations whose memory may be recalled (the same user's). `embed` turns the query into
     a vector, run while the full-text leg runs; without it, or when it returns None, retrieval
     is full-text only. The recent turns are the current branch's; `abandoned` lets retrieval
-    also recall messages of abandoned branches."""
+    also recall messages of abandoned branches. `explained` also says why each retrieved
+    message was recalled."""
     shares = shares or BudgetSplit()
     limit = budget - reserved_tokens
     must = await _calls_of(conn, tenant_id, conversation_id, new_messages, new_from)
@@ -340,8 +346,17 @@ async def build(
         recent_messages = _drop_first_turn(recent_messages)
         messages = [*head, memory, *recent_messages, *tail_new]
         count = tokens.count_messages(messages, model=model)
+    between = ["memory", *(["verbatim"] * len(recent_messages))]
     if count > limit:  # not even the memory message's preamble fits: no memory at all
         messages, count = [*head, *tail_new], fixed
+        between = []
+    why: list[explain.Why] = []
+    if explained and between:
+        quoted = [*block.milestones, *block.messages]
+        why = explain.explain(legs, scores, quoted, pinned=[h.node_id for h in block.milestones])
+    labels = (
+        ["system"] * len(head) + between + ["verbatim"] * len(must) + ["new"] * len(new_messages)
+    )
     return BuiltPrompt(
         messages=messages,
         tokens=count,
@@ -350,6 +365,8 @@ async def build(
         summaries=sorted(block.summary_ids),
         milestones=[hit.node_id for hit in block.milestones],
         route=str(which),
+        labels=labels,
+        why=why,
     )
 
 

@@ -15,7 +15,9 @@
   answer right after its question). A turn with nothing relevant gets no note;
 * the relevant ones fill `room` tokens, best fused score first, and are shown verbatim in time
   order under a heading per sitting, each tagged `[#id]` and its speaker
-  (`memory.recall.memory_block`).
+  (`memory.recall.memory_block`);
+* when asked (`explained`: the admin dry run), the note says why each message it quotes was
+  picked: its legs, ranks and fused rank (`memory.recall.explain`).
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 from memory import tokens
 from memory.embeddings import Embedder
 from memory.errors import ProviderError
-from memory.recall import fusion, retrieval
+from memory.recall import explain, fusion, retrieval
 from memory.recall.fusion import Candidates, Key
 from memory.recall.memory_block import MemoryBlock
 from memory.schema import conversations
@@ -56,6 +58,9 @@ NEIGHBOURS: Final = len(fusion.CONTIGUITY)
 """Messages this close to a relevant one are eligible too: they lent it their score."""
 FULLTEXT_FIRST: Final = 10
 """Full-text candidates this high that have no vector are judged by their rank alone."""
+POOL: Final = 400
+"""Candidates each retrieval leg gives a note to be chosen among: the rebuild's pool at 4k and
+8k (`memory.recall.prompt`); the legs' default of 100 cost LoCoMo and LongMemEval recall."""
 MIN_ROOM: Final = 48
 """A note needs at least this many tokens to say anything."""
 FLOOR: Final = 160
@@ -71,11 +76,13 @@ HEADER: Final = (
 
 @dataclass(frozen=True)
 class Recalled:
-    """A note: its text, the messages it quotes and its tokens."""
+    """A note: its text, the messages it quotes and its tokens, and why each was picked (when
+    asked)."""
 
     text: str
     ids: tuple[int, ...]
     tokens: int
+    why: tuple[explain.Why, ...] = ()
 
 
 # Similarity to the query of messages by place (NULL: not embedded yet).
@@ -158,6 +165,7 @@ async def recall(
     model: str,
     abandoned: bool = False,
     fulltext: Candidates | None = None,
+    explained: bool = False,
 ) -> Recalled | None:
     """The note for `query` in `room` tokens, or None (see the module docstring).
 
@@ -165,12 +173,15 @@ async def recall(
     searched, those from `exclude_from` on excluded (they are in the prompt verbatim), as are
     the ids in `present`. `prepared` are candidate node ids that stand in for retrieval;
     `abandoned` lets messages off their conversation's current branch be recalled. `fulltext`
-    is the full-text leg already run (`fulltext_leg`) for the same turn."""
+    is the full-text leg already run (`fulltext_leg`) for the same turn; `explained` adds why
+    each quoted message was picked."""
     if room < MIN_ROOM or not query:
         return None
     conversation_id = conversation_ids[0]
     search_text = retrieval.without_names(query, participants)
+    names: Sequence[str] = explain.LEGS
     if prepared is not None and vector is not None:
+        names = explain.PREPARED_LEGS
         legs = [
             await _prepared_leg(
                 conn, tenant_id=tenant_id, ids=prepared, vector=vector, abandoned=abandoned
@@ -201,7 +212,7 @@ async def recall(
             abandoned=abandoned,
             fulltext=fulltext,
         )
-    scores = fusion.fuse(
+    fused = fusion.fuse(
         legs,
         which=retrieval.route(query),
         newest={conversation_id: newest},
@@ -214,8 +225,8 @@ async def recall(
     similar = await _similarities(
         conn, tenant_id=tenant_id, keys=unjudged, vector=vector, abandoned=abandoned
     )
-    eligible = _eligible(legs, scores, similar)
-    scores = {key: score for key, score in scores.items() if key in eligible}
+    eligible = _eligible(legs, fused, similar)
+    scores = {key: score for key, score in fused.items() if key in eligible}
     hits = await retrieval.load(
         conn, tenant_id=tenant_id, scores=scores, limit=room // 20 + 20, abandoned=abandoned
     )
@@ -232,7 +243,10 @@ async def recall(
         note = HEADER + block.render()
         count = tokens.count_message({"role": "system", "content": note}, model=model)
         if count <= room:
-            return Recalled(text=note, ids=tuple(sorted(block.message_ids)), tokens=count)
+            why = explain.explain(legs, fused, block.messages, names=names) if explained else []
+            return Recalled(
+                text=note, ids=tuple(sorted(block.message_ids)), tokens=count, why=tuple(why)
+            )
         block.drop_weakest(count - room)
     return None
 
@@ -254,6 +268,7 @@ async def fulltext_leg(
         conversation_ids=conversation_ids,
         query=retrieval.without_names(query, participants),
         levels=[0],
+        limit=POOL,
         exclude_from=(conversation_ids[0], exclude_from),
         abandoned=abandoned,
     )
@@ -300,6 +315,7 @@ async def _search_legs(
             conversation_ids=conversation_ids,
             query=query,
             levels=[0],
+            limit=POOL,
             exclude_from=exclude,
             abandoned=abandoned,
         )
@@ -311,6 +327,7 @@ async def _search_legs(
             conversation_ids=conversation_ids,
             query_vector=vector,
             levels=[0],
+            limit=POOL,
             exclude_from=exclude,
             messages=newest + 1 if len(conversation_ids) == 1 else None,
             abandoned=abandoned,

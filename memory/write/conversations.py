@@ -9,7 +9,7 @@ embeddings and jobs go with it by the schema's cascades, and a job of that conve
 running fails on its next write (the foreign key is gone) instead of bringing rows back.
 """
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Collection
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -39,8 +39,15 @@ class ConversationSummary:
     usage_prompt_tokens: int
     usage_cached_tokens: int
     usage_completion_tokens: int
+    # Turns whose working context was compacted (0 while it fits its budget).
+    compactions: int
     created_at: datetime
     updated_at: datetime
+
+    @property
+    def memory_reuse(self) -> float | None:
+        """The share of the prompt tokens sent that repeated the previous prompt's prefix."""
+        return None if self.tokens_sent == 0 else self.tokens_reused / self.tokens_sent
 
 
 @dataclass(frozen=True)
@@ -72,12 +79,6 @@ class ConversationStats:
         sent = self.conversation.tokens_sent
         return None if sent == 0 else self.conversation.tokens_full / sent
 
-    @property
-    def memory_reuse(self) -> float | None:
-        """The share of the prompt tokens sent that repeated the previous prompt's prefix."""
-        sent = self.conversation.tokens_sent
-        return None if sent == 0 else self.conversation.tokens_reused / sent
-
 
 @dataclass(frozen=True)
 class Deleted:
@@ -101,6 +102,12 @@ _SUMMARY_COLUMNS = (
     conversations.c.usage_prompt_tokens,
     conversations.c.usage_cached_tokens,
     conversations.c.usage_completion_tokens,
+    func.coalesce(
+        select(working_contexts.c.compactions)
+        .where(working_contexts.c.conversation_id == conversations.c.id)
+        .scalar_subquery(),
+        0,
+    ).label("compactions"),
     conversations.c.created_at,
     conversations.c.updated_at,
 )
@@ -165,6 +172,20 @@ async def recent(
     return {int(row.id): str(row.external_id) for row in rows}
 
 
+async def external_ids(
+    conn: AsyncConnection, *, tenant_id: int, ids: Collection[int]
+) -> dict[int, str]:
+    """The external ids of the tenant's conversations among `ids` (others are left out)."""
+    if not ids:
+        return {}
+    rows = await conn.execute(
+        select(conversations.c.id, conversations.c.external_id).where(
+            conversations.c.tenant_id == tenant_id, conversations.c.id.in_(list(ids))
+        )
+    )
+    return {int(row.id): str(row.external_id) for row in rows}
+
+
 async def get_conversation(
     conn: AsyncConnection, *, tenant_id: int, external_id: str
 ) -> ConversationSummary:
@@ -196,15 +217,7 @@ async def stats(conn: AsyncConnection, *, tenant_id: int, external_id: str) -> C
     for level, count, token_sum in rows:
         levels[int(level)] = int(count)
         level_tokens[int(level)] = int(token_sum)
-    pending = await conn.execute(
-        select(jobs.c.status, func.count())
-        .where(
-            jobs.c.tenant_id == tenant_id,
-            jobs.c.conversation_id == summary.id,
-            jobs.c.status != "done",
-        )
-        .group_by(jobs.c.status)
-    )
+    pending = await pending_jobs(conn, tenant_id=tenant_id, ids=[summary.id])
     context = (
         await conn.execute(
             select(
@@ -221,9 +234,31 @@ async def stats(conn: AsyncConnection, *, tenant_id: int, external_id: str) -> C
         conversation=summary,
         levels=levels,
         level_tokens=level_tokens,
-        pending_jobs={str(status): int(count) for status, count in pending},
+        pending_jobs=pending.get(summary.id, {}),
         working_context=dict(context._mapping) if context is not None else None,
     )
+
+
+async def pending_jobs(
+    conn: AsyncConnection, *, tenant_id: int, ids: Collection[int]
+) -> dict[int, dict[str, int]]:
+    """The jobs not done yet of each of the conversations `ids`, by status (one query for a
+    page of a listing; a conversation with none is left out)."""
+    if not ids:
+        return {}
+    rows = await conn.execute(
+        select(jobs.c.conversation_id, jobs.c.status, func.count())
+        .where(
+            jobs.c.tenant_id == tenant_id,
+            jobs.c.conversation_id.in_(list(ids)),
+            jobs.c.status.in_(["queued", "running", "dead"]),
+        )
+        .group_by(jobs.c.conversation_id, jobs.c.status)
+    )
+    found: dict[int, dict[str, int]] = {}
+    for conversation_id, status, count in rows:
+        found.setdefault(int(conversation_id), {})[str(status)] = int(count)
+    return found
 
 
 async def export_messages(

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from sqlalchemy import Integer, Text, bindparam, case, func, insert, select, update
+from sqlalchemy import Integer, Select, Text, bindparam, case, func, insert, select, update
 from sqlalchemy.dialects.postgresql import JSONB, aggregate_order_by
 from sqlalchemy.ext.asyncio import AsyncConnection
 
@@ -601,6 +601,12 @@ class NodeRecord:
     role: str | None
     text: str
     content: Any
+    name: str | None
+    tool_calls: list[dict[str, Any]] | None
+    tool_call_id: str | None
+    # Messages: the message it follows where a branch starts, and when it left the branch.
+    follows_seq: int | None
+    superseded_at: datetime | None
     facts: dict[str, list[str]] | None
     method: str | None
     model: str | None
@@ -635,7 +641,7 @@ async def list_nodes(
     max_level: int | None = None,
 ) -> list[NodeRecord]:
     """The conversation's nodes from `min_level` up (summaries by default), with children."""
-    query = select(nodes, *_node_extras()).where(
+    query = select_nodes().where(
         nodes.c.tenant_id == tenant_id,
         nodes.c.conversation_id == conversation_id,
         nodes.c.level >= min_level,
@@ -643,24 +649,24 @@ async def list_nodes(
     if max_level is not None:
         query = query.where(nodes.c.level <= max_level)
     rows = await conn.execute(query.order_by(nodes.c.level.desc(), nodes.c.seq))
-    return [_node_record(row) for row in rows]
+    return [node_record(row) for row in rows]
 
 
 async def get_node(conn: AsyncConnection, *, tenant_id: int, node_id: int) -> NodeRecord:
     """One node of this tenant, or `NotFound` (also for another tenant's node)."""
     row = (
         await conn.execute(
-            select(nodes, *_node_extras()).where(
-                nodes.c.id == node_id, nodes.c.tenant_id == tenant_id
-            )
+            select_nodes().where(nodes.c.id == node_id, nodes.c.tenant_id == tenant_id)
         )
     ).one_or_none()
     if row is None:
         raise NotFound(f"node {node_id} does not exist")
-    return _node_record(row)
+    return node_record(row)
 
 
-def _node_extras() -> list[Any]:
+def select_nodes() -> Select[Any]:
+    """A select of whole nodes as `node_record` reads them: with their children's ids, in
+    order, and whether they have a vector."""
     child = nodes.alias("child")
     children = (
         select(func.array_agg(aggregate_order_by(child.c.id, child.c.seq)))
@@ -668,10 +674,10 @@ def _node_extras() -> list[Any]:
         .scalar_subquery()
         .label("children")
     )
-    return [children, nodes.c.embedding.is_not(None).label("embedded")]
+    return select(nodes, children, nodes.c.embedding.is_not(None).label("embedded"))
 
 
-def _node_record(row: AnyRow) -> NodeRecord:
+def node_record(row: AnyRow) -> NodeRecord:
     return NodeRecord(
         id=row.id,
         conversation_id=row.conversation_id,
@@ -684,6 +690,11 @@ def _node_record(row: AnyRow) -> NodeRecord:
         role=row.role,
         text=row.text,
         content=row.content,
+        name=row.name,
+        tool_calls=row.tool_calls,
+        tool_call_id=row.tool_call_id,
+        follows_seq=row.follows_seq,
+        superseded_at=row.superseded_at,
         facts=row.facts,
         method=row.method,
         model=row.model,

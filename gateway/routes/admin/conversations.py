@@ -1,5 +1,6 @@
-"""Admin routes of conversations: list, statistics, messages, bulk import, the summary tree,
-one node, export, deletion, forced compaction and a dry run of the context.
+"""Admin routes of conversations: list, statistics, messages, bulk import, the summary tree
+(whole, or a page of one node's children), one node, export, deletion, forced compaction and a
+dry run of the context with its parts and why each quoted message was picked.
 
 Everything acts within one tenant (`?tenant=`, see `scope`); a conversation or node of another
 tenant is 404, exactly like one that does not exist.
@@ -19,6 +20,7 @@ from gateway.deps import EngineDep, StateDep
 from gateway.errors import GatewayError
 from gateway.openai import chat
 from gateway.routes.admin.models import (
+    MAX_ID,
     TEXT_PATTERN,
     BranchRunPublic,
     CompactQueued,
@@ -33,13 +35,17 @@ from gateway.routes.admin.models import (
     ImportResult,
     MessagePublic,
     MessagesPublic,
+    NodePathPublic,
     NodePublic,
+    RecalledPublic,
+    TreePagePublic,
 )
 from gateway.routes.admin.scope import ConversationPath, ScopeDep, id_path
 from gateway.schemas import ImportRequest
 from memory.build import tree
 from memory.db import transaction
-from memory.write import branches, conversations, identity, store
+from memory.errors import NotFound
+from memory.write import branches, conversations, identity, store, tree_pages
 
 router = APIRouter()
 
@@ -59,6 +65,8 @@ def _public(summary: conversations.ConversationSummary) -> dict[str, Any]:
         "tokens_cached": summary.usage_cached_tokens,
         "upstream_prompt_tokens": summary.usage_prompt_tokens,
         "upstream_completion_tokens": summary.usage_completion_tokens,
+        "memory_reuse": summary.memory_reuse,
+        "compactions": summary.compactions,
         "created_at": summary.created_at,
         "last_activity": summary.updated_at,
     }
@@ -120,8 +128,14 @@ async def list_conversations(
             updated_after=_aware(active_after),
             updated_before=_aware(active_before),
         )
+        pending = await conversations.pending_jobs(
+            conn, tenant_id=tenant_id, ids=[item.id for item in page.items]
+        )
     return ConversationList(
-        data=[ConversationPublic(**_public(item)) for item in page.items],
+        data=[
+            ConversationPublic(**_public(item), pending_jobs=pending.get(item.id, {}))
+            for item in page.items
+        ],
         has_more=page.next_before is not None,
         next_cursor=_cursor(page.next_before) if page.next_before is not None else None,
     )
@@ -141,8 +155,6 @@ async def conversation_stats(
         level_tokens={str(level): count for level, count in found.level_tokens.items()},
         compression_ratio=found.compression_ratio,
         pending_jobs=found.pending_jobs,
-        memory_reuse=found.memory_reuse,
-        compactions=(found.working_context or {}).get("compactions", 0),
         working_context=found.working_context,
     )
 
@@ -273,6 +285,52 @@ async def conversation_hierarchy(
     )
 
 
+@router.get("/conversations/{conversation}/tree", summary="One page of the summary tree")
+async def conversation_tree(
+    conversation: ConversationPath,
+    engine: EngineDep,
+    tenant_id: ScopeDep,
+    parent: Annotated[
+        int | None,
+        Query(ge=1, le=MAX_ID, description="The summary whose children to list; none: the roots"),
+    ] = None,
+    after: Annotated[
+        int | None,
+        Query(ge=-1, le=2**31 - 1, description="Only nodes covering messages after this seq"),
+    ] = None,
+    before: Annotated[
+        int | None,
+        Query(ge=0, le=2**31 - 1, description="The nodes just before message seq `before`"),
+    ] = None,
+    limit: Annotated[int, Query(ge=1, le=200)] = 50,
+) -> TreePagePublic:
+    """The nodes directly under `parent` (the roots without it: what no summary covers yet), in
+    time order, `limit` at a time: the tree is read one level of one node at a time, so a page
+    costs the same at 10 or 100,000 messages."""
+    async with transaction(engine) as conn:
+        ref = await store.find_conversation(conn, tenant_id=tenant_id, external_id=conversation)
+        if parent is not None:
+            above = await store.get_node(conn, tenant_id=tenant_id, node_id=parent)
+            if above.conversation_id != ref.id:
+                raise NotFound(f"node {parent} is not in conversation {conversation!r}")
+        page = await tree_pages.tree_page(
+            conn,
+            tenant_id=tenant_id,
+            conversation_id=ref.id,
+            parent_id=parent,
+            after_span=after,
+            before_span=before,
+            limit=limit,
+        )
+    return TreePagePublic(
+        conversation=conversation,
+        parent=parent,
+        nodes=[node_public(record, conversation) for record in page.nodes],
+        more_before=page.more_before,
+        more_after=page.more_after,
+    )
+
+
 @router.post(
     "/conversations/{conversation}/compact",
     summary="Compact now",
@@ -294,8 +352,9 @@ async def context_dry_run(
 ) -> ContextPublic:
     """The prompt the gateway would send upstream if the conversation received `query` now as
     its next user message (the working context, the recall note, the question), its tokens,
-    each part labelled, and how much of it repeats the last prompt sent; nothing is stored or
-    sent."""
+    each part labelled with its tokens, how much of it repeats the last prompt sent, and why
+    each message the recall note quotes was picked (its rank once fused, and its rank in each
+    retrieval leg); nothing is stored or sent."""
     assembled = await chat.dry_run(
         state,
         tenant_id=tenant_id,
@@ -321,6 +380,7 @@ async def context_dry_run(
         working_context=assembled.context_version is not None,
         compacted=assembled.compacted,
         prepared_recall=assembled.prepared_recall,
+        recalled=[RecalledPublic.model_validate(why) for why in assembled.why],
     )
 
 
@@ -337,6 +397,22 @@ async def node(
     return node_public(record, external_id)
 
 
+@router.get("/nodes/{node_id}/path", summary="A node and the summaries above it")
+async def node_path(
+    node_id: Annotated[int, id_path("node")], engine: EngineDep, tenant_id: ScopeDep
+) -> NodePathPublic:
+    """The node's place in its conversation's tree: the summaries above it, the root first,
+    then the node."""
+    async with transaction(engine) as conn:
+        path = await tree_pages.node_path(conn, tenant_id=tenant_id, node_id=node_id)
+        external_id = await store.external_id(
+            conn, tenant_id=tenant_id, conversation_id=path[0].conversation_id
+        )
+    return NodePathPublic(
+        conversation=external_id, path=[node_public(record, external_id) for record in path]
+    )
+
+
 def node_public(record: store.NodeRecord, conversation: str) -> NodePublic:
     return NodePublic(
         id=record.id,
@@ -349,6 +425,11 @@ def node_public(record: store.NodeRecord, conversation: str) -> NodePublic:
         role=record.role,
         text=record.text,
         content=record.content,
+        name=record.name,
+        tool_calls=record.tool_calls,
+        tool_call_id=record.tool_call_id,
+        follows_seq=record.follows_seq,
+        superseded_at=record.superseded_at,
         facts=record.facts,
         method=record.method,
         model=record.model,

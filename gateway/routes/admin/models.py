@@ -99,8 +99,14 @@ class ConversationPublic(BaseModel):
     )
     upstream_prompt_tokens: int = Field(description="Prompt tokens the upstream reported")
     upstream_completion_tokens: int = Field(description="Completion tokens the upstream reported")
+    memory_reuse: float | None = Field(
+        description="tokens_reused / tokens_sent: the share of the prompts that repeated the "
+        "previous prompt's prefix (null before the first answered request)"
+    )
+    compactions: int = Field(description="Turns whose working context was compacted")
     created_at: datetime
     last_activity: datetime
+    pending_jobs: dict[str, int] = Field(description="Jobs not done yet, by status")
 
 
 class ConversationList(BaseModel):
@@ -118,12 +124,6 @@ class ConversationStats(ConversationPublic):
     compression_ratio: float | None = Field(
         description="tokens_full / tokens_sent (null before the first answered request)"
     )
-    pending_jobs: dict[str, int] = Field(description="Jobs not done yet, by status")
-    memory_reuse: float | None = Field(
-        description="tokens_reused / tokens_sent: the share of the prompts that repeated the "
-        "previous prompt's prefix (null before the first answered request)"
-    )
-    compactions: int = Field(description="Turns whose working context was compacted")
     working_context: dict[str, int] | None = Field(
         description="The working context (null while the conversation fits its budget): "
         "version, compactions, verbatim_from, stable_messages, notes, tokens"
@@ -195,6 +195,16 @@ class NodePublic(BaseModel):
     role: str | None
     text: str
     content: Any = None
+    name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+    follows_seq: int | None = Field(
+        default=None,
+        description="A message where a branch starts: the message it follows (-1: the root)",
+    )
+    superseded_at: datetime | None = Field(
+        default=None, description="When a message left the current branch; null: it is on it"
+    )
     facts: dict[str, list[str]] | None
     method: str | None
     model: str | None
@@ -205,6 +215,13 @@ class NodePublic(BaseModel):
     embedded: bool
     created_at: datetime
     meta: dict[str, Any]
+
+
+class NodePathPublic(BaseModel):
+    conversation: str
+    path: list[NodePublic] = Field(
+        description="The summaries above the node, the root first, then the node"
+    )
 
 
 class BranchRunPublic(BaseModel):
@@ -229,6 +246,20 @@ class HierarchyPublic(BaseModel):
     )
 
 
+class TreePagePublic(BaseModel):
+    """Consecutive siblings of the summary tree, in time order."""
+
+    conversation: str
+    parent: int | None = Field(description="Their parent; null: the roots")
+    nodes: list[NodePublic]
+    more_before: bool = Field(
+        description="Earlier siblings exist: pass `before` = the first's span start"
+    )
+    more_after: bool = Field(
+        description="Later siblings exist: pass `after` = the last's span start"
+    )
+
+
 class CompactQueued(BaseModel):
     conversation: str
     queued: Literal[True] = Field(
@@ -249,18 +280,47 @@ class ContextPart(BaseModel):
 
     label: Literal["system", "stable", "verbatim", "note", "new", "history", "memory"] = Field(
         description="system: the client's system prompt; stable: stable memory (summaries "
-        "of what was compacted, milestones); verbatim: the turns since the compaction point; "
-        "note: this turn's recall note; new: the new message; history: a conversation that "
-        "fits, as stored; memory: the memory message of a prompt rebuilt per query"
+        "of what was compacted, milestones); verbatim: the turns since the compaction point "
+        "(the recent turns, in a prompt rebuilt per query); note: this turn's recall note; "
+        "new: the new message; history: a conversation that fits, as stored; memory: the "
+        "memory message of a prompt rebuilt per query (`MEMSTRATA_CONTEXT_MODE=rebuild`)"
     )
     start: int = Field(description="Index of its first message in `messages`")
     messages: int
     tokens: int
 
 
+class LegRankPublic(BaseModel):
+    model_config = FROM_RECORD
+
+    leg: str = Field(
+        description="`full text`, `vector` or `passages`; `prepared`: the candidates prepared "
+        "after the last reply (anticipatory recall), by similarity"
+    )
+    rank: int = Field(description="Its place in that leg's candidates, 1: the best")
+    similarity: float | None = Field(description="Cosine similarity to the query (vector legs)")
+
+
+class RecalledPublic(BaseModel):
+    """Why a message the recall note (or the memory message) quotes was picked."""
+
+    model_config = FROM_RECORD
+
+    node_id: int
+    level: int
+    seq: int
+    rank: int = Field(description="Its place among every candidate once fused, 1: the best")
+    score: float
+    legs: list[LegRankPublic] = Field(description="The retrieval legs that found it")
+    exact: bool = Field(description="It holds a rare identifier of the query")
+    standout: bool = Field(description="Its similarity stands far above the rest of its leg")
+    lent: bool = Field(description="No leg found it: a neighbour lent it part of its score")
+    pinned: bool = Field(description="A milestone, in every prompt whatever the query")
+
+
 class ContextPublic(BaseModel):
     conversation: str
-    tokens: int
+    tokens: int = Field(description="The prompt's tokens: its parts' and the reply priming")
     messages: list[dict[str, Any]]
     parts: list[ContextPart] = Field(description="The messages, in runs of one kind")
     reused_tokens: int = Field(description="Tokens that repeat the previous prompt's prefix")
@@ -270,6 +330,10 @@ class ContextPublic(BaseModel):
     prepared_recall: bool = Field(
         description="Whether the note would come from the candidates prepared after the last "
         "reply (anticipatory recall)"
+    )
+    recalled: list[RecalledPublic] = Field(
+        description="Why each message the recall note (or, rebuilt per query, the memory "
+        "message) quotes was picked, best rank first"
     )
 
 
@@ -303,6 +367,7 @@ class JobPublic(BaseModel):
     attempts: int
     max_attempts: int
     conversation_id: int | None
+    conversation: str | None = Field(default=None, description="The conversation's id, if any")
     last_error: str | None
     run_after: datetime
     created_at: datetime

@@ -1,5 +1,5 @@
 """Admin routes across a tenant's conversations: search, and the background jobs (queue depth,
-failures, dead letters, retrying one)."""
+failures, dead letters, each job with the conversation it works on, retrying one)."""
 
 import logging
 from typing import Annotated
@@ -22,7 +22,7 @@ from memory.build import jobs
 from memory.db import transaction
 from memory.errors import ProviderError
 from memory.recall import retrieval
-from memory.write import conversations
+from memory.write import conversations, store
 
 log = logging.getLogger(__name__)
 router = APIRouter()
@@ -100,15 +100,35 @@ async def list_jobs(
     tenant_id: ScopeDep,
     status: Annotated[str | None, Query(pattern="^(queued|running|done|dead)$")] = None,
     limit: Annotated[int, Query(ge=1, le=1000)] = 100,
+    conversation: Annotated[
+        str | None, Query(pattern=CONVERSATION_PATTERN, description="Only this conversation's")
+    ] = None,
 ) -> JobsPublic:
-    """The tenant's queue depth by status, how many jobs are failing, and the newest jobs."""
+    """The tenant's queue depth by status, how many jobs are failing, and the newest jobs
+    (only one conversation's with `conversation`; the depth stays the tenant's)."""
     async with transaction(engine) as conn:
+        conversation_id = None
+        if conversation is not None:
+            ref = await store.find_conversation(conn, tenant_id=tenant_id, external_id=conversation)
+            conversation_id = ref.id
         depth = await jobs.depth(conn, tenant_id=tenant_id)
-        records = await jobs.list_jobs(conn, status=status, tenant_id=tenant_id, limit=limit)
-    return JobsPublic(
-        depth=depth,
-        jobs=[JobPublic.model_validate(job) for job in records],
-    )
+        records = await jobs.list_jobs(
+            conn,
+            status=status,
+            tenant_id=tenant_id,
+            limit=limit,
+            conversation_id=conversation_id,
+        )
+        names = await conversations.external_ids(
+            conn,
+            tenant_id=tenant_id,
+            ids={job.conversation_id for job in records if job.conversation_id is not None},
+        )
+    listed = [JobPublic.model_validate(job) for job in records]
+    for job in listed:
+        if job.conversation_id is not None:
+            job.conversation = names.get(job.conversation_id)
+    return JobsPublic(depth=depth, jobs=listed)
 
 
 @router.post("/jobs/{job_id}/retry", summary="Retry a job now")
