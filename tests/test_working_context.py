@@ -284,6 +284,27 @@ async def test_consecutive_prompts_share_a_prefix_until_a_compaction(
             await conversation.reply({"role": "assistant", "content": value}, assembled)
 
 
+async def test_results_past_the_budget_keep_their_call(engine: AsyncEngine, tenant_id: int) -> None:
+    """The first turn past the budget whose new messages are tool results larger than the
+    low-water mark: the context is built with no room left, and still keeps the call the
+    results answer (found by the prefix property, at a 500-token budget)."""
+    conversation = await Conversation.start(engine, tenant_id, synthetic.messages(10, seed=3))
+    policy = Policy(low=0.3, high=0.7, note=0.0, keep_notes=False)
+    recall = Recall(embedder=EMBEDDER, policy=policy)
+    first = await conversation.turn(
+        [{"role": "user", "content": "look it up"}], limit=500, recall=recall
+    )
+    call = {"id": "call_1", "type": "function", "function": {"name": "look", "arguments": "{}"}}
+    await conversation.reply({"role": "assistant", "content": None, "tool_calls": [call]}, first)
+    result = " ".join(["alpha salary offer candidate"] * 60)
+    assembled = await conversation.turn(
+        [{"role": "tool", "tool_call_id": "call_1", "content": result}], limit=500, recall=recall
+    )
+    assert assembled.context_version is not None
+    check_tool_pairs(assembled.messages)
+    assert [m["role"] for m in assembled.messages[-2:]] == ["assistant", "tool"]
+
+
 # -- compaction on a real tree -----------------------------------------------------------------
 
 FACT = "The storage unit door code is 5821-KESTREL."

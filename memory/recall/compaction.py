@@ -259,7 +259,8 @@ async def build(
     fresh = int(policy.fresh * limit)
     items: list[Item] = []
     start, used = end, 0
-    while start > 0 and used < room:
+    # Tool results answer a call that must stay: read back to it even with no room left.
+    while start > 0 and (used < room or (answers_calls and not items)):
         page = await read_items(
             conn,
             tenant_id=tenant_id,
