@@ -1,16 +1,19 @@
-"""`python -m bench [--quick] [--only overhead,profile,load,scale]`: the performance benchmarks.
+"""`python -m bench [--quick] [--only overhead,costs,...]`: the performance benchmarks.
 
 One run on one machine, in this order, sharing one embedded Postgres, fake upstream and relay:
 
 1. scale, part 1 -- one conversation of 10,000 messages imported through a `memstrata serve`
    with its in-process worker, timed until fully summarized (it is also the 10,000-message
    conversation of the overhead grid and of the profile);
-2. overhead -- the other conversations of the grid are imported and summarized, then the grid is
-   measured against the upstream, the relay floor and the gateway (workers off), and the largest
-   size once more with the in-process worker on;
-3. profile -- the request path at 10,000 messages (pyinstrument, stage timers, SQL);
-4. load -- 60 s at concurrency 64 with short conversations, on a database of its own;
-5. scale, part 2 -- the tenant filled up to 100,000 messages, its queue given a time budget,
+2. overhead -- the other conversations of the grid (and the repetitive ones) are imported and
+   summarized, then the grid is measured against the upstream, the relay floor and the gateway
+   (workers off), then both texts at c=1 and the largest size at c=32 once more with the
+   default `serve` (background jobs in its child process), and `memory_search` through `/mcp`;
+3. costs -- what one prompt build reads and runs on the repetitive sizes, both texts, counted in
+   what the machine's load does not change (`bench.costs`);
+4. profile -- the request path at 10,000 messages (pyinstrument, stage timers, SQL);
+5. load -- 60 s at concurrency 64 with short conversations, on a database of its own;
+6. scale, part 2 -- the tenant filled up to 100,000 messages, its queue given a time budget,
    then retrieval latency, database size per message and gateway memory.
 
 Results go to `bench/results/*.json` and the report (`bench.report`) to `docs/benchmarks.md`
@@ -26,10 +29,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bench import costs, load, overhead, profile, report, scale
 from bench import harness as h
-from bench import load, overhead, profile, report, scale
 
-SCENARIOS = ("overhead", "profile", "load", "scale")
+SCENARIOS = ("overhead", "costs", "profile", "load", "scale")
 
 
 async def run_all(args: argparse.Namespace, out_dir: Path) -> dict[str, Path]:
@@ -57,30 +60,18 @@ async def run_all(args: argparse.Namespace, out_dir: Path) -> dict[str, Path]:
         async with h.load_client(64) as client:
             scale_single: dict[str, Any] | None = None
             conversation_id = f"bench-{max(ov.sizes)}-0"
-            if only & {"overhead", "profile", "scale"}:
-                builder = stack.gateway(name="builder", workers=1)
+            if only & {"overhead", "costs", "profile", "scale"}:
+                builder = stack.gateway(name="builder", workers=1, worker_nice=0)
                 conversation_id, scale_single = await scale.single(client, stack, builder, sc)
                 data = await overhead.prepare(client, builder, ov, skip=[conversation_id])
                 builder.stop()
             if "overhead" in only:
                 gateway = stack.gateway(name="gateway", workers=0)
-                cells = await overhead.measure(client, stack, gateway, ov)
+                cells = await overhead.measure(client, stack, gateway, ov, cells=overhead.grid(ov))
                 memory = h.process_memory(gateway.pid)
                 gateway.stop()
-                if ov.variant_seconds > 0:
-                    gateway = stack.gateway(name="gateway-worker", workers=1)
-                    cells += await overhead.measure(
-                        client,
-                        stack,
-                        gateway,
-                        ov,
-                        variant="workers=1",
-                        sizes=[max(ov.sizes)],
-                        modes=["non-stream"],
-                        seconds={c: ov.variant_seconds for c in ov.concurrencies},
-                        offset=1_000_000,
-                    )
-                    gateway.stop()
+                more, searches = await overhead.default_serve(client, stack, ov)
+                cells += more
                 written["overhead"] = h.write_results(
                     out_dir / "overhead.json",
                     {
@@ -90,6 +81,17 @@ async def run_all(args: argparse.Namespace, out_dir: Path) -> dict[str, Path]:
                         "data": data,
                         "gateway_memory_after": memory,
                         "cells": cells,
+                        "searches": searches,
+                    },
+                )
+            if "costs" in only:
+                written["costs"] = h.write_results(
+                    out_dir / "costs.json",
+                    {
+                        "benchmark": "costs",
+                        "machine": h.machine_info(),
+                        "settings": common,
+                        **await costs.run(stack, ov, builds=10 if quick else 30),
                     },
                 )
             if "profile" in only:
@@ -125,7 +127,7 @@ async def run_all(args: argparse.Namespace, out_dir: Path) -> dict[str, Path]:
                     },
                 )
             if "scale" in only and scale_single is not None:
-                gateway = stack.gateway(name="scale", workers=1)
+                gateway = stack.gateway(name="scale", workers=1, worker_nice=0)
                 many = await scale.tenant(client, stack, gateway, sc)
                 gateway.stop()
                 found = await scale.retrieval(stack, sc, conversation_id=conversation_id)

@@ -254,7 +254,7 @@ async def run(arguments: argparse.Namespace) -> dict[str, Any]:
 
     timed_embed = embed
     if arguments.stages:
-        for name in ("fulltext_candidates", "vector_candidates", "load", "load_nodes", "fuse"):
+        for name in ("fulltext_candidates", "vector_legs", "load", "fuse"):
             stages.wrap(retrieval, name)
         stages.wrap(tokens, "count_messages")
         stages.wrap(prompt, "_recent")

@@ -35,7 +35,15 @@ import platform
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
+from collections.abc import (
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Iterable,
+    Iterator,
+    Mapping,
+    Sequence,
+)
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -182,6 +190,13 @@ def summarize(values_ms: Sequence[float], *, errors: int = 0) -> dict[str, Any]:
         "p99": r(percentile(values_ms, 99)),
         "max": r(max(values_ms)) if values_ms else None,
     }
+
+
+def markdown_table(header: Sequence[str], rows: Iterable[Sequence[Any]]) -> list[str]:
+    """A markdown table's lines."""
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(str(cell) for cell in row) + " |" for row in rows]
+    return lines
 
 
 # -- the load generator -----------------------------------------------------------------------
@@ -520,10 +535,16 @@ def running_stack(config: StackConfig) -> Iterator[Stack]:
 # -- data -------------------------------------------------------------------------------------
 
 
-def conversation(size: int, *, seed: int) -> list[dict[str, Any]]:
+TEXTS = ("varied", "repetitive")
+"""The synthetic texts: `devkit.synthetic.generate`'s topics and facts, and its `repetitive`
+messages whose few words repeat (logs, support threads, agent transcripts)."""
+
+
+def conversation(size: int, *, seed: int, text: str = "varied") -> list[dict[str, Any]]:
     """A synthetic conversation of `size` messages in the import format (with `created_at`),
-    opened by the same system prompt the benchmark requests send."""
-    messages = synthetic.generate(max(size - 1, 0), seed=seed, with_tools=True).with_created_at()
+    opened by the same system prompt the benchmark requests send; `text` is one of `TEXTS`."""
+    made = synthetic.repetitive if text == "repetitive" else synthetic.generate
+    messages = made(max(size - 1, 0), seed=seed).with_created_at()
     first = messages[0]["created_at"] if messages else datetime.now(UTC).isoformat()
     return [{"role": "system", "content": SYSTEM_PROMPT, "created_at": first}, *messages]
 

@@ -18,6 +18,15 @@ messages each pool held before and after its cell. At concurrency 32 the request
 over a pool of conversations of the same size (32 of size 10, fewer of the big sizes, which
 take long to summarize): requests on one conversation are serialized by its row lock, by design.
 
+Two texts (`bench.harness.TEXTS`): the varied synthetic conversations of the grid, and at
+1,000 and 10,000 messages (`repetitive`) a conversation whose few words repeat ("message 412
+about topic 10 with number 2884"), asked questions made of those words ("new question 7 about
+topic 3"). At concurrency 1, non-stream, both texts are measured with `MEMSTRATA_WORKERS=0` and
+with the default `serve` (its background jobs in a child process, working on what the requests
+store): the prompt build (`X-Memstrata-Overhead-Ms`, the time from the request's arrival to
+its forwarding) and the added latency; then `memory_search` through `/mcp` on each of those
+conversations (`search_latency`).
+
 Run alone: `python -m bench.overhead [--quick]` (prepares its own data); `python -m bench` runs
 it with the other scenarios and writes the report.
 """
@@ -37,6 +46,13 @@ from bench import harness as h
 from devkit.gateway import GatewayProcess
 
 TARGETS = ("upstream", "relay", "gateway")
+DEFAULT_SERVE = "default serve"
+"""The variant label of `memstrata serve` as `make run` starts it (one background job at a time,
+in a child process)."""
+REBUILD_SERVE = "default serve, rebuild"
+"""The variant label of the default `serve` with `MEMSTRATA_CONTEXT_MODE=rebuild`: every turn
+runs every leg of retrieval for its question (what a compaction, a topic change and the dry run
+do), where the working context's turns mostly reuse what they hold or prepared."""
 QUESTIONS = (
     "What did we decide about the maintenance window, and who owns the rollback plan?",
     "Remind me which flight we booked for the conference and the booking reference.",
@@ -47,6 +63,15 @@ QUESTIONS = (
     "Can you summarize where we are with the database migration?",
     "What was the date of the birthday party and how many guests are coming?",
 )
+# The repetitive conversation's words, asked back as questions do.
+REPETITIVE_QUESTIONS = tuple(
+    f"new question {n} about topic {topic}"
+    for n, topic in ((7, 3), (2, 15), (5, 8), (1, 20), (4, 11), (6, 0), (3, 17), (8, 6))
+)
+
+
+def questions(text: str) -> tuple[str, ...]:
+    return REPETITIVE_QUESTIONS if text == "repetitive" else QUESTIONS
 
 
 @dataclass
@@ -63,8 +88,13 @@ class OverheadConfig:
     seconds: dict[int, float] = field(default_factory=lambda: {1: 12.0, 32: 15.0})
     warmup: int = 16
     rounds: int = 3
-    # The in-process-worker variant (MEMSTRATA_WORKERS=1) at the largest size; 0: skipped.
+    # Sizes of the repetitive conversations, each measured at c=1 beside the varied ones.
+    repetitive: tuple[int, ...] = (1_000, 10_000)
+    # The default-serve variant (MEMSTRATA_WORKERS=1) at c=1 on both texts at the repetitive
+    # sizes, and at c=32 at the largest; 0: skipped.
     variant_seconds: float = 15.0
+    # memory_search calls per conversation (through /mcp, on the default serve); 0: skipped.
+    searches: int = 100
 
     @classmethod
     def quick(cls) -> OverheadConfig:
@@ -75,11 +105,19 @@ class OverheadConfig:
             seconds={1: 1.2, 32: 2.0},
             warmup=4,
             rounds=2,
-            variant_seconds=0.0,
+            repetitive=(100,),
+            variant_seconds=2.0,
+            searches=20,
         )
 
-    def conversation_ids(self, size: int) -> list[str]:
+    def conversation_ids(self, size: int, text: str = "varied") -> list[str]:
+        if text == "repetitive":
+            return [f"bench-rep-{size}-0"]
         return [f"bench-{size}-{number}" for number in range(self.pools.get(size, 1))]
+
+    def texts_at(self, size: int) -> tuple[str, ...]:
+        """The texts measured at `size` stored messages."""
+        return h.TEXTS if size in self.repetitive else ("varied",)
 
 
 async def prepare(
@@ -93,25 +131,25 @@ async def prepare(
     """Import every pool conversation (except `skip`, already there) and wait until the
     summary trees are built."""
     wanted = [
-        (size, conversation_id)
-        for size in config.sizes
-        for conversation_id in config.conversation_ids(size)
+        (size, text, conversation_id)
+        for size in sorted({*config.sizes, *config.repetitive})
+        for text in config.texts_at(size)
+        for conversation_id in config.conversation_ids(size, text)
         if conversation_id not in skip
     ]
     gate = asyncio.Semaphore(parallel)
 
-    async def one(size: int, conversation_id: str, seed: int) -> None:
+    async def one(size: int, text: str, conversation_id: str, seed: int) -> None:
         async with gate:
-            await h.import_conversation(
-                client, builder.root_url, conversation_id, h.conversation(size, seed=seed)
-            )
+            messages = h.conversation(size, seed=seed, text=text)
+            await h.import_conversation(client, builder.root_url, conversation_id, messages)
 
     started = time.perf_counter()
     await asyncio.gather(
-        *(one(size, cid, seed=size * 1000 + n) for n, (size, cid) in enumerate(wanted))
+        *(one(size, text, cid, seed=size * 1000 + n) for n, (size, text, cid) in enumerate(wanted))
     )
     imported = time.perf_counter() - started
-    messages = sum(size for size, _ in wanted)
+    messages = sum(size for size, _, _ in wanted)
     h.log(
         f"overhead data: {len(wanted)} conversations, {messages} messages imported "
         f"in {imported:.1f}s; building summary trees ..."
@@ -136,6 +174,7 @@ def _factory(
     conversation_ids: Sequence[str],
     concurrency: int,
     offset: int,
+    asked: Sequence[str] = QUESTIONS,
 ) -> h.Factory:
     """Requests `offset + index`: the same questions and conversations whatever the target."""
     bodies: dict[int, bytes] = {}
@@ -149,7 +188,7 @@ def _factory(
         body = bodies.get(number)
         if body is None:
             # The questions repeat (users do); a per-request tag would add a search term.
-            question = QUESTIONS[number % len(QUESTIONS)]
+            question = asked[number % len(asked)]
             body = h.encode(
                 {
                     "model": h.MODEL,
@@ -191,9 +230,11 @@ async def measure_cell(
     warmup: int,
     rounds: int,
     offset: int,
+    text: str = "varied",
 ) -> dict[str, Any]:
     """One cell: every target, `requests` each (or `seconds` at most), in rotating rounds."""
     stream = mode == "stream"
+    asked = questions(text)
     metric = "ttfb_ms" if stream else "latency_ms"
     samples: dict[str, list[h.Sample]] = {target: [] for target in urls}
     names = list(urls)
@@ -206,6 +247,7 @@ async def measure_cell(
                 conversation_ids=conversation_ids,
                 concurrency=concurrency,
                 offset=offset,
+                asked=asked,
             ),
             concurrency=concurrency,
             count=max(warmup, concurrency),
@@ -225,6 +267,7 @@ async def measure_cell(
                     conversation_ids=conversation_ids,
                     concurrency=concurrency,
                     offset=offset,
+                    asked=asked,
                 ),
                 concurrency=concurrency,
                 count=per_round,
@@ -234,6 +277,7 @@ async def measure_cell(
     figures = {target: h.latency_figures(samples[target]) for target in names}
     cell: dict[str, Any] = {
         "size": size,
+        "text": text,
         "mode": mode,
         "concurrency": concurrency,
         "metric": metric,
@@ -256,7 +300,7 @@ async def measure_cell(
         )
     g = figures.get("gateway", {}).get(metric, {})
     h.log(
-        f"  size {size:>6} {mode:<10} c={concurrency:<3} "
+        f"  size {size:>6} {text:<10} {mode:<10} c={concurrency:<3} "
         + " ".join(
             f"{t}: p50 {figures[t][metric]['p50']} p95 {figures[t][metric]['p95']}" for t in names
         )
@@ -265,51 +309,169 @@ async def measure_cell(
     return cell
 
 
+Spec = tuple[int, str, str, int]
+"""One cell to measure: (stored messages, text, mode, concurrency)."""
+
+
+def grid(config: OverheadConfig) -> list[Spec]:
+    """The cells measured with `MEMSTRATA_WORKERS=0`: every size, mode and concurrency of the
+    varied text, and the repetitive text at c=1, non-stream."""
+    return [
+        *(
+            (size, "varied", mode, concurrency)
+            for size in config.sizes
+            for mode in config.modes
+            for concurrency in config.concurrencies
+        ),
+        *((size, "repetitive", "non-stream", 1) for size in config.repetitive),
+    ]
+
+
+def default_serve_cells(config: OverheadConfig) -> list[Spec]:
+    """The cells measured again with the default `serve`: both texts at c=1 at the repetitive
+    sizes, and the varied text at the largest concurrency and size."""
+    return [
+        *((size, text, "non-stream", 1) for size in config.repetitive for text in h.TEXTS),
+        (max(config.sizes), "varied", "non-stream", max(config.concurrencies)),
+    ]
+
+
 async def measure(
     client: h.Client,
     stack: h.Stack,
     gateway: GatewayProcess,
     config: OverheadConfig,
     *,
+    cells: Sequence[Spec],
     variant: str = "workers=0",
     seconds: Mapping[int, float] | None = None,
-    sizes: Sequence[int] | None = None,
-    modes: Sequence[str] | None = None,
     offset: int = 0,
 ) -> list[dict[str, Any]]:
-    """Every cell of the grid against `gateway` (and the upstream and the relay)."""
+    """The `cells` against `gateway` (and the upstream and the relay)."""
     urls = {
         "upstream": stack.upstream.url,
         "relay": f"{stack.relay_url}/v1",
         "gateway": f"{gateway.root_url}/v1",
     }
     seconds = seconds or config.seconds
-    cells = []
-    for size in sizes or config.sizes:
-        ids = config.conversation_ids(size)
-        for mode in modes or config.modes:
-            for concurrency in config.concurrencies:
-                before = await h.conversation_sizes(stack.dsn, ids)
-                cell = await measure_cell(
-                    client,
-                    urls,
-                    size=size,
-                    mode=mode,
-                    concurrency=concurrency,
-                    conversation_ids=ids,
-                    requests=config.requests[concurrency],
-                    seconds=seconds[concurrency],
-                    warmup=config.warmup,
-                    rounds=config.rounds,
-                    offset=offset,
+    measured = []
+    for size, text, mode, concurrency in cells:
+        ids = config.conversation_ids(size, text)
+        before = await h.conversation_sizes(stack.dsn, ids)
+        cell = await measure_cell(
+            client,
+            urls,
+            size=size,
+            mode=mode,
+            concurrency=concurrency,
+            conversation_ids=ids,
+            requests=config.requests[concurrency],
+            seconds=seconds[concurrency],
+            warmup=config.warmup,
+            rounds=config.rounds,
+            offset=offset,
+            text=text,
+        )
+        offset = cell.pop("next_offset")
+        after = await h.conversation_sizes(stack.dsn, ids)
+        cell["variant"] = variant
+        cell["stored_before"] = {"min": min(before.values()), "max": max(before.values())}
+        cell["stored_after"] = {"min": min(after.values()), "max": max(after.values())}
+        measured.append(cell)
+    return measured
+
+
+async def search_latency(
+    client: h.Client, gateway: GatewayProcess, config: OverheadConfig
+) -> list[dict[str, Any]]:
+    """`memory_search` (limit 8, the tool's default) called through `/mcp` one at a time on
+    each conversation of the repetitive sizes, both texts: latency p50 / p95 (the query's
+    embedding included)."""
+    results = []
+    for size in config.repetitive:
+        for text in h.TEXTS:
+            [conversation_id] = config.conversation_ids(size, text)[:1]
+            asked = questions(text)
+            samples: list[float] = []
+            errors: list[str] = []
+            for number in range(config.searches + config.warmup):
+                body = {
+                    "jsonrpc": "2.0",
+                    "id": number,
+                    "method": "tools/call",
+                    "params": {
+                        "name": "memory_search",
+                        "arguments": {
+                            "conversation": conversation_id,
+                            "query": asked[number % len(asked)],
+                        },
+                    },
+                }
+                started = time.perf_counter()
+                response = await client.post(
+                    f"{gateway.root_url}/mcp",
+                    content=h.encode(body),
+                    headers=h.json_headers({"accept": "application/json, text/event-stream"}),
                 )
-                offset = cell.pop("next_offset")
-                after = await h.conversation_sizes(stack.dsn, ids)
-                cell["variant"] = variant
-                cell["stored_before"] = {"min": min(before.values()), "max": max(before.values())}
-                cell["stored_after"] = {"min": min(after.values()), "max": max(after.values())}
-                cells.append(cell)
-    return cells
+                elapsed = (time.perf_counter() - started) * 1000
+                reply = response.json() if response.status_code == 200 else {}
+                if response.status_code != 200 or reply.get("result", {}).get("isError"):
+                    errors.append(f"HTTP {response.status_code}: {response.text[:200]}")
+                elif number >= config.warmup:
+                    samples.append(elapsed)
+            figures = h.summarize(samples, errors=len(errors))
+            h.log(
+                f"  memory_search {size:>6} {text:<10} p50 {figures.get('p50')} "
+                f"p95 {figures.get('p95')} errors {len(errors)}"
+            )
+            results.append(
+                {
+                    "size": size,
+                    "text": text,
+                    "conversation": conversation_id,
+                    "latency_ms": figures,
+                    "error_examples": errors[:3],
+                    "load_average_1min": round(os.getloadavg()[0], 2),
+                }
+            )
+    return results
+
+
+async def default_serve(
+    client: h.Client, stack: h.Stack, config: OverheadConfig
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The default `serve`'s cells (`default_serve_cells`) and `memory_search` on it, then both
+    texts at c=1 with `MEMSTRATA_CONTEXT_MODE=rebuild` (`REBUILD_SERVE`); nothing when
+    `variant_seconds` is 0."""
+    if config.variant_seconds <= 0:
+        return [], []
+    seconds = {c: config.variant_seconds for c in config.concurrencies}
+    gateway = stack.gateway(name="gateway-default", workers=1)
+    cells = await measure(
+        client,
+        stack,
+        gateway,
+        config,
+        cells=default_serve_cells(config),
+        variant=DEFAULT_SERVE,
+        seconds=seconds,
+        offset=1_000_000,
+    )
+    searches = await search_latency(client, gateway, config) if config.searches else []
+    gateway.stop()
+    gateway = stack.gateway(name="gateway-rebuild", workers=1, context_mode="rebuild")
+    cells += await measure(
+        client,
+        stack,
+        gateway,
+        config,
+        cells=[(size, text, "non-stream", 1) for size in config.repetitive for text in h.TEXTS],
+        variant=REBUILD_SERVE,
+        seconds=seconds,
+        offset=2_000_000,
+    )
+    gateway.stop()
+    return cells, searches
 
 
 def config_dict(config: OverheadConfig) -> dict[str, Any]:
@@ -324,18 +486,21 @@ async def standalone(args: argparse.Namespace) -> dict[str, Any]:
     config = OverheadConfig.quick() if args.quick else OverheadConfig()
     with h.running_stack(h.StackConfig(upstream_latency=args.latency)) as stack:
         async with h.load_client(64) as client:
-            builder = stack.gateway(name="builder", workers=1)
+            builder = stack.gateway(name="builder", workers=1, worker_nice=0)
             data = await prepare(client, builder, config)
             builder.stop()
             gateway = stack.gateway(workers=0)
-            cells = await measure(client, stack, gateway, config)
+            cells = await measure(client, stack, gateway, config, cells=grid(config))
             gateway.stop()
+            more, searches = await default_serve(client, stack, config)
+            cells += more
     return {
         "benchmark": "overhead",
         "machine": h.machine_info(),
         "settings": {"upstream_latency_s": args.latency, **config_dict(config)},
         "data": data,
         "cells": cells,
+        "searches": searches,
     }
 
 

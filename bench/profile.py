@@ -495,7 +495,7 @@ async def standalone(args: argparse.Namespace) -> dict[str, Any]:
     """Import one conversation of `--size` messages, build its tree, profile."""
     with h.running_stack(h.StackConfig()) as stack:
         async with h.load_client(64) as client:
-            builder = stack.gateway(name="builder", workers=1)
+            builder = stack.gateway(name="builder", workers=1, worker_nice=0)
             conversation_id = f"bench-{args.size}-0"
             await h.import_conversation(
                 client, builder.root_url, conversation_id, h.conversation(args.size, seed=1)

@@ -2,7 +2,7 @@
 
     python -m bench.report [--quick]
 
-Reads `bench/results/{overhead,load,scale,profile}.json` (whichever exist) and writes the
+Reads `bench/results/{overhead,costs,load,scale,profile}.json` (whichever exist) and writes the
 section between the markers `<!-- performance:begin -->` and `<!-- performance:end -->` of
 `docs/benchmarks.md`, leaving every other section of the file as it is (a file without the
 markers gets the section appended), and PNG plots (matplotlib, Agg) into `docs/img/`. With
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +23,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
+from bench import costs, texts_report
 from bench import harness as h
 
 DOCS = h.REPO_ROOT / "docs" / "benchmarks.md"
@@ -95,12 +96,6 @@ def _load(directory: Path, name: str) -> dict[str, Any] | None:
 
 def _ms(value: float | None, digits: int = 1) -> str:
     return "-" if value is None else f"{value:.{digits}f}"
-
-
-def _table(header: Sequence[str], rows: Iterable[Sequence[Any]]) -> list[str]:
-    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
-    lines += ["| " + " | ".join(str(cell) for cell in row) + " |" for row in rows]
-    return lines
 
 
 def _mark(ok: bool | None) -> str:
@@ -191,6 +186,7 @@ def _overhead(data: Mapping[str, Any], images: Path, rel: str) -> list[str]:
     ]
     header = [
         "stored",
+        "text",
         "mode",
         "conc.",
         "conv.",
@@ -212,6 +208,7 @@ def _overhead(data: Mapping[str, Any], images: Path, rel: str) -> list[str]:
         rows.append(
             [
                 f"{cell['stored_before']['max']:,} → {cell['stored_after']['max']:,}",
+                cell.get("text", "varied"),
                 cell["mode"],
                 cell["concurrency"],
                 cell["conversations"],
@@ -225,21 +222,22 @@ def _overhead(data: Mapping[str, Any], images: Path, rel: str) -> list[str]:
                 cell["targets"]["gateway"][metric]["errors"],
             ]
         )
-    lines += _table(header, rows)
+    lines += h.markdown_table(header, rows)
     variants = [c for c in cells if c.get("variant", "workers=0") != "workers=0"]
     if variants:
         lines += [
             "",
-            "The same at the largest size with `serve`'s default in-process background worker "
-            "(`MEMSTRATA_WORKERS=1`), which embeds and summarizes the messages the requests "
-            "store, on the same cores:",
+            "The same with the default `serve` (`MEMSTRATA_WORKERS=1`: one background job at a "
+            "time, in `serve`'s child process), which embeds and summarizes the messages the "
+            "requests store, on the same cores:",
             "",
         ]
-        lines += _table(
-            ["stored", "mode", "conc.", "gateway added p50 / p95 / p99", "gw errors"],
+        lines += h.markdown_table(
+            ["stored", "text", "mode", "conc.", "gateway added p50 / p95 / p99", "gw errors"],
             [
                 [
                     f"{c['stored_before']['max']:,}",
+                    c.get("text", "varied"),
                     c["mode"],
                     c["concurrency"],
                     " / ".join(_ms(c["added_ms"]["gateway"][p]) for p in ("p50", "p95", "p99")),
@@ -248,14 +246,24 @@ def _overhead(data: Mapping[str, Any], images: Path, rel: str) -> list[str]:
                 for c in variants
             ],
         )
+    lines += ["", *texts_report.render(data), ""]
     lines += ["", *_overhead_targets(cells), ""]
     _plot_overhead(cells, images / "perf-overhead.png")
     lines.append(f"![Added latency]({rel}/perf-overhead.png)")
     return lines
 
 
+def _varied(cells: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+    """The grid's cells: varied text, `MEMSTRATA_WORKERS=0`."""
+    return [
+        c
+        for c in cells
+        if c.get("variant", "workers=0") == "workers=0" and c.get("text", "varied") == "varied"
+    ]
+
+
 def _overhead_targets(cells: Sequence[Mapping[str, Any]]) -> list[str]:
-    main = [c for c in cells if c.get("variant", "workers=0") == "workers=0"]
+    main = _varied(cells)
     if not main:
         return []
     largest = max(c["size"] for c in main)
@@ -310,12 +318,12 @@ def _overhead_targets(cells: Sequence[Mapping[str, Any]]) -> list[str]:
     return [
         f"Targets at {largest:,} stored messages:",
         "",
-        *_table(["figure", "target", "measured", "met"], rows),
+        *h.markdown_table(["figure", "target", "measured", "met"], rows),
     ]
 
 
 def _plot_overhead(cells: Sequence[Mapping[str, Any]], path: Path) -> None:
-    main = [c for c in cells if c.get("variant", "workers=0") == "workers=0"]
+    main = _varied(cells)
     modes = sorted({c["mode"] for c in main}, key=lambda m: m != "non-stream")
     concurrencies = sorted({c["concurrency"] for c in main})
     sizes = sorted({c["size"] for c in main})
@@ -397,7 +405,7 @@ def _load_section(data: Mapping[str, Any], images: Path, rel: str) -> list[str]:
                 _ms((target.get("memory_after") or {}).get("rss_mib")),
             ]
         )
-    lines += _table(
+    lines += h.markdown_table(
         [
             "target",
             "settings",
@@ -506,7 +514,7 @@ def _scale(data: Mapping[str, Any], images: Path, rel: str) -> list[str]:
         "request) into `memstrata serve` with its in-process worker (local embeddings, "
         "extractive summaries); summarized = the job queue is empty.",
         "",
-        *_table(
+        *h.markdown_table(
             ["data", "import rate", "until fully summarized", "embedded msg/s", "gateway RSS MiB"],
             rows,
         ),
@@ -535,7 +543,7 @@ def _scale(data: Mapping[str, Any], images: Path, rel: str) -> list[str]:
             f"({retrieval['tenant_nodes_embedded']:,} nodes embedded); the query's embedding "
             f"(local model) costs {_ms(emb['p50'])} / {_ms(emb['p95'])} ms p50 / p95 on top:",
             "",
-            *_table(
+            *h.markdown_table(
                 ["scope", "queries", "search p50 / p95 ms", f"p95 ≤ {TARGET_RETRIEVAL_P95:.0f} ms"],
                 rrows,
             ),
@@ -624,7 +632,7 @@ def _profile(data: Mapping[str, Any], images: Path, rel: str, results_rel: str) 
             "Wall time inside the instrumented functions, per request at c=1 (inclusive: a "
             "function's time contains its callees'; timers add a little):",
             "",
-            *_table(
+            *h.markdown_table(
                 ["function", "calls / request", "ms / request"],
                 [
                     [f"`{r['name']}`", r["calls_per_request"], _ms(r["ms_per_request"], 2)]
@@ -634,7 +642,7 @@ def _profile(data: Mapping[str, Any], images: Path, rel: str, results_rel: str) 
             "",
             "The most expensive SQL statements per request:",
             "",
-            *_table(
+            *h.markdown_table(
                 ["statement", "calls / request", "ms / request"],
                 [
                     [f"`{r['name'][:110]}`", r["calls_per_request"], _ms(r["ms_per_request"], 2)]
@@ -649,7 +657,7 @@ def _profile(data: Mapping[str, Any], images: Path, rel: str, results_rel: str) 
             "Where the event-loop thread spends its busy time at saturation (pyinstrument self "
             "time by package, c=32):",
             "",
-            *_table(
+            *h.markdown_table(
                 ["package", "share of busy time"],
                 [
                     [f"`{p['package']}`", f"{p['share'] * 100:.0f} %"]
@@ -684,7 +692,7 @@ def _plot_profile(stages: Mapping[str, Any], packages: Mapping[str, Any], path: 
 def section(directory: Path, images: Path, rel: str, results_rel: str) -> str:
     results = {
         name: data
-        for name in ("overhead", "load", "scale", "profile")
+        for name in ("overhead", "costs", "load", "scale", "profile")
         if (data := _load(directory, name)) is not None
     }
     lines = [BEGIN, "## Performance", ""]
@@ -695,6 +703,9 @@ def section(directory: Path, images: Path, rel: str, results_rel: str) -> str:
     if "overhead" in results:
         lines += ["", "### Performance: latency added by the gateway", ""]
         lines += _overhead(results["overhead"], images, rel)
+    if "costs" in results:
+        lines += ["", "### Performance: what a prompt build reads", ""]
+        lines += costs.render(results["costs"])
     if "load" in results:
         lines += ["", "### Performance: throughput", ""]
         lines += _load_section(results["load"], images, rel)

@@ -328,7 +328,7 @@ async def main_async(quick: bool) -> dict[str, Any]:
     config = ScaleConfig.quick() if quick else ScaleConfig()
     with h.running_stack(h.StackConfig()) as stack:
         async with h.load_client(8) as client:
-            builder = stack.gateway(name="scale", workers=1)
+            builder = stack.gateway(name="scale", workers=1, worker_nice=0)
             conversation_id, one = await single(client, stack, builder, config)
             many = await tenant(client, stack, builder, config)
             builder.stop()

@@ -14,6 +14,10 @@ Everything comes from one ``random.Random(seed)``: the same arguments give the s
 conversation, on any machine and Python version (no ``hash()``, no set iteration).
 Timestamps (:attr:`Conversation.created_at`) are spaced like a real chat: seconds to minutes
 within a topic, hours or days between some topics.
+
+``repetitive(n, seed=...)`` is the opposite case: messages whose few words repeat, as logs,
+support threads and agent transcripts do ("message 412 about topic 10 with number 2884"), so
+that a question's words ("new question 7 about topic 3") are held by most of them.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from typing import Any
 
 from devkit.topics import TOPICS, Topic
 
-__all__ = ["Conversation", "Fact", "TopicRun", "generate", "messages"]
+__all__ = ["Conversation", "Fact", "TopicRun", "generate", "messages", "repetitive"]
 
 
 @dataclass(frozen=True)
@@ -267,3 +271,24 @@ def generate(
 def messages(n: int, *, seed: int = 0, with_tools: bool = True) -> list[dict[str, Any]]:
     """Just the OpenAI-format messages of :func:`generate`."""
     return generate(n, seed=seed, with_tools=with_tools).messages
+
+
+def repetitive(
+    n: int, *, seed: int = 0, start: datetime = datetime(2025, 1, 6, 9, 0, tzinfo=UTC)
+) -> Conversation:
+    """``n`` messages of a repeating vocabulary (see the module docstring): message ``i`` is
+    about one of 21 topics and carries a four-digit number, a minute after the one before."""
+    rng = random.Random(seed)
+    texts = [
+        f"message {i} about topic {rng.randint(0, 20)} with number {rng.randint(1000, 9999)}"
+        for i in range(n)
+    ]
+    return Conversation(
+        messages=[
+            {"role": "user" if i % 2 == 0 else "assistant", "content": text}
+            for i, text in enumerate(texts)
+        ],
+        created_at=[start + timedelta(minutes=i) for i in range(n)],
+        facts=[],
+        topics=[],
+    )

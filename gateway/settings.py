@@ -46,6 +46,8 @@ class Settings(BaseSettings):
     # Background work
     workers: int = Field(default=1, ge=0, le=64)
     worker_process: OnOff = "on"
+    # How much lower the worker process's CPU priority is than serve's (Linux nice).
+    worker_nice: int = Field(default=10, ge=0, le=19)
     job_lease_seconds: float = Field(default=60.0, gt=0)
 
     # Embeddings

@@ -7,9 +7,11 @@ milliseconds at a time and added ~60 ms to every request while a tree was being 
 fresh interpreter, nothing inherited but its arguments) that runs the job queue with that
 many jobs at once, exactly as `memstrata worker` does (`gateway.background`).
 
-* The child runs at a lower CPU priority (`NICE`): on a busy machine the requests, and the
-  Postgres backends that serve them, get the cores first, and the background takes what they
-  leave; on an idle one it runs as fast as before.
+* The child runs at a lower CPU priority (`MEMSTRATA_WORKER_NICE`, 10 by default: a nice-10
+  process competing with nice-0 ones gets about a tenth of their share of a core): on a busy
+  machine the requests, and the Postgres backends that serve them, get the cores first, and
+  the background takes what they leave (its trees lag while the machine stays busy; messages
+  not embedded yet are still found by full text); on an idle one it runs as fast as before.
 * Job outcomes cross back through a queue, so `serve`'s `/metrics` still counts them.
 * The child stops when `serve` stops (it finishes the jobs in hand for a grace period, then is
   terminated; an unfinished job's lease runs out and another worker takes it over), and also
@@ -35,9 +37,6 @@ from memory.db import connect
 log = logging.getLogger(__name__)
 
 _POLL_SECONDS = 0.5
-NICE = 10
-"""How much lower the child's CPU priority is (Linux: a nice-10 process competing with nice-0
-ones gets about a tenth of their share of a core)."""
 
 
 @contextlib.asynccontextmanager
@@ -93,7 +92,7 @@ def _main(
     settings: Settings, database_url: str, outcomes: Any, stop: ProcessEvent, parent: int
 ) -> None:
     """The child: run the queue until `stop` is set or the parent is gone."""
-    os.nice(NICE)
+    os.nice(settings.worker_nice)
     logs.configure(level=settings.log_level, format=settings.log_format)
     asyncio.run(_work(settings, database_url, outcomes, stop, parent))
 

@@ -1,9 +1,9 @@
 """Connecting to Postgres: the async engine, the start-up checks, and migrations.
 
 `connect(url)` builds the SQLAlchemy async engine (asyncpg); `check(engine)` refuses a server
-without pgvector with a message saying so; `migrate(engine)` applies Alembic migrations under a
-Postgres advisory lock, so any number of processes may start at once. Errors of the driver are
-translated to `StorageUnavailable` / `SchemaMismatch` here.
+without pgvector or btree_gin with a message saying so; `migrate(engine)` applies Alembic
+migrations under a Postgres advisory lock, so any number of processes may start at once. Errors
+of the driver are translated to `StorageUnavailable` / `SchemaMismatch` here.
 
 Pooled connections are not pinged before use (a round trip per transaction, on every request):
 a connection the server has closed (a restart, a terminated backend) is known closed to the
@@ -60,19 +60,31 @@ def _replace_closed(
 
 
 async def check(engine: AsyncEngine) -> None:
-    """Fail with a clear message unless the server is reachable and offers pgvector."""
+    """Fail with a clear message unless the server is reachable and offers pgvector and
+    btree_gin (a contrib extension of every Postgres distribution: full text by conversation)."""
     try:
         async with engine.connect() as conn:
-            available = await conn.scalar(
-                text("SELECT 1 FROM pg_available_extensions WHERE name = 'vector'")
+            available = set(
+                await conn.scalars(
+                    text(
+                        "SELECT name FROM pg_available_extensions "
+                        "WHERE name IN ('vector', 'btree_gin')"
+                    )
+                )
             )
     except (OSError, DBAPIError) as exc:
         raise StorageUnavailable(f"cannot reach Postgres at {_safe(engine)}: {exc}") from exc
-    if available is None:
+    if "vector" not in available:
         raise SchemaMismatch(
             f"the Postgres server at {_safe(engine)} does not have the pgvector extension; "
             "install pgvector (https://github.com/pgvector/pgvector) or use the pgvector/pgvector "
             "image, or unset MEMSTRATA_DATABASE_URL to use the embedded server"
+        )
+    if "btree_gin" not in available:
+        raise SchemaMismatch(
+            f"the Postgres server at {_safe(engine)} does not have the btree_gin extension; "
+            "install Postgres's contrib modules (the postgresql-contrib package), or unset "
+            "MEMSTRATA_DATABASE_URL to use the embedded server"
         )
 
 

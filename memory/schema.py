@@ -153,7 +153,9 @@ nodes = Table(
     UniqueConstraint("conversation_id", "level", "seq", name="uq_nodes_conversation_level_seq"),
     Index("ix_nodes_tenant_level", "tenant_id", "level"),
     Index("ix_nodes_parent", "parent_id"),
-    Index("ix_nodes_tsv", "tsv", postgresql_using="gin"),
+    # Full text within conversations (`btree_gin`, migration 0011): a word's nodes of the
+    # searched conversations only, where an index on `tsv` alone yields every tenant's.
+    Index("ix_nodes_conversation_tsv", "conversation_id", "tsv", postgresql_using="gin"),
     Index(
         "ix_nodes_embedding",
         "embedding",
@@ -195,6 +197,24 @@ passages = Table(
     Column("ordinal", SmallInteger, primary_key=True),
     Column("tenant_id", BigInteger, ForeignKey("tenants.id", ondelete="CASCADE"), nullable=False),
     Column("embedding", Vector(EMBEDDING_DIM), nullable=False),
+)
+
+lexemes = Table(
+    "lexemes",
+    metadata,
+    # How many messages of a conversation hold a full-text lexeme (migration 0011): the
+    # full-text leg of retrieval reads only the nodes of a query's rarer words and scores its
+    # common ones on what those found. Kept by the database: a statement-level trigger on
+    # `nodes` counts every inserted message that retrieval may return (not system prompts).
+    Column(
+        "conversation_id",
+        BigInteger,
+        ForeignKey("conversations.id", ondelete="CASCADE"),
+        primary_key=True,
+    ),
+    Column("lexeme", Text, primary_key=True),
+    Column("tenant_id", BigInteger, ForeignKey("tenants.id", ondelete="CASCADE"), nullable=False),
+    Column("messages", Integer, nullable=False),
 )
 
 responses = Table(

@@ -257,6 +257,39 @@ async def test_concurrent_duplicates_are_stored_once(
     assert len(upstream.requests(CHAT)) == 2
 
 
+async def test_clients_sharing_a_system_prompt_all_get_their_answers(
+    gateway: GatewayProcess, engine: AsyncEngine
+) -> None:
+    """Many clients with one system prompt, each resending its whole history turn after turn
+    at once (no conversation id): every request is answered, each client has one conversation.
+    A request that looked at another client's conversation (it holds the same system message)
+    and found it did not belong there used to keep it locked while waiting for the lock that
+    starts conversations, and deadlocked with the request holding that lock."""
+    system = unique("Shared system prompt.")
+    clients, turns = 48, 4
+
+    async def client_turns(client: httpx.AsyncClient) -> list[int]:
+        history: list[Message] = [{"role": "system", "content": system}]
+        codes = []
+        for turn in range(turns):
+            history.append({"role": "user", "content": unique(f"turn {turn}")})
+            response = await client.post(
+                CHAT.removeprefix("/v1"), json={"model": "m", "messages": history}
+            )
+            codes.append(response.status_code)
+            if response.status_code != 200:
+                break
+            history.append(reply_of(response))
+        return codes
+
+    async with httpx.AsyncClient(base_url=gateway.url, timeout=60) as client:
+        codes = await asyncio.gather(*(client_turns(client) for _ in range(clients)))
+    assert codes == [[200] * turns] * clients
+    found = await stored(engine, system)
+    assert len(found) == clients
+    assert all(len(messages) == 1 + 2 * turns for messages in found.values())
+
+
 async def test_an_answered_request_resent_without_a_key_is_stored_once(
     http: httpx.Client, engine: AsyncEngine, upstream: UpstreamServer
 ) -> None:

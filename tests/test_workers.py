@@ -28,7 +28,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from devkit import synthetic
 from devkit.gateway import GatewayProcess, WorkerProcess
 from devkit.upstream import UpstreamServer
-from gateway import importer, worker_process
+from gateway import importer
 from memory.build.segments import SegmentPolicy
 from memory.schema import jobs, nodes
 from memory.write import store
@@ -386,7 +386,9 @@ async def test_serve_runs_its_jobs_in_a_child_process_that_leaves_with_it(
     """`serve`'s background jobs run in a process of their own (off the event loop that
     answers requests, at a lower CPU priority), which builds the trees and is gone once
     `serve` is, even SIGKILLed."""
-    gateway = GatewayProcess(database_url=database_url, upstream_url=upstream.url, workers=1)
+    gateway = GatewayProcess(
+        database_url=database_url, upstream_url=upstream.url, workers=1, worker_nice=7
+    )
     try:
         deadline = time.monotonic() + 60
         while not (children := _children(gateway.pid)):
@@ -410,7 +412,7 @@ async def test_serve_runs_its_jobs_in_a_child_process_that_leaves_with_it(
         (job,) = await wait_for(built, within=120, what="the child's build", workers=[])
         worker = int(job.locked_by.split(":")[1])
         assert worker in children
-        assert _nice(worker) == min(19, _nice(gateway.pid) + worker_process.NICE)
+        assert _nice(worker) == min(19, _nice(gateway.pid) + 7)  # MEMSTRATA_WORKER_NICE
     finally:
         gateway.process.kill()
         gateway.process.wait(timeout=10)

@@ -194,9 +194,21 @@ async def search(
     embedder: Embedder,
     limits: Limits = DEFAULT_LIMITS,
 ) -> str:
-    """The best matching nodes for `query`."""
+    """The best matching nodes for `query` (the full-text leg runs while it is embedded)."""
     limit = min(max(limit, 1), MAX_SEARCH)
-    [vector] = await embedder.embed([query])
+    embedding = asyncio.ensure_future(embedder.embed([query]))
+    try:
+        fulltext = await retrieval.fulltext_candidates(
+            conn,
+            tenant_id=scope.tenant_id,
+            conversation_ids=scope.conversation_ids,
+            query=query,
+            limit=max(retrieval.CANDIDATES, limit),
+            abandoned=scope.abandoned,
+        )
+        [vector] = await embedding
+    finally:
+        embedding.cancel()  # when the leg failed; a finished task ignores it
     hits = await retrieval.search(
         conn,
         tenant_id=scope.tenant_id,
@@ -205,6 +217,7 @@ async def search(
         query_vector=vector,
         limit=limit,
         abandoned=scope.abandoned,
+        fulltext=fulltext,
     )
     if not hits:
         return f"nothing found for {query!r}"

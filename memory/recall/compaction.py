@@ -59,6 +59,7 @@ from memory.recall.working_context import (
     render,
 )
 from memory.schema import conversations, working_contexts
+from memory.stages import staged
 
 __all__ = ["Fixed", "build", "calls_start", "compact", "prepare", "swap"]
 
@@ -155,6 +156,7 @@ def calls_start(items: Sequence[Item], answers_calls: bool, end: int) -> int:
 # -- compacting --------------------------------------------------------------------------------
 
 
+@staged("compaction")
 async def compact(
     conn: AsyncConnection,
     state: State,
@@ -235,6 +237,7 @@ def _wide(items: Sequence[Item], start: int, point: int, limit: int) -> bool:
     return sum(item.tokens for item in items if start <= item.seq < point) > 4 * limit
 
 
+@staged("compaction")
 async def build(
     conn: AsyncConnection,
     *,
@@ -376,10 +379,7 @@ async def _consolidated(
     room = min(whole, max(int(whole * CONSOLIDATED), roots * _ROOT_COST))
     budget = int(room * (1 - MILESTONE_SHARE))
     cap = prompt.summary_cap(roots, budget=budget, cap=SUMMARY_CAP)
-    nodes = prompt.frontier(tree, budget=budget, cap=cap)
-    chosen = await retrieval.load_nodes(
-        conn, tenant_id=state.tenant_id, ids=[node.id for node in nodes]
-    )
+    chosen = [node.hit for node in prompt.frontier(tree, budget=budget, cap=cap)]
     guide = f" {policy.tools_guide}" if policy.tools_guide else ""
     header = (
         f"[Memory of this conversation: its first {end:,} messages, summarized (the oldest "

@@ -142,7 +142,7 @@ def fuse(
             base[place.key] = base.get(place.key, 0.0) + 1.0 / (RRF_K + rank + 1)
             span_end[place.key] = place.span_end
             names[place.key] = place.name
-            if place.created_at is not None:
+            if within and place.created_at is not None:
                 written[place.key] = place.created_at.date()
             if place.exact:
                 exact.add(place.key)
@@ -166,26 +166,35 @@ def fuse(
                     lent: Key = (conv, 0, near)
                     scores[lent] = get(lent, 0.0) + share * score
     excluded_conv, excluded_from = exclude_from if exclude_from is not None else (None, 0)
+    one_speaker = len(speakers) == 1
+    # Per conversation: its newest seq and the scale of its recency decay.
+    horizons = {conv: (last, max(50.0, 0.05 * (last + 1))) for conv, last in newest.items()}
+    exp = math.exp
+    end_of = span_end.get
     result: dict[Key, float] = {}
     for key, score in scores.items():
         conv, level, seq = key
-        end = span_end.get(key, seq)
-        last = newest.get(conv)
+        end = end_of(key, seq)
+        horizon = horizons.get(conv)
         if level == 0 and (
-            (last is not None and seq > last)  # a neighbour past the end
+            (horizon is not None and seq > horizon[0])  # a neighbour past the end
             or (conv == excluded_conv and seq >= excluded_from)
         ):
             continue
-        last = end if last is None else last
-        recency = math.exp(-max(0, last - end) / max(50.0, 0.05 * (last + 1)))
-        score *= 1.0 + recency_weight * recency
+        if horizon is None:
+            last, scale = end, max(50.0, 0.05 * (end + 1))
+        else:
+            last, scale = horizon
+        score *= 1.0 + recency_weight * exp(-max(0, last - end) / scale)
         if primary is not None and conv != primary:
             score *= 0.9
-        if level == 0 and len(speakers) == 1 and names.get(key) in speakers:
-            score *= SPEAKER_BOOST
-        day = written.get(key)
-        if level == 0 and day is not None and any(a <= day <= b for a, b in within):
-            score *= PERIOD_BOOST
+        if level == 0:
+            if one_speaker and names.get(key) in speakers:
+                score *= SPEAKER_BOOST
+            if within:
+                day = written.get(key)
+                if day is not None and any(a <= day <= b for a, b in within):
+                    score *= PERIOD_BOOST
         result[key] = score
     return result
 

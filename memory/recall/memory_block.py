@@ -25,7 +25,7 @@ by a few tokens; the builder's final exact count corrects them (`drop_weakest`).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from datetime import datetime, timedelta
+from datetime import date, datetime, timedelta
 from typing import Any, Final
 
 from memory import tokens
@@ -50,7 +50,7 @@ class MemoryBlock:
         self.costs: dict[int, int] = {}
         self.summary_ids: set[int] = set()
         self.message_ids: set[int] = set()
-        self.days: set[tuple[int, str]] = set()  # sittings with a heading
+        self.days: set[tuple[int, date, int]] = set()  # sittings with a heading
         self.piece_tokens: dict[str, int] = {}
         self.summary_lines: dict[tuple[int, int], tuple[str, int]] = {}
         self.summary_cost = 0
@@ -188,7 +188,7 @@ class MemoryBlock:
             if (
                 last is None
                 or last.conversation_id != hit.conversation_id
-                or _day(last.created_at) != _day(hit.created_at)
+                or last.created_at.date() != hit.created_at.date()
                 or hit.created_at - last.created_at > SITTING_GAP
             ):
                 groups.append([hit])
@@ -201,8 +201,10 @@ class MemoryBlock:
         return lines
 
 
-def _sitting(hit: Hit) -> tuple[int, str]:
-    return hit.conversation_id, hit.created_at.strftime("%Y-%m-%d %H")
+def _sitting(hit: Hit) -> tuple[int, date, int]:
+    """The hour a message was written in, for whether its sitting has a heading yet (an
+    estimate: computed for every candidate, so without formatting a date)."""
+    return hit.conversation_id, hit.created_at.date(), hit.created_at.hour
 
 
 def _day(moment: datetime) -> str:

@@ -154,11 +154,12 @@ _TAIL = text(
     "AND conversation_id = :conversation_id AND level = 0 AND seq < :before "
     "AND superseded_at IS NULL ORDER BY seq DESC LIMIT :limit"
 )
-# The summaries the frontier may use: the tree's roots before `before`, and the children of the
-# "spine" (the newest root of level ≥ 2, its newest child of level ≥ 2, and so on down), which
-# are what refining toward the present opens. Never the whole tree: at 10,000 messages it has
-# thousands of nodes.
-_TREE = text(
+# What the memory message opens with, in one statement: the summaries the frontier may use (kind
+# 'tree') and the pinned milestones (kind 'pinned'). The summaries are the tree's roots before
+# `before`, and the children of the "spine" (the newest root of level ≥ 2, its newest child of
+# level ≥ 2, and so on down), which are what refining toward the present opens: never the whole
+# tree (at 10,000 messages it has thousands of nodes), so their text comes along.
+_OPENING = text(
     """
 WITH RECURSIVE spine(id) AS (
     (SELECT id FROM nodes
@@ -173,17 +174,20 @@ WITH RECURSIVE spine(id) AS (
         ORDER BY n.span_end DESC LIMIT 1
     ) child
 )
-SELECT id, level, seq, span_start, span_end, parent_id, token_count FROM nodes
+SELECT 'tree' AS kind, parent_id, id, conversation_id, level, seq, span_start, span_end, role,
+       name, text, created_at, token_count, tool_calls, tool_call_id
+FROM nodes
 WHERE tenant_id = :tenant_id AND conversation_id = :conversation_id AND level > 0
   AND span_start < :before
   AND (parent_id IS NULL OR parent_id IN (SELECT id FROM spine))
+UNION ALL
+(SELECT 'pinned', parent_id, id, conversation_id, level, seq, span_start, span_end, role, name,
+        text, created_at, token_count, tool_calls, tool_call_id
+ FROM nodes
+ WHERE tenant_id = :tenant_id AND conversation_id = :conversation_id AND level = 0 AND pinned
+   AND seq < :before AND superseded_at IS NULL
+ ORDER BY seq DESC LIMIT 32)
 """
-)
-_PINNED = text(
-    "SELECT id, conversation_id, level, seq, span_start, span_end, role, name, text, "
-    "created_at, token_count, tool_calls, tool_call_id FROM nodes "
-    "WHERE tenant_id = :tenant_id AND conversation_id = :conversation_id AND level = 0 "
-    "AND pinned AND seq < :before AND superseded_at IS NULL ORDER BY seq DESC LIMIT 32"
 )
 _TAIL_PAGE = 128
 _TOP_UP = 24  # room left after the exact count worth a second filling pass
@@ -191,15 +195,10 @@ _TOP_UP = 24  # room left after the exact count worth a second filling pass
 
 @dataclass(frozen=True)
 class TreeNode:
-    """A summary as the frontier sees it."""
+    """A summary the frontier may use."""
 
-    id: int
-    level: int
-    seq: int
-    span_start: int
-    span_end: int
+    hit: retrieval.Hit
     parent_id: int | None
-    token_count: int
 
 
 # -- building ----------------------------------------------------------------------------
@@ -279,17 +278,8 @@ async def build(
             exclude_from=exclude,
             abandoned=abandoned,
         )
-        tree = await read_tree(
-            conn, tenant_id=tenant_id, conversation_id=conversation_id, before=recent_from
-        )
-        pinned = [
-            retrieval.as_hit(row, 0.0)
-            for row in await conn.execute(
-                _PINNED,
-                {"tenant_id": tenant_id, "conversation_id": conversation_id, "before": recent_from},
-            )
-        ]
-        # The summaries do not depend on the query: read them while it is embedded.
+        tree, pinned = await _opening(conn, tenant_id, conversation_id, before=recent_from)
+        # The summaries do not depend on the query: chosen while it is embedded.
         summary_budget = int(available * shares.summaries)
         cap = summary_cap(
             sum(1 for node in tree if node.parent_id is None),
@@ -297,12 +287,6 @@ async def build(
             cap=shares.summary_cap,
         )
         chosen = frontier(tree, budget=summary_budget, cap=cap)
-        chosen_summaries = {
-            hit.node_id: hit
-            for hit in await retrieval.load_nodes(
-                conn, tenant_id=tenant_id, ids=[node.id for node in chosen]
-            )
-        }
         vector = await vector_task if vector_task is not None else None
     finally:
         if vector_task is not None and not vector_task.done():
@@ -337,8 +321,7 @@ async def build(
     enc = tokens.get_encoding(tokens.encoding_name_for_model(model))
     block = MemoryBlock(enc=enc, primary=conversation_id)
     for node in chosen:
-        if node.id in chosen_summaries:
-            block.add_summary(chosen_summaries[node.id], cap=cap)
+        block.add_summary(node.hit, cap=cap)
     milestone_budget = int(available * shares.milestones)
     # Milestones that bear on the question first, then the newest.
     pinned.sort(key=lambda hit: (-scores.get((hit.conversation_id, 0, hit.seq), 0.0), -hit.seq))
@@ -428,6 +411,25 @@ def _preamble(messages: int | None, stored_tokens: int | None, guide: str | None
 
 
 # -- the parts -------------------------------------------------------------------------------
+
+
+@staged("opening")
+async def _opening(
+    conn: AsyncConnection, tenant_id: int, conversation_id: int, *, before: int
+) -> tuple[list[TreeNode], list[retrieval.Hit]]:
+    """The summaries the frontier may use, and the newest pinned milestones (`_OPENING`)."""
+    tree: list[TreeNode] = []
+    pinned: list[retrieval.Hit] = []
+    rows = await conn.execute(
+        _OPENING, {"tenant_id": tenant_id, "conversation_id": conversation_id, "before": before}
+    )
+    for kind, parent_id, *columns in rows:
+        hit = retrieval.as_hit(columns, 0.0)
+        if kind == "tree":
+            tree.append(TreeNode(hit=hit, parent_id=parent_id))
+        else:
+            pinned.append(hit)
+    return tree, pinned
 
 
 @staged("recent")
@@ -534,11 +536,9 @@ def summary_cap(tree_roots: int, *, budget: int, cap: int) -> int:
 async def read_tree(
     conn: AsyncConnection, *, tenant_id: int, conversation_id: int, before: int
 ) -> list[TreeNode]:
-    """The summaries a frontier of the history before seq `before` may use (see `_TREE`)."""
-    rows = await conn.execute(
-        _TREE, {"tenant_id": tenant_id, "conversation_id": conversation_id, "before": before}
-    )
-    return [TreeNode(*row) for row in rows]
+    """The summaries a frontier of the history before seq `before` may use (see `_OPENING`)."""
+    tree, _ = await _opening(conn, tenant_id, conversation_id, before=before)
+    return tree
 
 
 def frontier(tree: Sequence[TreeNode], *, budget: int, cap: int) -> list[TreeNode]:
@@ -546,29 +546,29 @@ def frontier(tree: Sequence[TreeNode], *, budget: int, cap: int) -> list[TreeNod
     start from the roots and open the newest openable node while the budget allows."""
     if not tree or budget <= 0:
         return []
-    ids = {node.id for node in tree}
+    ids = {node.hit.node_id for node in tree}
     children: dict[int, list[TreeNode]] = {}
     for node in tree:
         if node.parent_id is not None and node.parent_id in ids:
             children.setdefault(node.parent_id, []).append(node)
 
     def cost(node: TreeNode) -> int:
-        return min(node.token_count, cap) + 16
+        return min(node.hit.token_count, cap) + 16
 
     chosen = sorted(
         (node for node in tree if node.parent_id is None or node.parent_id not in ids),
-        key=lambda node: node.span_start,
+        key=lambda node: node.hit.span_start,
     )
     # Too many roots: keep the coarsest ones (they cover the most history).
     while chosen and sum(cost(node) for node in chosen) > budget:
-        chosen.remove(min(chosen, key=lambda node: (node.level, -node.span_start)))
+        chosen.remove(min(chosen, key=lambda node: (node.hit.level, -node.hit.span_start)))
     total = sum(cost(node) for node in chosen)
     while True:
-        openable = [node for node in chosen if node.id in children]
+        openable = [node for node in chosen if node.hit.node_id in children]
         if not openable:
             break
-        newest = max(openable, key=lambda node: node.span_end)
-        kids = sorted(children[newest.id], key=lambda node: node.span_start)
+        newest = max(openable, key=lambda node: node.hit.span_end)
+        kids = sorted(children[newest.hit.node_id], key=lambda node: node.hit.span_start)
         change = sum(cost(kid) for kid in kids) - cost(newest)
         if total + change > budget:
             break

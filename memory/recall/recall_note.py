@@ -37,6 +37,7 @@ from memory.recall import explain, fusion, retrieval
 from memory.recall.fusion import Candidates, Key
 from memory.recall.memory_block import MemoryBlock
 from memory.schema import conversations
+from memory.stages import staged
 
 __all__ = [
     "RELEVANCE",
@@ -117,6 +118,7 @@ def query_of(new_messages: Sequence[Mapping[str, Any]]) -> str:
     return "\n".join(t for t in texts if t)[-QUERY_CHARS:]
 
 
+@staged("embed")
 async def embed_query(embedder: Embedder, text: str) -> list[float] | None:
     """The query's vector, or None when the embedder fails (retrieval is then full-text)."""
     try:
@@ -146,6 +148,7 @@ async def related_conversations(
     return [int(row.id) for row in rows]
 
 
+@staged("note")
 async def recall(
     conn: AsyncConnection,
     *,

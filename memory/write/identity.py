@@ -391,15 +391,25 @@ async def _match(
 ) -> Found:
     params = {"tenant_id": tenant_id, "chain": list(hashes), "user": user}
     for attempt in range(2):
+        # A candidate the history does not belong to is let go (its row lock goes with the
+        # savepoint): held while this request waits for the opening lock below, it deadlocked
+        # with the request holding that lock and locking the same candidate (64 clients
+        # sharing a system prompt: a third of their requests failed).
+        candidate = await conn.begin_nested()
         row = (await conn.execute(_LOCK_BY_HEAD, params)).one_or_none()
         if row is None:
             deepest = await conn.scalar(_DEEPEST, params)
             if deepest is not None:
                 row = (await conn.execute(_LOCK_BY_ID, {"id": deepest})).one()
-        if row is not None:
-            found = await _place(conn, row, messages, hashes, created=False, named=False)
-            if found is not None:
-                return found
+        found = (
+            None
+            if row is None
+            else await _place(conn, row, messages, hashes, created=False, named=False)
+        )
+        if found is not None:
+            await candidate.commit()
+            return found
+        await candidate.rollback()
         if attempt == 0:
             # About to start a conversation: one that a concurrent request with the same
             # opening is starting must be found instead (read again once its writer commits).
