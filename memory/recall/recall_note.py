@@ -67,6 +67,7 @@ FLOOR: Final = 160
 """The room a note of a message that asks gets at least, whatever its share of a small budget
 (when the budget leaves it): its heading and a few messages."""
 RELATED_LIMIT: Final = 20
+"""How many of a user's other conversations recall searches besides the current one."""
 QUERY_CHARS: Final = 2000
 HEADER: Final = (
     "[Recalled for the newest message: earlier messages not shown above, verbatim, tagged [#id] "

@@ -40,6 +40,7 @@ from memory.recall.browsing import (
     find,
     search,
 )
+from memory.recall.recall_note import related_conversations
 from memory.schema import conversations
 
 __all__ = [
@@ -102,9 +103,6 @@ _PARAMETERS: Final[Mapping[str, dict[str, Any]]] = {
 }
 
 
-RELATED_LIMIT: Final = 20
-
-
 async def scope_for(
     conn: AsyncConnection,
     *,
@@ -124,18 +122,11 @@ async def scope_for(
                 conversations.c.id == conversation_id, conversations.c.tenant_id == tenant_id
             )
         )
-        if user is not None:
-            rows = await conn.execute(
-                select(conversations.c.id)
-                .where(
-                    conversations.c.tenant_id == tenant_id,
-                    conversations.c.user_id == user,
-                    conversations.c.id != conversation_id,
-                )
-                .order_by(conversations.c.updated_at.desc())
-                .limit(RELATED_LIMIT)
+        recall = tuple(
+            await related_conversations(
+                conn, tenant_id=tenant_id, conversation_id=conversation_id, user=user
             )
-            recall = tuple(int(row.id) for row in rows)
+        )
     return Scope(
         tenant_id=tenant_id,
         conversation_id=conversation_id,
