@@ -28,7 +28,7 @@ from memory.db import transaction
 from memory.embeddings import Embedder
 from memory.errors import ProviderError
 from memory.recall import fusion, retrieval
-from memory.recall.recall_note import related_conversations
+from memory.recall.recall_note import related_conversations, search_legs
 from memory.recall.working_context import State, load
 from memory.schema import conversations, working_contexts
 
@@ -119,27 +119,17 @@ async def prepare(
     scope = [conversation_id, *related]
     async with transaction(engine) as conn:
         exclude = (conversation_id, state.verbatim_from)
-        legs = [
-            await retrieval.fulltext_candidates(
-                conn,
-                tenant_id=tenant_id,
-                conversation_ids=scope,
-                query=query,
-                levels=[0],
-                exclude_from=exclude,
-                abandoned=abandoned,
-            ),
-            *await retrieval.vector_legs(
-                conn,
-                tenant_id=tenant_id,
-                conversation_ids=scope,
-                query_vector=vector,
-                levels=[0],
-                exclude_from=exclude,
-                messages=after + 1 if len(scope) == 1 else None,
-                abandoned=abandoned,
-            ),
-        ]
+        legs = await search_legs(
+            conn,
+            tenant_id=tenant_id,
+            conversation_ids=scope,
+            query=query,
+            vector=vector,
+            exclude=exclude,
+            newest=after,
+            abandoned=abandoned,
+            pool=retrieval.CANDIDATES,
+        )
         scores = fusion.fuse(
             legs,
             which=retrieval.route(query),

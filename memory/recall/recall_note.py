@@ -202,7 +202,7 @@ async def recall(
                 )
             )
     else:
-        legs = await _search_legs(
+        legs = await search_legs(
             conn,
             tenant_id=tenant_id,
             conversation_ids=conversation_ids,
@@ -295,7 +295,7 @@ async def _prepared_leg(
     return retrieval.candidates_of(rows)
 
 
-async def _search_legs(
+async def search_legs(
     conn: AsyncConnection,
     *,
     tenant_id: int,
@@ -305,10 +305,11 @@ async def _search_legs(
     exclude: tuple[int, int],
     newest: int,
     abandoned: bool,
-    fulltext: Candidates | None,
+    fulltext: Candidates | None = None,
+    pool: int = POOL,
 ) -> list[Candidates]:
-    """Hybrid retrieval's legs over messages, enough candidates that a note is chosen among
-    several times more."""
+    """Hybrid retrieval's legs over messages (`fulltext`: the full-text leg when already run),
+    `pool` candidates each: by default enough that a note is chosen among several times more."""
     if fulltext is None:
         fulltext = await retrieval.fulltext_candidates(
             conn,
@@ -316,7 +317,7 @@ async def _search_legs(
             conversation_ids=conversation_ids,
             query=query,
             levels=[0],
-            limit=POOL,
+            limit=pool,
             exclude_from=exclude,
             abandoned=abandoned,
         )
@@ -328,7 +329,7 @@ async def _search_legs(
             conversation_ids=conversation_ids,
             query_vector=vector,
             levels=[0],
-            limit=POOL,
+            limit=pool,
             exclude_from=exclude,
             messages=newest + 1 if len(conversation_ids) == 1 else None,
             abandoned=abandoned,
