@@ -290,6 +290,34 @@ async def test_clients_sharing_a_system_prompt_all_get_their_answers(
     assert all(len(messages) == 1 + 2 * turns for messages in found.values())
 
 
+async def test_a_new_chat_does_not_wait_for_a_turn_that_shares_only_its_system_prompt(
+    gateway: GatewayProcess, engine: AsyncEngine
+) -> None:
+    """A new chat holds the system prompt of every other chat that opens with it, but can
+    belong to none of them: it is answered while another such conversation is locked by a
+    turn in flight (it used to lock the latest of them and wait for that turn)."""
+    system = unique("Shared by busy conversations.")
+    busy: list[Message] = [{"role": "system", "content": system}]
+    busy.append({"role": "user", "content": unique("a long turn")})
+    async with httpx.AsyncClient(base_url=gateway.url, timeout=15) as client:
+        response = await client.post(
+            CHAT.removeprefix("/v1"), json={"model": "m", "messages": busy}
+        )
+        assert response.status_code == 200
+        async with engine.begin() as held:  # the busy conversation's turn, still in flight
+            await held.execute(
+                select(conversations.c.id)
+                .where(conversations.c.external_id == response.headers[HEADER])
+                .with_for_update()
+            )
+            fresh = [{"role": "system", "content": system}, {"role": "user", "content": "hi"}]
+            response = await client.post(
+                CHAT.removeprefix("/v1"), json={"model": "m", "messages": fresh}, timeout=5
+            )
+            assert response.status_code == 200
+    assert len(await stored(engine, system)) == 2
+
+
 async def test_an_answered_request_resent_without_a_key_is_stored_once(
     http: httpx.Client, engine: AsyncEngine, upstream: UpstreamServer
 ) -> None:

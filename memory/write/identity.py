@@ -390,6 +390,15 @@ async def _match(
     hashes: Sequence[str],
 ) -> Found:
     params = {"tenant_id": tenant_id, "chain": list(hashes), "user": user}
+    # A history may branch only from a shared part that holds more than its system prompt
+    # (`_may_branch`): a conversation sharing no more is not a candidate, and not locked. Every
+    # chat opening with the same system prompt holds that message; locking the latest of them
+    # made each new conversation wait for another's turn (64 clients: 89 requests/s).
+    opening = next(
+        (i for i, message in enumerate(messages) if message.get("role") not in _SYSTEM_ROLES),
+        len(messages),
+    )
+    turns = list(hashes[opening:])
     for attempt in range(2):
         # A candidate the history does not belong to is let go (its row lock goes with the
         # savepoint): held while this request waits for the opening lock below, it deadlocked
@@ -397,8 +406,8 @@ async def _match(
         # sharing a system prompt: a third of their requests failed).
         candidate = await conn.begin_nested()
         row = (await conn.execute(_LOCK_BY_HEAD, params)).one_or_none()
-        if row is None:
-            deepest = await conn.scalar(_DEEPEST, params)
+        if row is None and turns:
+            deepest = await conn.scalar(_DEEPEST, {**params, "chain": turns})
             if deepest is not None:
                 row = (await conn.execute(_LOCK_BY_ID, {"id": deepest})).one()
         found = (
@@ -413,9 +422,11 @@ async def _match(
         if attempt == 0:
             # About to start a conversation: one that a concurrent request with the same
             # opening is starting must be found instead (read again once its writer commits).
+            # Keyed by the first turn, which chains the system prompt in: chats that share
+            # only a system prompt never match each other, so they need not wait in line.
             await conn.execute(
                 text("SELECT pg_advisory_xact_lock(:key)"),
-                {"key": _opening_lock(tenant_id, hashes[0] if hashes else ROOT_HASH)},
+                {"key": _opening_lock(tenant_id, [*turns, *hashes, ROOT_HASH][0])},
             )
     row = (
         await conn.execute(
