@@ -61,6 +61,7 @@ from sqlalchemy import (
     union_all,
     update,
 )
+from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.exc import DBAPIError, IntegrityError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
@@ -144,6 +145,31 @@ Handler = Callable[[Job], Awaitable[None]]
 # --- Enqueueing (in the caller's transaction) ------------------------------------------------
 
 
+# Built once: the request path queues a build with every message it stores. A job without a
+# `dedupe_key` never conflicts (NULLs are distinct in the unique index).
+_QUEUED = (
+    pg_insert(jobs)
+    .values(
+        kind=bindparam("kind"),
+        tenant_id=bindparam("tenant_id"),
+        conversation_id=bindparam("conversation_id"),
+        payload=bindparam("payload", type_=JSONB),
+        dedupe_key=bindparam("dedupe_key"),
+        max_attempts=bindparam("max_attempts"),
+        run_after=func.now() + bindparam("delay", type_=Interval),
+    )
+    .on_conflict_do_nothing(
+        index_elements=[jobs.c.dedupe_key], index_where=text("status = 'queued'")
+    )
+    .returning(jobs.c.id)
+    .cte("queued")
+)
+_QUEUE = select(_QUEUED.c.id)
+# Workers are woken in the same round trip, once per job queued (none when deduplicated),
+# and only if and when the caller commits; a delayed job is found by polling instead.
+_WAKING = select(_QUEUED.c.id, func.pg_notify(CHANNEL, bindparam("kind")))
+
+
 async def enqueue(
     conn: AsyncConnection,
     *,
@@ -166,26 +192,20 @@ async def enqueue(
         raise InvalidInput("max_attempts must be at least 1", param="max_attempts")
     if delay_seconds < 0:
         raise InvalidInput("delay_seconds must not be negative", param="delay_seconds")
-    statement = pg_insert(jobs).values(
-        kind=kind,
-        tenant_id=tenant_id,
-        conversation_id=conversation_id,
-        payload=dict(payload or {}),
-        dedupe_key=dedupe_key,
-        max_attempts=max_attempts,
-        run_after=func.now() + timedelta(seconds=delay_seconds),
+    statement = _WAKING if delay_seconds <= 0 else _QUEUE
+    job_id = await conn.scalar(
+        statement,
+        {
+            "kind": kind,
+            "tenant_id": tenant_id,
+            "conversation_id": conversation_id,
+            "payload": dict(payload or {}),
+            "dedupe_key": dedupe_key,
+            "max_attempts": max_attempts,
+            "delay": timedelta(seconds=delay_seconds),
+        },
     )
-    if dedupe_key is not None:
-        statement = statement.on_conflict_do_nothing(
-            index_elements=[jobs.c.dedupe_key], index_where=text("status = 'queued'")
-        )
-    job_id = await conn.scalar(statement.returning(jobs.c.id))
-    if job_id is None:
-        return None
-    if delay_seconds <= 0:
-        # Delivered only if and when the caller commits; a delayed job is found by polling.
-        await _notify(conn, kind)
-    return int(job_id)
+    return None if job_id is None else int(job_id)
 
 
 async def _notify(conn: AsyncConnection, kind: str) -> None:
