@@ -47,9 +47,6 @@ __all__ = ["ContextPrompt", "build"]
 
 Message = dict[str, Any]
 Change = Literal["kept", "compacted", "built"]
-# The note's two costs, timed as the request path's stages (`memory.stages`).
-_embed_query = stages.staged("embed")(recall_note.embed_query)
-_recall = stages.staged("note")(recall_note.recall)
 
 
 @dataclass(frozen=True)
@@ -90,7 +87,7 @@ async def build(
     query = "" if answers_calls else recall_note.query_of(new)
     # Only a message that asks something gets a note: only its query is embedded.
     share = policy.note if query and retrieval.asks(query) else 0.0
-    vector_task = asyncio.ensure_future(_embed_query(recall.embedder, query)) if share else None
+    vector_task = asyncio.ensure_future(recall_note.embed_query(recall.embedder, query)) if share else None
     try:
         with stages.stage("context"):
             state, items, context, change = await _advance(
@@ -150,7 +147,7 @@ async def build(
         if vector_task is not None and not vector_task.done():
             vector_task.cancel()
     prepared = fresh and anticipation.usable(state, first_seq=turn.first_seq, vector=vector)
-    note = await _recall(
+    note = await recall_note.recall(
         conn,
         tenant_id=turn.tenant_id,
         conversation_ids=scope,
