@@ -179,13 +179,12 @@ async def enqueue(
         statement = statement.on_conflict_do_nothing(
             index_elements=[jobs.c.dedupe_key], index_where=text("status = 'queued'")
         )
-    job_id = await conn.scalar(statement.returning(jobs.c.id))
-    if job_id is None:
-        return None
-    if delay_seconds <= 0:
-        # Delivered only if and when the caller commits; a delayed job is found by polling.
-        await _notify(conn, kind)
-    return int(job_id)
+    queued = statement.returning(jobs.c.id).cte("queued")
+    # One round trip: the notice goes with the row, none when deduplicated. Delivered only if
+    # and when the caller commits; a delayed job is found by polling.
+    notices = [func.pg_notify(CHANNEL, kind)] if delay_seconds <= 0 else []
+    job_id = await conn.scalar(select(queued.c.id, *notices).select_from(queued))
+    return None if job_id is None else int(job_id)
 
 
 async def _notify(conn: AsyncConnection, kind: str) -> None:
