@@ -10,10 +10,13 @@ that does not fit its budget, in the caller's transaction:
    computed now); a prompt that does not fit the budget even so (the new messages take most of
    it) is compacted as far as it goes, and sent without its stable memory if that still does
    not fit;
-3. the new message is embedded meanwhile (again without the participants' names once the
-   verbatim turns tell them, when it names one), and the recall note is chosen
+3. the new message is embedded meanwhile (`recall.embedder` may have started it while the turn
+   was stored: `memory.recall.early`; again without the participants' names once the verbatim
+   turns tell them, when it names one), and the recall note is chosen
    (`memory.recall.recall_note`), from the candidates prepared after the last reply when they
-   cover it (`memory.recall.anticipation.usable`), in the room `Policy.note` gives a message
+   cover it (`memory.recall.anticipation.usable`), else by retrieval, whose vector legs run in
+   a spare pooled connection beside its full-text leg when the turn did not branch
+   (`memory.db.spare`: nothing they read changed in this transaction), in the room `Policy.note` gives a message
    that asks something, never more than the budget leaves; a statement gets no note (measured
    on LoCoMo: a quarter of that room for statements cost 6 points of cacheable share for 1
    point of recall), nor does a turn whose new messages are tool results (a note between a
