@@ -15,25 +15,34 @@ import asyncio
 import functools
 import uuid
 from collections.abc import Sequence
-from typing import Any, cast
+from dataclasses import dataclass
+from typing import Any
 
 import pytest
 from sqlalchemy import func, select
-from sqlalchemy.ext.asyncio import AsyncEngine
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
-from devkit import synthetic
 from gateway.openai import chat
-from gateway.settings import Settings
 from gateway.state import State
 from memory import db
+from memory.embeddings import Embedder
 from memory.errors import ContextOverflow
 from memory.recall import recall_note
 from memory.recall import working_context as wc
-from memory.recall.assemble import Budget, assemble
+from memory.recall.assemble import Budget, Recall, StoredTurn, assemble
 from memory.recall.early import Early
 from memory.schema import nodes
 from memory.write import store
-from tests.test_working_context import EMBEDDER, FACT, MODEL, SYSTEM, Conversation, raw
+from tests.test_working_context import (
+    EMBEDDER,
+    FACT,
+    FACT_QUESTION,
+    MODEL,
+    SYSTEM,
+    asked_for_fact,
+    gateway_state,
+    raw,
+)
 
 Message = dict[str, Any]
 
@@ -59,27 +68,43 @@ class CountingEmbedder:
         return await EMBEDDER.embed(texts)
 
 
-def gateway_state(engine: AsyncEngine, tenant_id: int) -> State:
-    return State(
-        settings=Settings(_env_file=None, memory_tools="never"),
-        engine=engine,
-        upstream=cast(Any, None),
-        embedder=EMBEDDER,
-        default_tenant_id=tenant_id,
-    )
+@dataclass(frozen=True)
+class Ahead:
+    """The chat handler's store step for one request, starting its query's embedding once the
+    conversation is identified (`chat.start_query`)."""
 
+    early: Early
+    recall: Recall
+    tenant_id: int
+    external_id: str
+    budget: Budget
 
-async def past_budget(engine: AsyncEngine, tenant_id: int) -> tuple[Conversation, str]:
-    """A conversation far past a 2,000-token budget, summarized, holding `FACT`."""
-    history = synthetic.messages(300, seed=31)
-    history[60] = {"role": "user", "content": FACT}
-    conversation = await Conversation.start(engine, tenant_id, history)
-    await conversation.build_tree()
-    async with engine.begin() as conn:
-        external_id = await store.external_id(
-            conn, tenant_id=tenant_id, conversation_id=conversation.id
+    @classmethod
+    def of(cls, state: State, embedder: Embedder, external_id: str, *, limit: int) -> Ahead:
+        """For a request to `external_id` within `limit`, the query embedded by `embedder`."""
+        early = Early(embedder)
+        recall = chat.recall_of(state, embedder=early)
+        return cls(early, recall, state.default_tenant_id, external_id, Budget(limit, 0))
+
+    async def store(self, conn: AsyncConnection, messages: list[Message]) -> StoredTurn:
+        stored, _ = await chat.store_turn(
+            conn,
+            tenant_id=self.tenant_id,
+            external_id=self.external_id,
+            user=None,
+            messages=messages,
+            model=MODEL,
+            budget=self.budget,
+            identified=functools.partial(
+                chat.start_query,
+                self.early,
+                messages=messages,
+                budget=self.budget,
+                recall=self.recall,
+                model=MODEL,
+            ),
         )
-    return conversation, external_id
+        return stored
 
 
 async def test_a_query_embedded_ahead_gives_the_prompt_of_the_dry_run(
@@ -89,43 +114,20 @@ async def test_a_query_embedded_ahead_gives_the_prompt_of_the_dry_run(
     identified; the turn then sends the prompt the dry run showed, byte for byte, and the query
     was embedded once (the read path awaited the started work)."""
     limit = 2000
-    state = gateway_state(engine, tenant_id)
-    conversation, external_id = await past_budget(engine, tenant_id)
-    question = "What is the code for the storage unit door?"
-    dry = await chat.dry_run(
-        state, tenant_id=tenant_id, external_id=external_id, query=question, budget=limit
-    )
+    state, conversation, dry = await asked_for_fact(engine, tenant_id, limit=limit)
     assert FACT in dry.messages[-2]["content"]
     counting = CountingEmbedder()
-    early = Early(counting)
-    recall = chat.recall_of(state, embedder=early)
-    messages: list[Message] = [SYSTEM, {"role": "user", "content": question}]
-    budget = Budget(limit=limit, reserved=0)
+    ahead = Ahead.of(state, counting, conversation.external_id, limit=limit)
+    early = ahead.early
     try:
         async with engine.begin() as conn:
-            stored, _ = await chat.store_turn(
-                conn,
-                tenant_id=tenant_id,
-                external_id=external_id,
-                user=None,
-                messages=messages,
-                model=MODEL,
-                budget=budget,
-                identified=functools.partial(
-                    chat.start_query,
-                    early,
-                    messages=messages,
-                    budget=budget,
-                    recall=recall,
-                    model=MODEL,
-                ),
-            )
-            assert early.started == question  # begun before the turn was stored
-            sent = await assemble(conn, stored, budget, recall, tools_guide=False)
+            stored = await ahead.store(conn, [SYSTEM, {"role": "user", "content": FACT_QUESTION}])
+            assert early.started == FACT_QUESTION  # begun before the turn was stored
+            sent = await assemble(conn, stored, ahead.budget, ahead.recall, tools_guide=False)
     finally:
         early.close()
     assert raw(sent.messages) == raw(dry.messages) and sent.labels == dry.labels
-    assert counting.texts == [question]
+    assert counting.texts == [FACT_QUESTION]
     assert (await conversation.state()).upto == stored.next_seq
 
 
@@ -136,15 +138,11 @@ async def test_a_refused_turn_whose_query_started_stores_nothing(
     transaction after its query began embedding: nothing is stored, and closing the request's
     `Early` cancels the work nobody awaited."""
     limit = 2000
-    state = gateway_state(engine, tenant_id)
-    conversation, external_id = await past_budget(engine, tenant_id)
-    gate = asyncio.Event()
-    counting = CountingEmbedder(gate)
-    early = Early(counting)
-    recall = chat.recall_of(state, embedder=early)
+    state, conversation, _ = await asked_for_fact(engine, tenant_id, limit=limit)
+    counting = CountingEmbedder(gate=asyncio.Event())
+    ahead = Ahead.of(state, counting, conversation.external_id, limit=limit)
+    early = ahead.early
     huge = {"role": "user", "content": "Why " + "the storage unit " * 1500 + "?"}
-    messages: list[Message] = [SYSTEM, huge]
-    budget = Budget(limit=limit, reserved=0)
 
     async def stored_rows() -> tuple[int, int]:
         async with engine.begin() as conn:
@@ -157,23 +155,7 @@ async def test_a_refused_turn_whose_query_started_stores_nothing(
     before = await stored_rows()
     with pytest.raises(ContextOverflow):
         async with engine.begin() as conn:
-            await chat.store_turn(
-                conn,
-                tenant_id=tenant_id,
-                external_id=external_id,
-                user=None,
-                messages=messages,
-                model=MODEL,
-                budget=budget,
-                identified=functools.partial(
-                    chat.start_query,
-                    early,
-                    messages=messages,
-                    budget=budget,
-                    recall=recall,
-                    model=MODEL,
-                ),
-            )
+            await ahead.store(conn, [SYSTEM, huge])
     query = recall_note.query_of([huge])
     assert early.started == query
     await asyncio.sleep(0)  # the started task reaches the embedder
@@ -187,26 +169,13 @@ async def test_no_query_starts_for_a_conversation_that_fits(
     engine: AsyncEngine, tenant_id: int
 ) -> None:
     """A conversation that fits its budget goes as sent: nothing is embedded for it."""
-    state = gateway_state(engine, tenant_id)
     counting = CountingEmbedder()
-    early = Early(counting)
-    recall = chat.recall_of(state, embedder=early)
-    messages: list[Message] = [SYSTEM, {"role": "user", "content": "What did we decide?"}]
-    budget = Budget(limit=2000, reserved=0)
+    state = gateway_state(engine, tenant_id)
+    ahead = Ahead.of(state, counting, f"fits-{uuid.uuid4().hex}", limit=2000)
+    early = ahead.early
     async with engine.begin() as conn:
-        stored, _ = await chat.store_turn(
-            conn,
-            tenant_id=tenant_id,
-            external_id=f"fits-{uuid.uuid4().hex}",
-            user=None,
-            messages=messages,
-            model=MODEL,
-            budget=budget,
-            identified=functools.partial(
-                chat.start_query, early, messages=messages, budget=budget, recall=recall, model=MODEL
-            ),
-        )
-        sent = await assemble(conn, stored, budget, recall, tools_guide=False)
+        stored = await ahead.store(conn, [SYSTEM, {"role": "user", "content": "What is it?"}])
+        sent = await assemble(conn, stored, ahead.budget, ahead.recall, tools_guide=False)
     early.close()
     assert early.started is None and counting.texts == []
     assert not sent.rebuilt
@@ -217,8 +186,8 @@ async def test_vector_legs_beside_the_turn_are_the_turns_own(
 ) -> None:
     """In a transaction that just stored a message, the vector legs run in a spare connection
     (beside the full-text leg) find what they find in the transaction's own connection."""
-    conversation, _ = await past_budget(engine, tenant_id)
-    question = "What is the code for the storage unit door?"
+    _, conversation, _ = await asked_for_fact(engine, tenant_id, limit=2000)
+    question = FACT_QUESTION
     [vector] = await EMBEDDER.embed([question])
     async with engine.begin() as conn:
         appended = await store.append(
