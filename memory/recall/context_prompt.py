@@ -16,11 +16,11 @@ that does not fit its budget, in the caller's transaction:
    (`memory.recall.recall_note`), from the candidates prepared after the last reply when they
    cover it (`memory.recall.anticipation.usable`), else by retrieval, whose vector legs run in
    a spare pooled connection beside its full-text leg when the turn did not branch
-   (`memory.db.spare`: nothing they read changed in this transaction), in the room `Policy.note` gives a message
-   that asks something, never more than the budget leaves; a statement gets no note (measured
-   on LoCoMo: a quarter of that room for statements cost 6 points of cacheable share for 1
-   point of recall), nor does a turn whose new messages are tool results (a note between a
-   call and its results is not allowed);
+   (`memory.db.spare`: nothing they read changed in this transaction), in the room
+   `Policy.note` gives a message that asks something, never more than the budget leaves; a
+   statement gets no note (measured on LoCoMo: a quarter of that room for statements cost 6
+   points of cacheable share for 1 point of recall), nor does a turn whose new messages are
+   tool results (a note between a call and its results is not allowed);
 4. with `persist`, the context is saved as this turn leaves it (the note kept with
    `Policy.keep_notes`); with `explained` (a dry run), the prompt says why each message of
    the note was picked.
