@@ -61,15 +61,13 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             await migrate(engine)
             async with transaction(engine) as conn:
                 default_tenant = await store.tenant_id_by_name(conn)
-            embed = background.embedder(settings, upstream_api, queries=True)
+            embed = background.embedder(settings, upstream_api)
             if settings.workers > 0 and settings.worker_process == "on":
                 await stack.enter_async_context(
                     worker_process.running(settings, url, observe=app_metrics.observe_job)
                 )
             elif settings.workers > 0:
-                # Workers in this process embed in batches: on every core, not the queries'.
-                build_embed = background.embedder(settings, upstream_api)
-                config = background.tree_config(settings, upstream_api, build_embed)
+                config = background.tree_config(settings, upstream_api, embed)
                 runner = background.worker(
                     engine,
                     settings,

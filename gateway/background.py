@@ -29,15 +29,6 @@ from memory.write.store import CONTEXT_JOB
 log = logging.getLogger(__name__)
 
 
-QUERY_THREADS = 1
-"""ONNX threads of the request path's embedder. One query embeds in 2.6 ms on both cores of the
-2-core benchmark machine and 3.6 ms on one (idle), but it runs while the turn is stored
-(`memory.recall.early`): at load 8-9, with both cores, the store step took 17 ms instead of 7
-at the median of 30 turns that retrieved, and their added latency went up 13 ms; with one
-core the same paired runs gave 8 ms less than before the early start
-(`bench.context_latency`'s conversation, two gateways side by side)."""
-
-
 def provider(settings: Settings) -> Provider:
     """The upstream as background work calls it (embeddings, summaries), with retries; the
     caller closes it."""
@@ -49,16 +40,14 @@ def provider(settings: Settings) -> Provider:
     )
 
 
-def embedder(settings: Settings, upstream: Provider, *, queries: bool = False) -> Embedder:
-    """The embedder the settings ask for (local ONNX by default, offline). With `queries`, the
-    request path's: a local model then runs on one core (see `QUERY_THREADS`)."""
+def embedder(settings: Settings, upstream: Provider) -> Embedder:
+    """The embedder the settings ask for (local ONNX by default, offline)."""
     return make_embedder(
         provider=settings.embedding_provider,
         upstream=upstream,
         model=settings.embedding_model,
         model_path=settings.embedding_model_path,
         tokenizer_path=settings.embedding_tokenizer_path,
-        intra_op_num_threads=QUERY_THREADS if queries else None,
     )
 
 
