@@ -5,6 +5,9 @@ without pgvector or btree_gin with a message saying so; `migrate(engine)` applie
 migrations under a Postgres advisory lock, so any number of processes may start at once. Errors
 of the driver are translated to `StorageUnavailable` / `SchemaMismatch` here.
 
+`spare(conn)` lends a second pooled connection, when one is idle, for reads that may run beside
+`conn`'s own statements (a request's two retrieval legs at once).
+
 Pooled connections are not pinged before use (a round trip per transaction, on every request):
 a connection the server has closed (a restart, a terminated backend) is known closed to the
 driver without asking, and is replaced at checkout instead (`_replace_closed`).
@@ -22,7 +25,7 @@ from sqlalchemy.engine import Connection
 from sqlalchemy.exc import DBAPIError, DisconnectionError, InterfaceError, OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
-from sqlalchemy.pool import ConnectionPoolEntry, PoolProxiedConnection
+from sqlalchemy.pool import ConnectionPoolEntry, PoolProxiedConnection, QueuePool
 
 from memory.errors import SchemaMismatch, StorageUnavailable
 
@@ -139,6 +142,21 @@ async def transaction(engine: AsyncEngine) -> AsyncIterator[AsyncConnection]:
         if unavailable(exc):
             raise StorageUnavailable(f"the database is unavailable: {_reason(exc)}") from exc
         raise
+
+
+@asynccontextmanager
+async def spare(conn: AsyncConnection) -> AsyncIterator[AsyncConnection | None]:
+    """Another connection of `conn`'s pool while fewer than the pool's size are in use (an idle
+    one, or a new one kept for next time), else None: a busy pool never waits for itself (every
+    request holding one connection and waiting for a second) nor overflows for it. It sees what
+    is committed, not `conn`'s transaction, and goes back to the pool rolled back. Its errors
+    are the driver's: the caller runs inside `transaction`, which translates them."""
+    pool = conn.engine.sync_engine.pool
+    if not (isinstance(pool, QueuePool) and pool.checkedout() < pool.size()):
+        yield None
+        return
+    async with conn.engine.connect() as aside:
+        yield aside
 
 
 # SQLSTATE classes that say the server, not the statement, failed: connection exceptions,

@@ -61,10 +61,13 @@ EMBEDDER = LocalEmbedder()
 class Conversation:
     """One conversation driven turn by turn, as the gateway does."""
 
-    def __init__(self, engine: AsyncEngine, tenant_id: int, conversation_id: int) -> None:
+    def __init__(
+        self, engine: AsyncEngine, tenant_id: int, conversation_id: int, external_id: str
+    ) -> None:
         self.engine = engine
         self.tenant_id = tenant_id
         self.id = conversation_id
+        self.external_id = external_id
 
     @classmethod
     async def start(
@@ -81,7 +84,7 @@ class Conversation:
                 messages=[SYSTEM, *history],
                 model=MODEL,
             )
-        return cls(engine, tenant_id, ref.id)
+        return cls(engine, tenant_id, ref.id, ref.external_id)
 
     async def turn(
         self,
@@ -487,6 +490,40 @@ async def test_a_branch_inside_the_context_rebuilds_it(engine: AsyncEngine, tena
     assert rebuilt.messages[-1] == edit
 
 
+def gateway_state(engine: AsyncEngine, tenant_id: int) -> State:
+    """The gateway's state under default settings (no memory tools, no upstream)."""
+    return State(
+        settings=Settings(_env_file=None, memory_tools="never"),
+        engine=engine,
+        upstream=cast(Any, None),
+        embedder=EMBEDDER,
+        default_tenant_id=tenant_id,
+    )
+
+
+FACT_QUESTION = "What is the code for the storage unit door?"
+
+
+async def asked_for_fact(
+    engine: AsyncEngine, tenant_id: int, *, limit: int
+) -> tuple[State, Conversation, Assembled]:
+    """The gateway's state, a summarized conversation of 301 messages holding `FACT`, and the
+    gateway's dry run of `FACT_QUESTION` on it within `limit`."""
+    state = gateway_state(engine, tenant_id)
+    history = synthetic.messages(300, seed=31)
+    history[60] = {"role": "user", "content": FACT}
+    conversation = await Conversation.start(engine, tenant_id, history)
+    await conversation.build_tree()
+    dry = await chat.dry_run(
+        state,
+        tenant_id=tenant_id,
+        external_id=conversation.external_id,
+        query=FACT_QUESTION,
+        budget=limit,
+    )
+    return state, conversation, dry
+
+
 async def test_the_dry_run_is_the_prompt_the_next_turn_sends(
     engine: AsyncEngine, tenant_id: int
 ) -> None:
@@ -495,34 +532,16 @@ async def test_the_dry_run_is_the_prompt_the_next_turn_sends(
     rest), adds the question's note and saves nothing; that turn then sends the same prompt,
     byte for byte."""
     limit = 2000
-    state = State(
-        settings=Settings(_env_file=None, memory_tools="never"),
-        engine=engine,
-        upstream=cast(Any, None),
-        embedder=EMBEDDER,
-        default_tenant_id=tenant_id,
-    )
-    history = synthetic.messages(300, seed=31)
-    history[60] = {"role": "user", "content": FACT}
-    conversation = await Conversation.start(engine, tenant_id, history)
-    await conversation.build_tree()
-    async with engine.begin() as conn:
-        external_id = await store.external_id(
-            conn, tenant_id=tenant_id, conversation_id=conversation.id
-        )
-    question = "What is the code for the storage unit door?"
-    dry = await chat.dry_run(
-        state, tenant_id=tenant_id, external_id=external_id, query=question, budget=limit
-    )
+    state, conversation, dry = await asked_for_fact(engine, tenant_id, limit=limit)
     check_prompt(dry, limit)
     assert {"stable", "verbatim"} <= set(dry.labels) and dry.labels[-2:] == ["note", "new"]
     assert FACT in dry.messages[-2]["content"]
     async with engine.begin() as conn:
         assert await wc.load(conn, tenant_id=tenant_id, conversation_id=conversation.id) is None
-    ask = {"role": "user", "content": question}
+    ask = {"role": "user", "content": FACT_QUESTION}
     sent = await conversation.turn([ask], limit=limit, recall=chat.recall_of(state))
     assert raw(sent.messages) == raw(dry.messages) and sent.labels == dry.labels
-    assert (await conversation.state()).upto == len(history) + 2  # the system prompt, the ask
+    assert (await conversation.state()).upto == 300 + 2  # the history, system prompt, the ask
 
 
 async def test_a_turn_that_keeps_the_prefix_leaves_the_rest_as_stored(

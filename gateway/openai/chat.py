@@ -7,7 +7,9 @@ new messages start, whether its history branches off the stored one, and whether
 an earlier request (`memory.write.identity`): a retry stores nothing, still goes upstream, and
 its reply is recorded only if the first one's is not (`Turn.record`). A turn whose system
 prompt and new messages alone exceed the budget is refused (400 `context_length_exceeded`)
-inside that transaction, so it stores nothing. The prompt is assembled by the read path
+inside that transaction, so it stores nothing. The query the read path will embed for the
+turn's recall starts embedding as soon as the conversation is identified, while the turn is
+stored (`memory.recall.early`); a refused turn cancels it. The prompt is assembled by the read path
 (`memory.recall.assemble`) in that same transaction, under the conversation's row lock, so that
 the working context it advances is advanced by one request at a time whichever process serves
 it. It is then forwarded (`upstream_body`: a conversation-scoped `prompt_cache_key`, and, for a
@@ -21,6 +23,7 @@ import functools
 import hashlib
 import logging
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -40,6 +43,7 @@ from gateway.settings import Settings
 from gateway.state import State
 from memory import stages, tokens
 from memory.db import transaction
+from memory.embeddings import Embedder
 from memory.errors import StorageUnavailable
 from memory.recall.assemble import (
     Assembled,
@@ -49,8 +53,10 @@ from memory.recall.assemble import (
     StoredTurn,
     assemble,
     check_fits,
+    query_ahead,
 )
 from memory.recall.assemble import dry_run as memory_dry_run
+from memory.recall.early import Early
 from memory.write import identity, store
 
 log = logging.getLogger(__name__)
@@ -94,6 +100,10 @@ async def complete(request: Request, state: State, *, tenant_id: int) -> Respons
         idempotency_key=request.headers.get(IDEMPOTENCY_HEADER),
         retry_count=request.headers.get(RETRY_COUNT_HEADER),
     )
+    # The query's embedding starts once the conversation is identified, while the turn is
+    # stored and its working context read (`memory.recall.early`).
+    early = Early(state.embedder)
+    recall = recall_of(state, embedder=early)
     with stages.recording() as timings:
         try:
             async with transaction(state.engine) as conn:
@@ -108,13 +118,23 @@ async def complete(request: Request, state: State, *, tenant_id: int) -> Respons
                         budget=budget,
                         request=request_key,
                         window=timedelta(seconds=state.settings.idempotency_window_seconds),
+                        identified=functools.partial(
+                            start_query,
+                            early,
+                            messages=body["messages"],
+                            budget=budget,
+                            recall=recall,
+                            model=model,
+                        ),
                     )
                 with stages.stage("assemble"):
                     assembled = await assemble(
-                        conn, stored, budget, recall_of(state), tools_guide=tools_room > 0
+                        conn, stored, budget, recall, tools_guide=tools_room > 0
                     )
         except StorageUnavailable as exc:
             return await unchanged(exc, external_id=external_id)
+        finally:
+            early.close()
     turn = Turn(
         tenant_id=tenant_id,
         conversation_id=stored.conversation_id,
@@ -177,10 +197,12 @@ async def store_turn(
     budget: Budget,
     request: identity.RequestKey | None = None,
     window: timedelta = identity.DEFAULT_WINDOW,
+    identified: Callable[[identity.Found], None] | None = None,
 ) -> tuple[StoredTurn, store.Appended]:
     """Identify and store: the request's new `messages` stored in `conn`'s transaction (none
     for a retry of `request` within `window`), and what was stored. A turn that cannot fit
-    `budget` is refused here, inside the transaction, so that it stores nothing."""
+    `budget` is refused here, inside the transaction, so that it stores nothing. `identified`
+    is told what identifying found, before anything is stored."""
     found = await identity.identify(
         conn,
         tenant_id=tenant_id,
@@ -190,6 +212,8 @@ async def store_turn(
         request=request,
         window=window,
     )
+    if identified is not None:
+        identified(found)
     appended = await store.store_new(
         conn,
         tenant_id=tenant_id,
@@ -201,6 +225,29 @@ async def store_turn(
     stored = StoredTurn.of(messages, appended, tenant_id=tenant_id, model=model)
     check_fits(stored, budget)
     return stored, appended
+
+
+def start_query(
+    early: Early,
+    found: identity.Found,
+    *,
+    messages: list[dict[str, Any]],
+    budget: Budget,
+    recall: Recall,
+    model: str,
+) -> None:
+    """Start embedding the query the read path will ask for, if any (`query_ahead`), once
+    identifying the conversation (`found`) says where the request's new `messages` start."""
+    early.start(
+        query_ahead(
+            messages,
+            new_from=len(messages) if found.retry else found.start,
+            stored_tokens=int(found.row.token_count),
+            budget=budget,
+            recall=recall,
+            model=model,
+        )
+    )
 
 
 async def recall(
@@ -274,11 +321,12 @@ async def dry_run(
     )
 
 
-def recall_of(state: State) -> Recall:
-    """How the read path recalls under the settings."""
+def recall_of(state: State, *, embedder: Embedder | None = None) -> Recall:
+    """How the read path recalls under the settings (with `embedder` for the query, when not
+    the state's own)."""
     settings = state.settings
     return Recall(
-        embedder=state.embedder,
+        embedder=embedder or state.embedder,
         cross_conversation=settings.cross_conversation == "on",
         policy=background.policy(settings),
         mode=settings.context_mode,

@@ -35,7 +35,7 @@ from memory.db import transaction
 from memory.embeddings import Embedder
 from memory.errors import ContextOverflow
 from memory.recall import context_prompt, explain, prompt, reuse
-from memory.recall.recall_note import embed_query, query_of, related_conversations
+from memory.recall.recall_note import embed_query, note_query, query_of, related_conversations
 from memory.recall.working_context import Policy
 from memory.schema import conversations
 from memory.stages import staged
@@ -123,17 +123,16 @@ class StoredTurn:
         model: str,
     ) -> "StoredTurn":
         """How the request's `messages` divide, given what the write path `appended`."""
-        new_count, first_seq = len(appended.node_ids), appended.first_seq
-        if new_count == 0:  # a resent history with nothing new: the last message is the question
-            new_count, first_seq = 1, max(0, first_seq - 1)
+        first_seq = appended.first_seq
+        if not appended.node_ids:  # a resent history with nothing new: the last message asks
+            first_seq = max(0, first_seq - 1)
         system = leading_system(messages)
         return cls(
             tenant_id=tenant_id,
             conversation_id=appended.conversation.id,
             model=model,
             system=system,
-            # The leading system prompt goes first, never again among the new messages.
-            new_messages=messages[max(len(messages) - new_count, len(system)) :],
+            new_messages=_new_part(messages, len(appended.node_ids), system=len(system)),
             first_seq=first_seq,
             whole=messages if appended.whole else None,
             stored_tokens=appended.token_count,
@@ -189,6 +188,32 @@ class Assembled:
     def reuse(self) -> float:
         """The share of the prompt's tokens that repeat the previous prompt's prefix."""
         return self.reused / self.tokens if self.tokens else 0.0
+
+
+def _new_part(messages: list[Message], count: int, *, system: int) -> list[Message]:
+    """The last `count` of `messages` (the last one when none is new: a resent history's
+    question), never the leading `system` messages: the system prompt goes first, never again
+    among the new messages."""
+    return messages[max(len(messages) - max(count, 1), system) :]
+
+
+def query_ahead(
+    messages: list[Message],
+    *,
+    new_from: int,
+    stored_tokens: int,
+    budget: Budget,
+    recall: Recall,
+    model: str,
+) -> str:
+    """The query `assemble` will embed for a request's `messages`, whose new ones start at
+    `new_from` (`len(messages)`: none is new), on a conversation that held `stored_tokens`
+    before them, as far as it can be told before they are stored (`memory.recall.early`): ""
+    when the conversation still fits `budget` (it goes as sent) or the turn asks nothing."""
+    new = _new_part(messages, len(messages) - new_from, system=len(leading_system(messages)))
+    if stored_tokens + tokens.count_messages(new, model=model) <= budget.limit:
+        return ""
+    return query_of(new) if recall.mode == "rebuild" else note_query(new)
 
 
 def check_fits(turn: StoredTurn, budget: Budget) -> None:

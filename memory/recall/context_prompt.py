@@ -10,14 +10,17 @@ that does not fit its budget, in the caller's transaction:
    computed now); a prompt that does not fit the budget even so (the new messages take most of
    it) is compacted as far as it goes, and sent without its stable memory if that still does
    not fit;
-3. the new message is embedded meanwhile (again without the participants' names once the
-   verbatim turns tell them, when it names one), and the recall note is chosen
+3. the new message is embedded meanwhile (`recall.embedder` may have started it while the turn
+   was stored: `memory.recall.early`; again without the participants' names once the verbatim
+   turns tell them, when it names one), and the recall note is chosen
    (`memory.recall.recall_note`), from the candidates prepared after the last reply when they
-   cover it (`memory.recall.anticipation.usable`), in the room `Policy.note` gives a message
-   that asks something, never more than the budget leaves; a statement gets no note (measured
-   on LoCoMo: a quarter of that room for statements cost 6 points of cacheable share for 1
-   point of recall), nor does a turn whose new messages are tool results (a note between a
-   call and its results is not allowed);
+   cover it (`memory.recall.anticipation.usable`), else by retrieval, whose vector legs run in
+   a spare pooled connection beside its full-text leg when the turn did not branch
+   (`memory.db.spare`: nothing they read changed in this transaction), in the room
+   `Policy.note` gives a message that asks something, never more than the budget leaves; a
+   statement gets no note (measured on LoCoMo: a quarter of that room for statements cost 6
+   points of cacheable share for 1 point of recall), nor does a turn whose new messages are
+   tool results (a note between a call and its results is not allowed);
 4. with `persist`, the context is saved as this turn leaves it (the note kept with
    `Policy.keep_notes`); with `explained` (a dry run), the prompt says why each message of
    the note was picked.
@@ -29,15 +32,17 @@ message counts where a later prompt may stop repeating it (`memory.recall.reuse`
 from __future__ import annotations
 
 import asyncio
+from contextlib import AbstractAsyncContextManager, nullcontext
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Literal
 
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from memory import stages, tokens
+from memory import db, stages, tokens
 from memory.recall import anticipation, compaction, explain, recall_note, retrieval
 from memory.recall import working_context as wc
 from memory.recall.compaction import Fixed
+from memory.recall.fusion import Candidates
 from memory.recall.working_context import Policy
 
 if TYPE_CHECKING:
@@ -47,9 +52,6 @@ __all__ = ["ContextPrompt", "build"]
 
 Message = dict[str, Any]
 Change = Literal["kept", "compacted", "built"]
-# The note's two costs, timed as the request path's stages (`memory.stages`).
-_embed_query = stages.staged("embed")(recall_note.embed_query)
-_recall = stages.staged("note")(recall_note.recall)
 
 
 @dataclass(frozen=True)
@@ -87,10 +89,13 @@ async def build(
     new_counts = tokens.count_each(new, model=model)
     fixed = Fixed(system=sum(system_counts), new=sum(new_counts) + tokens.REPLY_PRIMING_TOKENS)
     answers_calls = bool(new) and new[0].get("role") == "tool"
-    query = "" if answers_calls else recall_note.query_of(new)
     # Only a message that asks something gets a note: only its query is embedded.
-    share = policy.note if query and retrieval.asks(query) else 0.0
-    vector_task = asyncio.ensure_future(_embed_query(recall.embedder, query)) if share else None
+    query = recall_note.note_query(new)
+    share = policy.note if query else 0.0
+    vector_task = (
+        asyncio.ensure_future(recall_note.embed_query(recall.embedder, query)) if share else None
+    )
+    fulltext: asyncio.Future[Candidates] | None = None
     try:
         with stages.stage("context"):
             state, items, context, change = await _advance(
@@ -133,40 +138,55 @@ async def build(
             and turn.branched_at is None
             and anticipation.fresh(state, first_seq=turn.first_seq)
         )
-        fulltext = None
         if vector_task is not None and room >= recall_note.MIN_ROOM and not fresh:
             # Retrieval will run: its full-text leg goes while the query is embedded.
-            fulltext = await recall_note.fulltext_leg(
+            fulltext = asyncio.ensure_future(
+                recall_note.fulltext_leg(
+                    conn,
+                    tenant_id=turn.tenant_id,
+                    conversation_ids=scope,
+                    query=query,
+                    participants=participants,
+                    exclude_from=state.verbatim_from,
+                    abandoned=recall.abandoned_branches,
+                )
+            )
+        vector = await vector_task if vector_task is not None else None
+        prepared = fresh and anticipation.usable(state, first_seq=turn.first_seq, vector=vector)
+        # Retrieval's vector legs may run in a spare connection beside its full-text leg when
+        # this transaction changed nothing they read: a turn that branched superseded messages.
+        beside = (
+            vector is not None
+            and not prepared
+            and room >= recall_note.MIN_ROOM
+            and turn.branched_at is None
+        )
+        spare: AbstractAsyncContextManager[AsyncConnection | None] = (
+            db.spare(conn) if beside else nullcontext(None)
+        )
+        async with spare as aside:
+            note = await recall_note.recall(
                 conn,
                 tenant_id=turn.tenant_id,
                 conversation_ids=scope,
                 query=query,
-                participants=participants,
+                vector=vector,
+                prepared=state.recall_ids if prepared else None,
+                newest=turn.first_seq - 1,
                 exclude_from=state.verbatim_from,
+                present=state.present(),
+                participants=participants,
+                room=room,
+                model=model,
                 abandoned=recall.abandoned_branches,
+                fulltext=fulltext,
+                aside=aside,
+                explained=explained,
             )
-        vector = await vector_task if vector_task is not None else None
     finally:
-        if vector_task is not None and not vector_task.done():
-            vector_task.cancel()
-    prepared = fresh and anticipation.usable(state, first_seq=turn.first_seq, vector=vector)
-    note = await _recall(
-        conn,
-        tenant_id=turn.tenant_id,
-        conversation_ids=scope,
-        query=query,
-        vector=vector,
-        prepared=state.recall_ids if prepared else None,
-        newest=turn.first_seq - 1,
-        exclude_from=state.verbatim_from,
-        present=state.present(),
-        participants=participants,
-        room=room,
-        model=model,
-        abandoned=recall.abandoned_branches,
-        fulltext=fulltext,
-        explained=explained,
-    )
+        for task in (vector_task, fulltext):
+            if task is not None and not task.done():
+                task.cancel()
     if persist:
         notes = tuple(kept for kept in state.notes if kept.before < turn.first_seq)
         if note is not None and policy.keep_notes:

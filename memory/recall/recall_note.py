@@ -22,8 +22,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Awaitable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -44,6 +45,7 @@ __all__ = [
     "Recalled",
     "embed_query",
     "fulltext_leg",
+    "note_query",
     "query_of",
     "recall",
     "related_conversations",
@@ -119,6 +121,16 @@ def query_of(new_messages: Sequence[Mapping[str, Any]]) -> str:
     return "\n".join(t for t in texts if t)[-QUERY_CHARS:]
 
 
+def note_query(new_messages: Sequence[Mapping[str, Any]]) -> str:
+    """What a turn's note is recalled for: the new messages' query (`query_of`) when it asks
+    something (`retrieval.asks`) and they are not tool results (no note goes between a call and
+    its results); else "" (no note, nothing to embed)."""
+    if new_messages and new_messages[0].get("role") == "tool":
+        return ""
+    query = query_of(new_messages)
+    return query if query and retrieval.asks(query) else ""
+
+
 @staged("embed")
 async def embed_query(embedder: Embedder, text: str) -> list[float] | None:
     """The query's vector, or None when the embedder fails (retrieval is then full-text)."""
@@ -165,7 +177,8 @@ async def recall(
     room: int,
     model: str,
     abandoned: bool = False,
-    fulltext: Candidates | None = None,
+    fulltext: Awaitable[Candidates] | None = None,
+    aside: AsyncConnection | None = None,
     explained: bool = False,
 ) -> Recalled | None:
     """The note for `query` in `room` tokens, or None (see the module docstring).
@@ -174,8 +187,9 @@ async def recall(
     searched, those from `exclude_from` on excluded (they are in the prompt verbatim), as are
     the ids in `present`. `prepared` are candidate node ids that stand in for retrieval;
     `abandoned` lets messages off their conversation's current branch be recalled. `fulltext`
-    is the full-text leg already run (`fulltext_leg`) for the same turn; `explained` adds why
-    each quoted message was picked."""
+    is the full-text leg already started (`fulltext_leg`) for the same turn; `aside`, a spare
+    connection (`memory.db.spare`) in which the vector legs run beside it (see `search_legs`);
+    `explained` adds why each quoted message was picked."""
     if room < MIN_ROOM or not query:
         return None
     conversation_id = conversation_ids[0]
@@ -212,6 +226,7 @@ async def recall(
             newest=newest,
             abandoned=abandoned,
             fulltext=fulltext,
+            aside=aside,
         )
     fused = fusion.fuse(
         legs,
@@ -305,13 +320,21 @@ async def search_legs(
     exclude: tuple[int, int],
     newest: int,
     abandoned: bool,
-    fulltext: Candidates | None = None,
+    fulltext: Awaitable[Candidates] | None = None,
+    aside: AsyncConnection | None = None,
     pool: int = POOL,
 ) -> list[Candidates]:
-    """Hybrid retrieval's legs over messages (`fulltext`: the full-text leg when already run),
-    `pool` candidates each: by default enough that a note is chosen among several times more."""
+    """Hybrid retrieval's legs over messages (`fulltext`: the full-text leg when already
+    started, in `conn`), `pool` candidates each: by default enough that a note is chosen among
+    several times more.
+
+    With `aside` (a spare connection: `memory.db.spare`) the vector legs run there while the
+    full-text leg runs in `conn`, two backends at once; the caller lends one only when `conn`'s
+    transaction changed nothing they read (they read committed embedded messages, which a turn
+    that does not branch neither adds nor supersedes), so the legs are the same either way.
+    The full-text leg stays in `conn`: it counts the messages `conn` just stored."""
     if fulltext is None:
-        fulltext = await retrieval.fulltext_candidates(
+        fulltext = retrieval.fulltext_candidates(
             conn,
             tenant_id=tenant_id,
             conversation_ids=conversation_ids,
@@ -321,10 +344,12 @@ async def search_legs(
             exclude_from=exclude,
             abandoned=abandoned,
         )
-    legs = [fulltext]
-    if vector is not None:
-        legs += await retrieval.vector_legs(
-            conn,
+    if vector is None:
+        return [await fulltext]
+
+    def nearest(on: AsyncConnection) -> Awaitable[list[Candidates]]:
+        return retrieval.vector_legs(
+            on,
             tenant_id=tenant_id,
             conversation_ids=conversation_ids,
             query_vector=vector,
@@ -334,7 +359,16 @@ async def search_legs(
             messages=newest + 1 if len(conversation_ids) == 1 else None,
             abandoned=abandoned,
         )
-    return legs
+
+    if aside is None:
+        return [await fulltext, *await nearest(conn)]
+    found, vectors = asyncio.ensure_future(fulltext), asyncio.ensure_future(nearest(aside))
+    try:
+        await asyncio.gather(found, vectors)
+    finally:  # one failed: the other is not left running in its connection
+        found.cancel()
+        vectors.cancel()
+    return [found.result(), *vectors.result()]
 
 
 def _unjudged(legs: Sequence[Candidates], *, searched: bool) -> list[Key]:

@@ -1,0 +1,69 @@
+"""The new message's query vector, started while the turn is being stored.
+
+Embedding the query is the longest single step of a turn served from memory, and it needs only
+the new messages' text. `Early(embedder)` is an `Embedder` for one request:
+
+* `start(text)` begins embedding `text` at once, in a task of its own; the gateway calls it as
+  soon as identifying the conversation says where the request's new messages start, with the
+  query the read path will ask for (`memory.recall.assemble.query_ahead`: none when the
+  conversation still fits its budget), so the embedding runs while the turn is stored and its
+  working context read;
+* `embed([text])` for the text started awaits that work instead of embedding it again; any
+  other call goes to the wrapped embedder, so a guess that turns out wrong costs the work, never
+  the result;
+* `close()` cancels the work when nobody awaited it (a refused turn, a conversation that fit
+  after all) and consumes its failure, if any.
+
+It stores nothing. The request path's `embed` stage (`memory.stages`) is then the time the read
+path waited for the vector, after what the store step hid of it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+
+from memory.embeddings import Embedder
+
+__all__ = ["Early"]
+
+
+class Early:
+    """An `Embedder` that serves the one query started ahead (see the module docstring)."""
+
+    def __init__(self, embedder: Embedder) -> None:
+        self.name = embedder.name
+        self.dim = embedder.dim
+        self._embedder = embedder
+        self._text: str | None = None
+        self._task: asyncio.Task[list[list[float]]] | None = None
+
+    @property
+    def started(self) -> str | None:
+        """The text being (or already) embedded ahead, if any."""
+        return self._text
+
+    def start(self, text: str) -> None:
+        """Begin embedding `text` (nothing for an empty one, or when one is started already)."""
+        if not text or self._task is not None:
+            return
+        self._text = text
+        self._task = asyncio.ensure_future(self._embedder.embed([text]))
+
+    async def embed(self, texts: Sequence[str]) -> list[list[float]]:
+        task = self._task
+        if task is not None and list(texts) == [self._text]:
+            # Shielded: a reader that gives up (a query embedded again without a name) does
+            # not cancel the work for another; `close` does.
+            return await asyncio.shield(task)
+        return await self._embedder.embed(texts)
+
+    def close(self) -> None:
+        """Cancel the work started if it is still running; consume its failure if it failed."""
+        task = self._task
+        if task is None:
+            return
+        if not task.done():
+            task.cancel()
+        elif not task.cancelled():
+            task.exception()  # retrieved: a failure nobody awaited is not logged as lost

@@ -1,0 +1,230 @@
+"""What the request path does ahead of time or beside itself gives the same prompt, and stores
+nothing more, against a real Postgres:
+
+* the query's embedding, started as soon as the conversation is identified
+  (`memory.recall.early`, `gateway.openai.chat.start_query`): the turn sends the prompt it
+  would have sent (the dry run's, byte for byte) with the query embedded once; a turn refused
+  after it started stores nothing and the work is cancelled;
+* retrieval's vector legs in a spare connection (`memory.db.spare`) beside the full-text leg
+  in the turn's own: the same legs, ranks and similarities; no spare from a busy pool.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+from sqlalchemy import func, select
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
+
+from gateway.openai import chat
+from gateway.state import State
+from memory import db
+from memory.embeddings import Embedder
+from memory.errors import ContextOverflow
+from memory.recall import recall_note
+from memory.recall import working_context as wc
+from memory.recall.assemble import Budget, Recall, StoredTurn, assemble
+from memory.recall.early import Early
+from memory.schema import nodes
+from memory.write import store
+from tests.test_working_context import (
+    EMBEDDER,
+    FACT,
+    FACT_QUESTION,
+    MODEL,
+    SYSTEM,
+    asked_for_fact,
+    gateway_state,
+    raw,
+)
+
+Message = dict[str, Any]
+
+
+class CountingEmbedder:
+    """The local embedder, counting what it is asked to embed; with `gate`, each call waits
+    for it (and records a cancellation)."""
+
+    def __init__(self, gate: asyncio.Event | None = None) -> None:
+        self.name, self.dim = EMBEDDER.name, EMBEDDER.dim
+        self.texts: list[str] = []
+        self.cancelled = 0
+        self._gate = gate
+
+    async def embed(self, texts: Sequence[str]) -> list[list[float]]:
+        self.texts += texts
+        if self._gate is not None:
+            try:
+                await self._gate.wait()
+            except asyncio.CancelledError:
+                self.cancelled += 1
+                raise
+        return await EMBEDDER.embed(texts)
+
+
+@dataclass(frozen=True)
+class Ahead:
+    """The chat handler's store step for one request, starting its query's embedding once the
+    conversation is identified (`chat.start_query`)."""
+
+    early: Early
+    recall: Recall
+    tenant_id: int
+    external_id: str
+    budget: Budget
+
+    @classmethod
+    def of(cls, state: State, embedder: Embedder, external_id: str, *, limit: int) -> Ahead:
+        """For a request to `external_id` within `limit`, the query embedded by `embedder`."""
+        early = Early(embedder)
+        recall = chat.recall_of(state, embedder=early)
+        return cls(early, recall, state.default_tenant_id, external_id, Budget(limit, 0))
+
+    async def store(self, conn: AsyncConnection, messages: list[Message]) -> StoredTurn:
+        stored, _ = await chat.store_turn(
+            conn,
+            tenant_id=self.tenant_id,
+            external_id=self.external_id,
+            user=None,
+            messages=messages,
+            model=MODEL,
+            budget=self.budget,
+            identified=functools.partial(
+                chat.start_query,
+                self.early,
+                messages=messages,
+                budget=self.budget,
+                recall=self.recall,
+                model=MODEL,
+            ),
+        )
+        return stored
+
+
+async def test_a_query_embedded_ahead_gives_the_prompt_of_the_dry_run(
+    engine: AsyncEngine, tenant_id: int
+) -> None:
+    """The chat handler's store step starts the query's embedding once the conversation is
+    identified; the turn then sends the prompt the dry run showed, byte for byte, and the query
+    was embedded once (the read path awaited the started work)."""
+    limit = 2000
+    state, conversation, dry = await asked_for_fact(engine, tenant_id, limit=limit)
+    assert FACT in dry.messages[-2]["content"]
+    counting = CountingEmbedder()
+    ahead = Ahead.of(state, counting, conversation.external_id, limit=limit)
+    early = ahead.early
+    try:
+        async with engine.begin() as conn:
+            stored = await ahead.store(conn, [SYSTEM, {"role": "user", "content": FACT_QUESTION}])
+            assert early.started == FACT_QUESTION  # begun before the turn was stored
+            sent = await assemble(conn, stored, ahead.budget, ahead.recall, tools_guide=False)
+    finally:
+        early.close()
+    assert raw(sent.messages) == raw(dry.messages) and sent.labels == dry.labels
+    assert counting.texts == [FACT_QUESTION]
+    assert (await conversation.state()).upto == stored.next_seq
+
+
+async def test_a_refused_turn_whose_query_started_stores_nothing(
+    engine: AsyncEngine, tenant_id: int
+) -> None:
+    """A new message that alone exceeds the budget is refused inside the store step's
+    transaction after its query began embedding: nothing is stored, and closing the request's
+    `Early` cancels the work nobody awaited."""
+    limit = 2000
+    state, conversation, _ = await asked_for_fact(engine, tenant_id, limit=limit)
+    counting = CountingEmbedder(gate=asyncio.Event())
+    ahead = Ahead.of(state, counting, conversation.external_id, limit=limit)
+    early = ahead.early
+    huge = {"role": "user", "content": "Why " + "the storage unit " * 1500 + "?"}
+
+    async def stored_rows() -> tuple[int, int]:
+        async with engine.begin() as conn:
+            count = await conn.scalar(
+                select(func.count()).where(nodes.c.conversation_id == conversation.id)
+            )
+            row = await wc.load(conn, tenant_id=tenant_id, conversation_id=conversation.id)
+        return int(count or 0), 0 if row is None else row.upto
+
+    before = await stored_rows()
+    with pytest.raises(ContextOverflow):
+        async with engine.begin() as conn:
+            await ahead.store(conn, [SYSTEM, huge])
+    query = recall_note.query_of([huge])
+    assert early.started == query
+    await asyncio.sleep(0)  # the started task reaches the embedder
+    early.close()
+    await asyncio.sleep(0)
+    assert counting.texts == [query] and counting.cancelled == 1
+    assert await stored_rows() == before
+
+
+async def test_no_query_starts_for_a_conversation_that_fits(
+    engine: AsyncEngine, tenant_id: int
+) -> None:
+    """A conversation that fits its budget goes as sent: nothing is embedded for it."""
+    counting = CountingEmbedder()
+    state = gateway_state(engine, tenant_id)
+    ahead = Ahead.of(state, counting, f"fits-{uuid.uuid4().hex}", limit=2000)
+    early = ahead.early
+    async with engine.begin() as conn:
+        stored = await ahead.store(conn, [SYSTEM, {"role": "user", "content": "What is it?"}])
+        sent = await assemble(conn, stored, ahead.budget, ahead.recall, tools_guide=False)
+    early.close()
+    assert early.started is None and counting.texts == []
+    assert not sent.rebuilt
+
+
+async def test_vector_legs_beside_the_turn_are_the_turns_own(
+    engine: AsyncEngine, tenant_id: int
+) -> None:
+    """In a transaction that just stored a message, the vector legs run in a spare connection
+    (beside the full-text leg) find what they find in the transaction's own connection."""
+    _, conversation, _ = await asked_for_fact(engine, tenant_id, limit=2000)
+    question = FACT_QUESTION
+    [vector] = await EMBEDDER.embed([question])
+    async with engine.begin() as conn:
+        appended = await store.append(
+            conn,
+            tenant_id=tenant_id,
+            conversation_id=conversation.id,
+            messages=[{"role": "user", "content": question}],
+            model=MODEL,
+        )
+        search = functools.partial(
+            recall_note.search_legs,
+            conn,
+            tenant_id=tenant_id,
+            conversation_ids=[conversation.id],
+            query=question,
+            vector=vector,
+            exclude=(conversation.id, appended.first_seq - 20),
+            newest=appended.first_seq - 1,
+            abandoned=False,
+        )
+        alone = await search()
+        async with db.spare(conn) as aside:
+            assert aside is not None
+            beside = await search(aside=aside)
+    assert len(alone) == len(beside) == 3  # full text, vectors, passages
+    for one, other in zip(alone, beside, strict=True):
+        assert [(p.key, p.similarity) for p in one.ranked] == [
+            (p.key, p.similarity) for p in other.ranked
+        ]
+    assert alone[1].ranked  # the vector leg found something
+
+
+async def test_a_busy_pool_lends_no_spare(database_url: str) -> None:
+    """With every connection of the pool in use, `spare` gives None rather than waiting."""
+    engine = db.connect(database_url, pool_size=1, pool_timeout=1)
+    try:
+        async with engine.connect() as conn, db.spare(conn) as aside:
+            assert aside is None
+    finally:
+        await engine.dispose()
