@@ -13,8 +13,12 @@
   names, it is among the full-text leg's first `FULLTEXT_FIRST` and has no vector yet (nothing
   just written is invisible), or it sits next to (`NEIGHBOURS`) a message that bears on it (an
   answer right after its question). A turn with nothing relevant gets no note;
-* the relevant ones fill `room` tokens, best fused score first, and are shown verbatim in time
-  order under a heading per sitting, each tagged `[#id]` and its speaker
+* the relevant ones fill `room` tokens, best first by what they are worth in a note: their
+  fused score, of which what contiguity lent them from their neighbours counts in full only
+  for a message of up to `LENT_TOKENS` tokens and in proportion to its length beyond
+  (`_worth`); the note stops at the first message worth less than `CUT` of the best one, so a
+  turn with little that bears on it gets a small note. They are shown verbatim in time order
+  under a heading per sitting, each tagged `[#id]` and its speaker
   (`memory.recall.memory_block`);
 * when asked (`explained`: the admin dry run), the note says why each message it quotes was
   picked: its legs, ranks and fused rank (`memory.recall.explain`).
@@ -22,9 +26,10 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Collection, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Final
 
 from sqlalchemy import select, text
@@ -36,6 +41,7 @@ from memory.errors import ProviderError
 from memory.recall import explain, fusion, retrieval
 from memory.recall.fusion import Candidates, Key
 from memory.recall.memory_block import MemoryBlock
+from memory.recall.retrieval import Hit
 from memory.schema import conversations
 from memory.stages import staged
 
@@ -61,6 +67,14 @@ FULLTEXT_FIRST: Final = 10
 POOL: Final = 400
 """Candidates each retrieval leg gives a note to be chosen among: the rebuild's pool at 4k and
 8k (`memory.recall.prompt`); the legs' default of 100 cost LoCoMo and LongMemEval recall."""
+LENT_TOKENS: Final = 50
+"""A message of more tokens than this keeps only this share of its length's worth of the score
+its neighbours lent it (`fusion.CONTIGUITY`): the answer next to a matching question is worth
+recalling when it is a line, not when it is a long text that matched nothing itself. Measured
+(LongMemEval-S dev, 60 questions; LoCoMo): see docs/benchmarks.md, "Recall against cacheable
+share"."""
+CUT: Final = 0.3
+"""A note holds no message worth less than this share of its best one's (`_worth`)."""
 MIN_ROOM: Final = 48
 """A note needs at least this many tokens to say anything."""
 FLOOR: Final = 160
@@ -213,7 +227,8 @@ async def recall(
             abandoned=abandoned,
             fulltext=fulltext,
         )
-    fused = fusion.fuse(
+    fuse = functools.partial(
+        fusion.fuse,
         legs,
         which=retrieval.route(query),
         newest={conversation_id: newest},
@@ -222,6 +237,7 @@ async def recall(
         exclude_from=(conversation_id, exclude_from),
         within=retrieval.periods(query),
     )
+    fused = fuse()
     unjudged = _unjudged(legs, searched=prepared is None or vector is None)
     similar = await _similarities(
         conn, tenant_id=tenant_id, keys=unjudged, vector=vector, abandoned=abandoned
@@ -234,12 +250,19 @@ async def recall(
     enc = tokens.get_encoding(tokens.encoding_name_for_model(model))
     block = MemoryBlock(enc=enc, primary=conversation_id)
     left = room - tokens.count_message({"role": "system", "content": HEADER}, model=model)
-    for hit in hits:
-        if hit.level == 0 and hit.node_id not in present:
-            cost = block.cost_of_message(hit)
-            if cost <= left:
-                block.add_message(hit)
-                left -= cost
+    best = None
+    # Without contiguity, what each message scores by itself (the rest was lent to it).
+    for hit in _worth(hits, own=fuse(kernel=())):
+        if hit.level != 0 or hit.node_id in present:
+            continue
+        if best is None:
+            best = hit.score
+        elif hit.score < CUT * best:
+            break
+        cost = block.cost_of_message(hit)
+        if cost <= left:
+            block.add_message(hit)
+            left -= cost
     while block.messages:
         note = HEADER + block.render()
         count = tokens.count_message({"role": "system", "content": note}, model=model)
@@ -335,6 +358,18 @@ async def search_legs(
             abandoned=abandoned,
         )
     return legs
+
+
+def _worth(hits: Sequence[Hit], *, own: Mapping[Key, float]) -> list[Hit]:
+    """`hits` scored by what they are worth in a note, best first: their fused score, with
+    what their neighbours lent them (the fused score less their `own`) scaled down for a
+    message longer than `LENT_TOKENS`."""
+    worth = []
+    for hit in hits:
+        mine = own.get((hit.conversation_id, hit.level, hit.seq), 0.0)
+        lent = (hit.score - mine) * min(1.0, LENT_TOKENS / max(hit.token_count, 1))
+        worth.append(replace(hit, score=mine + lent))
+    return sorted(worth, key=lambda hit: (-hit.score, -hit.seq, hit.node_id))
 
 
 def _unjudged(legs: Sequence[Candidates], *, searched: bool) -> list[Key]:
