@@ -16,10 +16,8 @@
 * the relevant ones fill `room` tokens, best first by what they are worth in a note: their
   fused score, of which what contiguity lent them from their neighbours counts in full only
   for a message of up to `LENT_TOKENS` tokens and in proportion to its length beyond
-  (`_worth`); the note stops at the first message worth less than `CUT` of the best one, so a
-  turn with little that bears on it gets a small note. They are shown verbatim in time order
-  under a heading per sitting, each tagged `[#id]` and its speaker
-  (`memory.recall.memory_block`);
+  (`_worth`). They are shown verbatim in time order under a heading per sitting, each tagged
+  `[#id]` and its speaker (`memory.recall.memory_block`);
 * when asked (`explained`: the admin dry run), the note says why each message it quotes was
   picked: its legs, ranks and fused rank (`memory.recall.explain`).
 """
@@ -67,14 +65,11 @@ FULLTEXT_FIRST: Final = 10
 POOL: Final = 400
 """Candidates each retrieval leg gives a note to be chosen among: the rebuild's pool at 4k and
 8k (`memory.recall.prompt`); the legs' default of 100 cost LoCoMo and LongMemEval recall."""
-LENT_TOKENS: Final = 50
-"""A message of more tokens than this keeps only this share of its length's worth of the score
-its neighbours lent it (`fusion.CONTIGUITY`): the answer next to a matching question is worth
-recalling when it is a line, not when it is a long text that matched nothing itself. Measured
-(LongMemEval-S dev, 60 questions; LoCoMo): see docs/benchmarks.md, "Recall against cacheable
-share"."""
-CUT: Final = 0.3
-"""A note holds no message worth less than this share of its best one's (`_worth`)."""
+LENT_TOKENS: Final = 100
+"""A message longer than this many tokens keeps `LENT_TOKENS / its tokens` of the score its
+neighbours lent it (`fusion.CONTIGUITY`): the reply next to a matching message is worth its
+room when it is a few lines, not when it is a long text that matched nothing itself (measured
+on LongMemEval and LoCoMo: docs/benchmarks.md, "Recall against cacheable share")."""
 MIN_ROOM: Final = 48
 """A note needs at least this many tokens to say anything."""
 FLOOR: Final = 160
@@ -250,19 +245,13 @@ async def recall(
     enc = tokens.get_encoding(tokens.encoding_name_for_model(model))
     block = MemoryBlock(enc=enc, primary=conversation_id)
     left = room - tokens.count_message({"role": "system", "content": HEADER}, model=model)
-    best = None
     # Without contiguity, what each message scores by itself (the rest was lent to it).
     for hit in _worth(hits, own=fuse(kernel=())):
-        if hit.level != 0 or hit.node_id in present:
-            continue
-        if best is None:
-            best = hit.score
-        elif hit.score < CUT * best:
-            break
-        cost = block.cost_of_message(hit)
-        if cost <= left:
-            block.add_message(hit)
-            left -= cost
+        if hit.level == 0 and hit.node_id not in present:
+            cost = block.cost_of_message(hit)
+            if cost <= left:
+                block.add_message(hit)
+                left -= cost
     while block.messages:
         note = HEADER + block.render()
         count = tokens.count_message({"role": "system", "content": note}, model=model)
