@@ -37,8 +37,9 @@ so the question's turn builds it as the first turn past the budget does \
 (`memory.recall.compaction.build`): the newest turns verbatim down to the low-water mark \
 ({low:.0%} of the budget with the question), one stable-memory message before them (a frontier \
 of the summary tree over everything older, {stable} of the budget), then the question's recall \
-note (`memory.recall.recall_note`: past messages outside the context, verbatim, best fused \
-score first, at most {note:.0%} of the budget) and the question; nothing is saved, and the \
+note (`memory.recall.recall_note`: past messages outside the context, verbatim, best first \
+by fused score, with what contiguity lent a message over 100 tokens scaled down by its length, \
+at most {note:.0%} of the budget) and the question; nothing is saved, and the \
 next real turn sends the same prompt byte for byte (`tests/test_working_context.py`). The \
 prompt is {share} of the budget. This is the note's best point of the context's cycle: turn \
 after turn the context grows toward the high-water mark ({high:.0%} of the budget) and the \

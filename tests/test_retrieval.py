@@ -23,7 +23,7 @@ from gateway import importer
 from memory.build import tree
 from memory.build.summarize import ExtractiveSummarizer
 from memory.embeddings import LocalEmbedder
-from memory.recall import fusion, retrieval
+from memory.recall import fusion, recall_note, retrieval
 from memory.recall.fusion import Candidates, Place
 from memory.recall.query import Route
 from memory.schema import nodes, tenants
@@ -450,3 +450,36 @@ def test_an_identifier_match_outranks_a_standout_first_in_both_vector_legs() -> 
     assert fusion.ranked(scores, 2)[0] == (1, 0, 90)
     # The standout keeps a bonus of its own over its neighbours.
     assert scores[(1, 0, 40)] > scores[(1, 0, 41)] + fusion.EXACT_BONUS / (fusion.RRF_K + 2)
+
+
+def test_a_long_neighbour_keeps_little_of_what_contiguity_lent_it() -> None:
+    """The note's worth (`recall_note._worth`): a message's own fused score counts in full, what
+    its neighbours lent it only up to `LENT_TOKENS` of its length, so a long answer next to the
+    best match gives way to a shorter match of its own."""
+    leg = Candidates([place(10), *(place(seq) for seq in range(30, 36)), place(50)])
+    fused = fusion.fuse([leg], which=Route.FLAT, newest={1: 100})
+    own = fusion.fuse([leg], which=Route.FLAT, newest={1: 100}, kernel=())
+
+    def hit(seq: int, length: int) -> retrieval.Hit:
+        return retrieval.Hit(
+            node_id=seq,
+            conversation_id=1,
+            level=0,
+            seq=seq,
+            span_start=seq,
+            span_end=seq,
+            role="assistant",
+            text="x",
+            created_at=datetime(2024, 1, 1, tzinfo=UTC),
+            score=fused[(1, 0, seq)],
+            token_count=length,
+        )
+
+    long_answer, short_answer, match = hit(11, 600), hit(12, 80), hit(50, 600)
+    assert long_answer.score > match.score  # lent the best match's score, it outranked it
+    worth = recall_note._worth([long_answer, short_answer, match], own=own)
+    assert [one.seq for one in worth] == [50, 12, 11]
+    by_seq = {one.seq: one.score for one in worth}
+    assert by_seq[50] == pytest.approx(own[(1, 0, 50)])  # its own score, whatever its length
+    assert by_seq[11] == pytest.approx(fused[(1, 0, 11)] * recall_note.LENT_TOKENS / 600)
+    assert by_seq[12] == pytest.approx(fused[(1, 0, 12)])  # short: lent in full

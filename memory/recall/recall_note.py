@@ -13,9 +13,11 @@
   names, it is among the full-text leg's first `FULLTEXT_FIRST` and has no vector yet (nothing
   just written is invisible), or it sits next to (`NEIGHBOURS`) a message that bears on it (an
   answer right after its question). A turn with nothing relevant gets no note;
-* the relevant ones fill `room` tokens, best fused score first, and are shown verbatim in time
-  order under a heading per sitting, each tagged `[#id]` and its speaker
-  (`memory.recall.memory_block`);
+* the relevant ones fill `room` tokens, best first by what they are worth in a note: their
+  fused score, of which what contiguity lent them from their neighbours counts in full only
+  for a message of up to `LENT_TOKENS` tokens and in proportion to its length beyond
+  (`_worth`). They are shown verbatim in time order under a heading per sitting, each tagged
+  `[#id]` and its speaker (`memory.recall.memory_block`);
 * when asked (`explained`: the admin dry run), the note says why each message it quotes was
   picked: its legs, ranks and fused rank (`memory.recall.explain`).
 """
@@ -23,9 +25,10 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections.abc import Awaitable, Collection, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Final
 
 from sqlalchemy import select, text
@@ -37,6 +40,7 @@ from memory.errors import ProviderError
 from memory.recall import explain, fusion, retrieval
 from memory.recall.fusion import Candidates, Key
 from memory.recall.memory_block import MemoryBlock
+from memory.recall.retrieval import Hit
 from memory.schema import conversations
 from memory.stages import staged
 
@@ -63,6 +67,11 @@ FULLTEXT_FIRST: Final = 10
 POOL: Final = 400
 """Candidates each retrieval leg gives a note to be chosen among: the rebuild's pool at 4k and
 8k (`memory.recall.prompt`); the legs' default of 100 cost LoCoMo and LongMemEval recall."""
+LENT_TOKENS: Final = 100
+"""A message longer than this many tokens keeps `LENT_TOKENS / its tokens` of the score its
+neighbours lent it (`fusion.CONTIGUITY`): the reply next to a matching message is worth its
+room when it is a few lines, not when it is a long text that matched nothing itself (measured
+on LongMemEval and LoCoMo: docs/benchmarks.md, "Recall against cacheable share")."""
 MIN_ROOM: Final = 48
 """A note needs at least this many tokens to say anything."""
 FLOOR: Final = 160
@@ -228,7 +237,8 @@ async def recall(
             fulltext=fulltext,
             aside=aside,
         )
-    fused = fusion.fuse(
+    fuse = functools.partial(
+        fusion.fuse,
         legs,
         which=retrieval.route(query),
         newest={conversation_id: newest},
@@ -237,6 +247,7 @@ async def recall(
         exclude_from=(conversation_id, exclude_from),
         within=retrieval.periods(query),
     )
+    fused = fuse()
     unjudged = _unjudged(legs, searched=prepared is None or vector is None)
     similar = await _similarities(
         conn, tenant_id=tenant_id, keys=unjudged, vector=vector, abandoned=abandoned
@@ -249,7 +260,8 @@ async def recall(
     enc = tokens.get_encoding(tokens.encoding_name_for_model(model))
     block = MemoryBlock(enc=enc, primary=conversation_id)
     left = room - tokens.count_message({"role": "system", "content": HEADER}, model=model)
-    for hit in hits:
+    # Without contiguity, what each message scores by itself (the rest was lent to it).
+    for hit in _worth(hits, own=fuse(kernel=())):
         if hit.level == 0 and hit.node_id not in present:
             cost = block.cost_of_message(hit)
             if cost <= left:
@@ -369,6 +381,18 @@ async def search_legs(
         found.cancel()
         vectors.cancel()
     return [found.result(), *vectors.result()]
+
+
+def _worth(hits: Sequence[Hit], *, own: Mapping[Key, float]) -> list[Hit]:
+    """`hits` scored by what they are worth in a note, best first: their fused score, with
+    what their neighbours lent them (the fused score less their `own`) scaled down for a
+    message longer than `LENT_TOKENS`."""
+    worth = []
+    for hit in hits:
+        mine = own.get((hit.conversation_id, hit.level, hit.seq), 0.0)
+        lent = (hit.score - mine) * min(1.0, LENT_TOKENS / max(hit.token_count, 1))
+        worth.append(replace(hit, score=mine + lent))
+    return sorted(worth, key=lambda hit: (-hit.score, -hit.seq, hit.node_id))
 
 
 def _unjudged(legs: Sequence[Candidates], *, searched: bool) -> list[Key]:
