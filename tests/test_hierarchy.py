@@ -43,7 +43,7 @@ from memory.embeddings import LocalEmbedder
 from memory.provider import Provider
 from memory.schema import jobs, nodes, tenants
 from memory.schema import passages as passages_table
-from memory.write import identity, store
+from memory.write import identity, store, tree_nodes
 from tests.inprocess import running_app
 
 # Embedding ~3,000 texts on a shared 2-core machine takes from ~45 s (idle) to minutes (busy).
@@ -195,7 +195,9 @@ def expected_levels(n_messages: int, n_segments: int, fanout: int = FANOUT) -> d
 
 async def level_counts(engine: AsyncEngine, tenant_id: int, conversation_id: int) -> dict[int, int]:
     async with engine.connect() as conn:
-        return await store.level_counts(conn, tenant_id=tenant_id, conversation_id=conversation_id)
+        return await tree_nodes.level_counts(
+            conn, tenant_id=tenant_id, conversation_id=conversation_id
+        )
 
 
 @dataclasses.dataclass
@@ -203,8 +205,8 @@ class Walk:
     """What descending from the roots found."""
 
     seqs: list[int]
-    summaries: list[store.NodeRecord]
-    roots: list[store.NodeRecord]
+    summaries: list[tree_nodes.NodeRecord]
+    roots: list[tree_nodes.NodeRecord]
 
 
 async def walk_tree(
@@ -219,7 +221,7 @@ async def walk_tree(
     async with engine.connect() as conn:
         messages = {
             record.id: record
-            for record in await store.list_nodes(
+            for record in await tree_nodes.list_nodes(
                 conn,
                 tenant_id=tenant_id,
                 conversation_id=conversation_id,
@@ -235,15 +237,15 @@ async def walk_tree(
             )
         )
         seqs: list[int] = []
-        summaries: list[store.NodeRecord] = []
-        roots: list[store.NodeRecord] = []
+        summaries: list[tree_nodes.NodeRecord] = []
+        roots: list[tree_nodes.NodeRecord] = []
 
-        async def fetch(node_id: int) -> store.NodeRecord:
+        async def fetch(node_id: int) -> tree_nodes.NodeRecord:
             if node_id in messages:
                 return messages[node_id]
-            return await store.get_node(conn, tenant_id=tenant_id, node_id=node_id)
+            return await tree_nodes.get_node(conn, tenant_id=tenant_id, node_id=node_id)
 
-        async def descend(record: store.NodeRecord) -> None:
+        async def descend(record: tree_nodes.NodeRecord) -> None:
             assert record.conversation_id == conversation_id
             assert record.embedded == bool(record.text.strip()), (
                 f"node {record.id} (level {record.level}): text and embedding disagree"
@@ -288,7 +290,7 @@ def check_complete(walk: Walk, n_messages: int, fanout: int = FANOUT) -> None:
     """Every message reached exactly once; no level holds `fanout` parentless nodes; only the
     open tail of messages is parentless."""
     assert sorted(walk.seqs) == list(range(n_messages)), "a message is missing or reached twice"
-    by_level: dict[int, list[store.NodeRecord]] = {}
+    by_level: dict[int, list[tree_nodes.NodeRecord]] = {}
     for root in walk.roots:
         by_level.setdefault(root.level, []).append(root)
     for level, roots in by_level.items():
@@ -379,7 +381,7 @@ async def test_level_counts_follow_segmentation_and_fanout(
     assert len(expected) >= 3, expected
     # The level-1 nodes are exactly those segments, in order, with the reason each closed.
     async with engine.connect() as conn:
-        level_one = await store.list_nodes(
+        level_one = await tree_nodes.list_nodes(
             conn,
             tenant_id=built.tenant_id,
             conversation_id=built.conversation_id,
@@ -507,7 +509,7 @@ async def test_summaries_keep_the_ids_and_numbers_of_their_messages(
     engine: AsyncEngine, built: Built
 ) -> None:
     async with engine.connect() as conn:
-        summaries = await store.list_nodes(
+        summaries = await tree_nodes.list_nodes(
             conn,
             tenant_id=built.tenant_id,
             conversation_id=built.conversation_id,
@@ -568,7 +570,7 @@ async def test_incremental_build_gives_the_same_tree(
 
     async def shape(tenant_id: int, conversation: int) -> list[tuple[Any, ...]]:
         async with engine.connect() as conn:
-            records = await store.list_nodes(
+            records = await tree_nodes.list_nodes(
                 conn, tenant_id=tenant_id, conversation_id=conversation
             )
         return [(r.level, r.seq, r.span_start, r.span_end, r.text, r.facts) for r in records]
@@ -880,7 +882,7 @@ async def test_llm_mode_prompt_and_parsing(
     async with engine.connect() as conn:
         records = {
             r.id: r
-            for r in await store.list_nodes(
+            for r in await tree_nodes.list_nodes(
                 conn, tenant_id=tenant_id, conversation_id=conversation_id, min_level=0
             )
         }

@@ -27,7 +27,7 @@ from memory.recall import fusion, recall_note, retrieval
 from memory.recall.fusion import Candidates, Place
 from memory.recall.query import Route
 from memory.schema import nodes, tenants
-from memory.write import identity, store
+from memory.write import identity, store, tree_nodes
 
 # Embedding 5,000 texts on a busy 2-core machine can take minutes.
 pytestmark = pytest.mark.timeout(900)
@@ -209,7 +209,7 @@ async def test_hits_carry_the_stored_message(engine: AsyncEngine, corpus: Corpus
 
 async def test_summaries_are_searchable_at_every_level(engine: AsyncEngine, corpus: Corpus) -> None:
     async with engine.connect() as conn:
-        counts = await store.level_counts(
+        counts = await tree_nodes.level_counts(
             conn, tenant_id=corpus.tenant_id, conversation_id=corpus.conversation_id
         )
     top = max(counts)

@@ -42,7 +42,7 @@ from memory.recall import working_context as wc
 from memory.recall.assemble import Assembled, Budget, Recall, StoredTurn, assemble
 from memory.recall.working_context import Policy
 from memory.schema import working_contexts
-from memory.write import store
+from memory.write import store, tree_nodes
 
 MODEL = "gpt-4o"
 SYSTEM = {"role": "system", "content": "You are a careful assistant."}
@@ -340,7 +340,8 @@ async def test_compaction_keeps_the_budget_and_loses_nothing(
         tagged = {int(node) for node in re.findall(r"\[#(\d+) level \d+", stable)}
         async with engine.begin() as conn:
             nodes = [
-                await store.get_node(conn, tenant_id=tenant_id, node_id=node) for node in tagged
+                await tree_nodes.get_node(conn, tenant_id=tenant_id, node_id=node)
+                for node in tagged
             ]
         covered = set()
         for node in nodes:

@@ -16,12 +16,12 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 
 from memory.errors import InvalidInput, NotFound
 from memory.schema import nodes
-from memory.write import store
+from memory.write import tree_nodes
 
 
 async def node_path(
     conn: AsyncConnection, *, tenant_id: int, node_id: int
-) -> list[store.NodeRecord]:
+) -> list[tree_nodes.NodeRecord]:
     """The node and the summaries above it, the root first; `NotFound` for a node that does not
     exist for this tenant. One recursive query up the parent links, however deep the tree."""
     up = (
@@ -35,9 +35,9 @@ async def node_path(
         )
     )
     rows = await conn.execute(
-        store.select_nodes().join(up, up.c.id == nodes.c.id).order_by(up.c.depth.desc())
+        tree_nodes.select_nodes().join(up, up.c.id == nodes.c.id).order_by(up.c.depth.desc())
     )
-    path = [store.node_record(row) for row in rows]
+    path = [tree_nodes.node_record(row) for row in rows]
     if not path:
         raise NotFound(f"node {node_id} does not exist")
     return path
@@ -47,7 +47,7 @@ async def node_path(
 class TreePage:
     """Consecutive siblings of the tree, in time order, and whether more lie on either side."""
 
-    nodes: list[store.NodeRecord]
+    nodes: list[tree_nodes.NodeRecord]
     more_before: bool
     more_after: bool
 
@@ -85,10 +85,10 @@ async def tree_page(
         order = nodes.c.span_start.asc()
     rows = (
         await conn.execute(
-            store.select_nodes().where(*siblings, edge).order_by(order).limit(limit + 1)
+            tree_nodes.select_nodes().where(*siblings, edge).order_by(order).limit(limit + 1)
         )
     ).all()
-    found = [store.node_record(row) for row in rows[:limit]]
+    found = [tree_nodes.node_record(row) for row in rows[:limit]]
     more = len(rows) > limit
     behind = bool(await conn.scalar(select(exists().where(*siblings, beyond))))
     if backwards:

@@ -45,7 +45,7 @@ from gateway.schemas import ImportRequest
 from memory.build import tree
 from memory.db import transaction
 from memory.errors import NotFound
-from memory.write import branches, conversations, identity, store, tree_pages
+from memory.write import branches, conversations, identity, store, tree_nodes, tree_pages
 
 router = APIRouter()
 
@@ -274,8 +274,8 @@ async def conversation_hierarchy(
     messages branch."""
     async with transaction(engine) as conn:
         ref = await store.find_conversation(conn, tenant_id=tenant_id, external_id=conversation)
-        counts = await store.level_counts(conn, tenant_id=tenant_id, conversation_id=ref.id)
-        summaries = await store.list_nodes(conn, tenant_id=tenant_id, conversation_id=ref.id)
+        counts = await tree_nodes.level_counts(conn, tenant_id=tenant_id, conversation_id=ref.id)
+        summaries = await tree_nodes.list_nodes(conn, tenant_id=tenant_id, conversation_id=ref.id)
         runs = await branches.runs(conn, tenant_id=tenant_id, conversation_id=ref.id)
     return HierarchyPublic(
         conversation=conversation,
@@ -310,7 +310,7 @@ async def conversation_tree(
     async with transaction(engine) as conn:
         ref = await store.find_conversation(conn, tenant_id=tenant_id, external_id=conversation)
         if parent is not None:
-            above = await store.get_node(conn, tenant_id=tenant_id, node_id=parent)
+            above = await tree_nodes.get_node(conn, tenant_id=tenant_id, node_id=parent)
             if above.conversation_id != ref.id:
                 raise NotFound(f"node {parent} is not in conversation {conversation!r}")
         page = await tree_pages.tree_page(
@@ -390,7 +390,7 @@ async def node(
 ) -> NodePublic:
     """A message or a summary, with its parent and children."""
     async with transaction(engine) as conn:
-        record = await store.get_node(conn, tenant_id=tenant_id, node_id=node_id)
+        record = await tree_nodes.get_node(conn, tenant_id=tenant_id, node_id=node_id)
         external_id = await store.external_id(
             conn, tenant_id=tenant_id, conversation_id=record.conversation_id
         )
@@ -413,7 +413,7 @@ async def node_path(
     )
 
 
-def node_public(record: store.NodeRecord, conversation: str) -> NodePublic:
+def node_public(record: tree_nodes.NodeRecord, conversation: str) -> NodePublic:
     return NodePublic(
         id=record.id,
         conversation=conversation,
