@@ -17,7 +17,9 @@ their summaries likewise, so that retrieval over the tenant searches N embedded 
 a few generic ones), as the gateway does for a new user message (query embedded by the local
 embedder, overlapped with the full-text leg), `--rounds` times, and reports p50/p95 in ms;
 `--stages` adds the wall time inside each retrieval/tokenizer stage per build; `--tenant`
-also times `retrieval.search` over every conversation of the tenant (as `bench/scale.py`);
+also times `retrieval.search` over every conversation of the tenant (as `bench/scale.py`),
+every node cold, then with lifecycle tiers (the nodes found for half of the questions made warm:
+those asked again, and the other half, still cold);
 `--chosen` writes the node ids each prompt chose, to compare two versions of the code;
 `--profile` writes a pyinstrument profile of the measured builds.
 The machine is shared: compare versions back to back and read the load printed beside them.
@@ -32,8 +34,8 @@ import json
 import os
 import sys
 import time
-from collections import defaultdict
-from collections.abc import Callable
+from collections import Counter, defaultdict
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -42,7 +44,8 @@ from sqlalchemy import text
 
 from bench import harness as h
 from bench.scale import _questions
-from memory import tokens
+from devkit import synthetic
+from memory import tiers, tokens
 from memory.db import connect
 from memory.embeddings import LocalEmbedder
 from memory.postgres import EmbeddedPostgres
@@ -343,8 +346,13 @@ async def _tenant_search(
     engine: Any, embedder: LocalEmbedder, tenant_id: int, questions: list[str], rounds: int
 ) -> dict[str, Any]:
     """`retrieval.search` over every conversation of the tenant, as `bench/scale.py` times it
-    (the query embedded beforehand)."""
+    (the query embedded beforehand), first with every node cold; then with tiers
+    (`memory.tiers`): the nodes the first half of the questions found are accessed, as if placed
+    in prompts (warm), and both halves are timed again. The first half is then answered from
+    the warm tier; the second half asks for facts still cold. `found` counts the questions
+    whose planted fact is in a hit, per pass."""
     vectors = [(await embedder.embed([q]))[0] for q in questions]
+    facts = _facts(len(questions))
     async with engine.connect() as conn:
         ids = [
             int(r.id)
@@ -356,24 +364,67 @@ async def _tenant_search(
         messages = await conn.scalar(
             text("SELECT count(*) FROM nodes WHERE tenant_id = :t AND level = 0"), {"t": tenant_id}
         )
-        await conn.rollback()
-        latencies: list[float] = []
-        for round_number in range(rounds + 1):
-            for question, vector in zip(questions, vectors, strict=True):
-                started = time.perf_counter()
-                await retrieval.search(
-                    conn,
-                    tenant_id=tenant_id,
-                    conversation_ids=ids,
-                    query=question,
-                    query_vector=vector,
-                    limit=10,
-                )
-                elapsed = (time.perf_counter() - started) * 1000
-                await conn.rollback()
-                if round_number:
-                    latencies.append(elapsed)
-    return {"conversations": len(ids), "messages": int(messages), **h.summarize(latencies)}
+        await conn.execute(text("DELETE FROM node_access WHERE tenant_id = :t"), {"t": tenant_id})
+        await conn.commit()
+
+        async def measure(indexes: Sequence[int]) -> tuple[list[float], dict[int, list[int]], int]:
+            latencies: list[float] = []
+            hits: dict[int, list[int]] = {}
+            found = 0
+            for round_number in range(rounds + 1):
+                for index in indexes:
+                    started = time.perf_counter()
+                    result = await retrieval.search(
+                        conn,
+                        tenant_id=tenant_id,
+                        conversation_ids=ids,
+                        query=questions[index],
+                        query_vector=vectors[index],
+                        limit=10,
+                    )
+                    elapsed = (time.perf_counter() - started) * 1000
+                    await conn.rollback()
+                    if round_number:
+                        latencies.append(elapsed)
+                    else:
+                        hits[index] = [hit.node_id for hit in result]
+                        fact = facts[index]
+                        found += fact is not None and any(fact in hit.text for hit in result)
+            return latencies, hits, found
+
+        everything = range(len(questions))
+        warm_half = [i for i in everything if i % 2 == 0]
+        cold_half = [i for i in everything if i % 2 == 1]
+        cold, hits, found_cold = await measure(everything)
+        accessed: Counter[int] = Counter(node for i in warm_half for node in hits[i])
+        await tiers.record(conn, tenant_id=tenant_id, accessed=accessed)
+        await conn.commit()
+        warm_asked, _, found_warm = await measure(warm_half)
+        cold_asked, _, found_other = await measure(cold_half)
+        await conn.execute(text("DELETE FROM node_access WHERE tenant_id = :t"), {"t": tenant_id})
+        await conn.commit()
+    planted = sum(fact is not None for fact in facts)
+    return {
+        "conversations": len(ids),
+        "messages": int(messages),
+        **h.summarize(cold),
+        "planted_facts": planted,
+        "found_all_cold": found_cold,
+        "with_tiers": {
+            "warm_nodes": len(accessed),
+            "asked_again_warm": h.summarize(warm_asked),
+            "asked_cold": h.summarize(cold_asked),
+            "found": found_warm + found_other,
+        },
+    }
+
+
+def _facts(count: int) -> list[str | None]:
+    """The planted fact each of `_questions(count)` asks about (None: a generic question)."""
+    planted = [fact.value for fact in synthetic.generate(2_000, seed=5, with_tools=False).facts]
+    generic: list[str | None] = [None] * 4
+    mixed = [q for pair in zip(planted, generic * len(planted), strict=False) for q in pair]
+    return (mixed * (count // max(len(mixed), 1) + 1))[:count]
 
 
 def main() -> None:

@@ -10,10 +10,12 @@ and token counting go to three baselines. This module holds every part the datas
 * `database()` -- a throw-away embedded Postgres (or one kept in a folder), migrated, with the
   benchmark's tenant; `states()` -- the gateway's `State`s a question is asked through: the
   memory tools off, the same rebuilding each prompt for its query (`MEMSTRATA_CONTEXT_MODE=
-  rebuild`), and the tools offered; `context_settings()` -- the working context's settings a
-  run measured (the environment's `MEMSTRATA_*` apply);
+  rebuild`), the same with the concept graph's leg (`MEMSTRATA_GRAPH_RECALL=on`: the method
+  `memstrata_graph`), and the tools offered; `context_settings()` -- the working context's
+  settings a run measured (the environment's `MEMSTRATA_*` apply);
 * `replay()` -- the turns through `gateway.importer.import_messages`, then the summary tree
-  (extractive summaries, local MiniLM; `memory.build.tree.build`, `final=True`);
+  (extractive summaries, local MiniLM; `memory.build.tree.build`, `final=True`) with the
+  concept graph (unless `MEMSTRATA_GRAPH=off`);
 * the baselines -- `newest()` (the newest turns as chat messages), `embedding_ranked()` and
   `fulltext_ranked()` (flat MiniLM cosine, Postgres `ts_rank_cd`), laid out by `fill_lines()`
   as one memory message of `[date speaker] text` lines;
@@ -28,7 +30,7 @@ from __future__ import annotations
 import contextlib
 import statistics
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import AsyncIterator, Collection, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -41,22 +43,24 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from devkit.postgres import throwaway_postgres
 from devkit.stats import percentile
-from gateway import importer
+from gateway import background, importer
 from gateway.openai import chat
 from gateway.settings import Settings
 from gateway.state import State
 from memory import tokens
-from memory.build import tree
+from memory.build import graph, tree
 from memory.build.summarize import ExtractiveSummarizer
 from memory.db import connect, migrate
 from memory.embeddings import LocalEmbedder
 from memory.recall import retrieval, tools
+from memory.recall.assemble import Assembled
 from memory.schema import nodes, tenants
 
 MODEL = "gpt-4o"
 METHODS = (
     "memstrata",
     "memstrata_rebuild",
+    "memstrata_graph",
     "memstrata_tools",
     "newest",
     "flat_embedding",
@@ -123,10 +127,12 @@ async def database(
 class States:
     """The gateway's states a question is asked through: the memory tools off (`plain`), the
     same with each prompt rebuilt for its query (`rebuild`, `MEMSTRATA_CONTEXT_MODE=rebuild`),
+    the same as `plain` with the concept graph's leg (`graph`, `MEMSTRATA_GRAPH_RECALL=on`),
     and the tools offered (`offered`, the default). Other settings come from the environment."""
 
     plain: State
     rebuild: State
+    graph: State
     offered: State
 
 
@@ -157,6 +163,7 @@ def states(engine: AsyncEngine, embedder: LocalEmbedder, tenant: int) -> States:
     return States(
         plain=state(memory_tools="never"),
         rebuild=state(memory_tools="never", context_mode="rebuild"),
+        graph=state(memory_tools="never", graph_recall="on"),
         offered=state(memory_tools="auto"),
     )
 
@@ -182,7 +189,12 @@ async def replay(
                 {"t": tenant, "e": replayed.external_id},
             )
         )
-    config = tree.TreeConfig(embedder=embedder, summarizer=ExtractiveSummarizer())
+    # MEMSTRATA_GRAPH=off builds no concept graph: the graph leg then has nothing to walk.
+    config = tree.TreeConfig(
+        embedder=embedder,
+        summarizer=ExtractiveSummarizer(),
+        graph=background.graph_config(Settings(_env_file=None), embedder),
+    )
     await tree.build(
         engine,
         tenant_id=tenant,
@@ -190,6 +202,10 @@ async def replay(
         config=config,
         final=True,
     )
+    if config.graph is not None:  # a database kept from before the graph (migration 0012)
+        await graph.backfill(
+            engine, config.graph, tenant_id=tenant, conversation_id=replayed.conversation_id
+        )
     async with engine.connect() as conn:
         rows = (
             await conn.execute(
@@ -298,6 +314,9 @@ class Scores:
     by_question: dict[str, dict[str, dict[str, float]]] = field(
         default_factory=lambda: defaultdict(dict)
     )
+    # Questions per group by the route retrieval took (`Assembled.route`) at the first budget
+    # (memstrata_graph's when measured, else memstrata's).
+    routes: dict[str, Counter[str]] = field(default_factory=lambda: defaultdict(Counter))
 
     async def measure(
         self,
@@ -317,17 +336,22 @@ class Scores:
         tools_reserved = tools.tool_tokens(MODEL)
         for budget in self.budgets:
             began = time.perf_counter()
-            built, count = await self._dry(plain, replayed, question, budget)
+            assembled = await self._dry(plain, replayed, question, budget)
             self.latency[budget].append((time.perf_counter() - began) * 1000)
-            prompts = {"memstrata": built}
-            if "memstrata_rebuild" in self.systems:
-                prompts["memstrata_rebuild"], _ = await self._dry(
-                    self.states.rebuild, replayed, question, budget
-                )
-            if "memstrata_tools" in self.systems:
-                prompts["memstrata_tools"], _ = await self._dry(
-                    self.states.offered, replayed, question, budget
-                )
+            count = assembled.tokens
+            prompts = {"memstrata": assembled.messages}
+            routed = assembled
+            for method, state in (
+                ("memstrata_rebuild", self.states.rebuild),
+                ("memstrata_graph", self.states.graph),
+                ("memstrata_tools", self.states.offered),
+            ):
+                if method in self.systems:
+                    other = await self._dry(state, replayed, question, budget)
+                    prompts[method] = other.messages
+                    routed = other if method == "memstrata_graph" else routed
+            if budget == self.budgets[0]:
+                self.routes[group][routed.route or "none"] += 1
             if "newest" in self.systems:
                 prompts["newest"] = newest(replayed.turns, question, budget)
             if "flat_embedding" in self.systems:
@@ -351,10 +375,8 @@ class Scores:
                         self.by_question[key].setdefault(method, {})[str(budget)] = recall
 
     @staticmethod
-    async def _dry(
-        state: State, replayed: Replayed, question: str, budget: int
-    ) -> tuple[list[dict[str, Any]], int]:
-        assembled = await chat.dry_run(
+    async def _dry(state: State, replayed: Replayed, question: str, budget: int) -> Assembled:
+        return await chat.dry_run(
             state,
             tenant_id=state.default_tenant_id,
             external_id=replayed.external_id,
@@ -362,7 +384,6 @@ class Scores:
             budget=budget,
             model=MODEL,
         )
-        return assembled.messages, assembled.tokens
 
     def table(self, variant: str, weights: dict[str, float] | None = None) -> dict[str, Any]:
         """`{method: {budget: {overall, questions, [weighted,] group: mean…}}}` for one
@@ -387,8 +408,10 @@ class Scores:
         return table
 
     def figures(self) -> dict[str, Any]:
-        """Mean prompt tokens per method and budget, and the dry run's latency."""
+        """Mean prompt tokens per method and budget, the dry run's latency, and the routes
+        taken per group."""
         return {
+            "routes": {group: dict(counted) for group, counted in sorted(self.routes.items())},
             "prompt_tokens_mean": {
                 method: {str(b): round(statistics.fmean(v), 1) for b, v in per.items()}
                 for method, per in self.prompt_tokens.items()

@@ -24,6 +24,7 @@ DOCS = ROOT / "docs" / "benchmarks.md"
 LABELS = {
     "memstrata": "memstrata, working context (memory tools off)",
     "memstrata_rebuild": "memstrata, per-query rebuild (memory tools off)",
+    "memstrata_graph": "memstrata, working context with the graph leg (memory tools off)",
     "memstrata_tools": "memstrata, memory tools offered (their definitions reserved)",
     "newest": "newest turns only",
     "flat_embedding": "flat MiniLM top-k",
@@ -109,6 +110,7 @@ def group_table(
 SHORT = {
     "memstrata": "working context",
     "memstrata_rebuild": "per-query rebuild",
+    "memstrata_graph": "with the graph leg",
     "memstrata_tools": "with memory tools",
     "newest": "newest",
     "flat_embedding": "flat MiniLM",

@@ -75,7 +75,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                     concurrency=settings.workers,
                     observe=app_metrics.observe_job,
                 )
-                await stack.enter_async_context(background.running(runner))
+                await stack.enter_async_context(background.running(runner, engine))
             state = State(
                 settings=settings,
                 engine=engine,
@@ -99,6 +99,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                     "MEMSTRATA_AUTH is on and MEMSTRATA_UPSTREAM_API_KEY is unset: "
                     "requests go upstream without a key"
                 )
+            await stack.enter_async_context(background.recording(engine, state.accesses))
             await stack.enter_async_context(mcp_endpoint.running())
             log.info("memstrata ready", extra={"upstream": settings.upstream_url})
             stack.push_async_callback(state.close)

@@ -1,5 +1,7 @@
-"""Background workers, composed from settings: the job handlers of the summary tree (build)
-and of the working context's next turn (recall), on the job queue.
+"""Background work, composed from settings: the job handlers of the summary tree (build, with
+the concept graph's consolidation), of the working context's next turn (recall) and of the tier
+sweeper, on the job queue; and the recorder of memory accesses (`recording`), which writes what
+requests only counted in memory.
 
 `serve` runs them (`MEMSTRATA_WORKERS` > 0) and `memstrata worker` runs them alone;
 both build the same `TreeConfig` and working-context `Policy` here, so a worker process and a
@@ -8,6 +10,7 @@ other: the recall path's preparation takes plain arguments and is wrapped into a
 """
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -15,11 +18,14 @@ from contextlib import asynccontextmanager
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from gateway.settings import Settings
-from memory.build import jobs, tree
+from memory import tiers
+from memory.build import graph, jobs, sweeper, tree
 from memory.build.segments import SegmentPolicy
 from memory.build.summarize import make_summarizer
 from memory.build.worker import JobObserver, Worker
+from memory.db import transaction
 from memory.embeddings import Embedder, make_embedder
+from memory.errors import StorageUnavailable
 from memory.provider import Provider
 from memory.recall import anticipation, compaction
 from memory.recall.prompt import TOOLS_GUIDE
@@ -66,6 +72,7 @@ def tree_config(settings: Settings, upstream: Provider, embed: Embedder) -> tree
         fanout=settings.fanout,
         summary_tokens=settings.summary_tokens,
         passages=settings.passages == "on",
+        graph=graph_config(settings, embed),
     )
 
 
@@ -106,6 +113,13 @@ def context_handler(engine: AsyncEngine, settings: Settings, embed: Embedder) ->
     return handle
 
 
+def graph_config(settings: Settings, embed: Embedder) -> graph.GraphConfig | None:
+    """How closed segments are consolidated into the concept graph (None: not at all)."""
+    if settings.graph != "on":
+        return None
+    return graph.GraphConfig(embedder=embed, merge_similarity=settings.concept_merge_similarity)
+
+
 def worker(
     engine: AsyncEngine,
     settings: Settings,
@@ -120,6 +134,7 @@ def worker(
         {
             tree.JOB_KIND: tree.handler(engine, config),
             CONTEXT_JOB: context_handler(engine, settings, config.embedder),
+            sweeper.JOB_KIND: sweeper.handler(engine, every=settings.tier_sweep_seconds),
         },
         lease_seconds=settings.job_lease_seconds,
         concurrency=concurrency,
@@ -128,10 +143,13 @@ def worker(
 
 
 @asynccontextmanager
-async def running(runner: Worker, *, grace: float = 10.0) -> AsyncIterator[None]:
-    """Run `runner` in the background for the duration of the block; on exit let it finish
-    the jobs in hand for up to `grace` seconds (an unfinished job's lease expires and another
-    worker takes it over)."""
+async def running(
+    runner: Worker, engine: AsyncEngine, *, grace: float = 10.0
+) -> AsyncIterator[None]:
+    """Run `runner` in the background for the duration of the block, the tier sweep scheduled
+    first (`memory.build.sweeper`); on exit let it finish the jobs in hand for up to `grace`
+    seconds (an unfinished job's lease expires and another worker takes it over)."""
+    await sweeper.schedule(engine)
     stop = asyncio.Event()
     task = asyncio.create_task(runner.run(stop))
     try:
@@ -142,3 +160,36 @@ async def running(runner: Worker, *, grace: float = 10.0) -> AsyncIterator[None]
             await asyncio.wait_for(task, grace)
         except TimeoutError:
             log.warning("background worker did not stop within %.0fs", grace)
+
+
+async def flush(engine: AsyncEngine, accesses: tiers.Accesses) -> None:
+    """Record the accesses pending (`memory.tiers`): one statement per tenant. With the
+    database down they are dropped: accesses rank, they are not memory."""
+    for tenant_id, accessed in accesses.take().items():
+        try:
+            async with transaction(engine) as conn:
+                await tiers.record(conn, tenant_id=tenant_id, accessed=accessed)
+        except StorageUnavailable:
+            log.warning("%d node accesses not recorded: the database is unavailable", len(accessed))
+
+
+@asynccontextmanager
+async def recording(
+    engine: AsyncEngine, accesses: tiers.Accesses, *, every: float = 1.0
+) -> AsyncIterator[None]:
+    """Record `accesses` every `every` seconds for the duration of the block, and what is
+    left on exit: requests only add to the buffer, never write."""
+    stop = asyncio.Event()
+
+    async def loop() -> None:
+        while not stop.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), every)
+            await flush(engine, accesses)
+
+    task = asyncio.create_task(loop(), name="access-recorder")
+    try:
+        yield
+    finally:
+        stop.set()
+        await task

@@ -19,6 +19,7 @@ from tqdm import tqdm
 
 from gateway import background, importer, logs
 from gateway.settings import Settings
+from memory.build import sweeper
 from memory.build.worker import Worker
 from memory.db import connect, migrate
 from memory.errors import MemstrataError
@@ -140,6 +141,7 @@ def worker(concurrency: int) -> None:
             for sig in (signal.SIGINT, signal.SIGTERM):
                 loop.add_signal_handler(sig, stop.set)
             click.echo(f"worker {runner.worker_id} running; Ctrl-C to stop", err=True)
+            await sweeper.schedule(engine)
             await runner.run(stop)
 
     _with_database(settings, run)

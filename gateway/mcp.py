@@ -1,7 +1,8 @@
 """The memory tools over MCP (SPEC §7): streamable HTTP at `/mcp`, with the official `mcp` SDK.
 
-Five tools: `memory_expand`, `memory_search`, `memory_browse` and `memory_find` (the ones the
-tool loop offers models, `memory.recall.tools`, same meaning and results) and `memory_stats`. Each
+Six tools: `memory_expand`, `memory_search`, `memory_browse`, `memory_find` and `memory_related`
+(the ones the tool loop offers models, `memory.recall.tools`, same meaning and results) and
+`memory_stats`. Each
 takes the conversation to read as its `conversation` argument (the external id, as in
 `X-Memstrata-Conversation`) and reads only that conversation. A conversation or node of another
 tenant behaves exactly as a missing one; a bad argument, an unknown conversation or node and a
@@ -36,6 +37,7 @@ from starlette.types import Receive, Scope, Send
 
 from gateway.deps import TenantDep, get_state
 from gateway.state import State
+from memory import tiers
 from memory.db import transaction
 from memory.errors import InvalidInput, MemstrataError
 from memory.recall import tools
@@ -54,7 +56,7 @@ _INSTRUCTIONS: Final = (
 
 
 def tool_list() -> list[types.Tool]:
-    """The five tools, each taking `conversation` before its own arguments."""
+    """The six tools, each taking `conversation` before its own arguments."""
     listed = []
     for definition in tools.definitions():
         function = definition["function"]
@@ -202,6 +204,7 @@ async def _call_tool(
                     result_chars=state.settings.tool_result_chars,
                 ),
             )
+        state.accesses.add(tenant_id, tiers.ids_in(text))
     except MemstrataError as exc:
         return _error(str(exc))
     return types.CallToolResult(content=[types.TextContent(text=text)])
@@ -219,6 +222,7 @@ async def _stats(state: State, tenant_id: int, conversation: str) -> dict[str, A
         "levels": {str(level): count for level, count in sorted(found.levels.items())},
         "level_tokens": {str(level): n for level, n in sorted(found.level_tokens.items())},
         "pending_jobs": found.pending_jobs,
+        "tiers": found.tiers,
         "created_at": summary.created_at.isoformat(),
         "updated_at": summary.updated_at.isoformat(),
     }

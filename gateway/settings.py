@@ -66,6 +66,14 @@ class Settings(BaseSettings):
     fanout: int = Field(default=8, ge=2, le=64)
     # Each message's sentences embedded on their own too (`memory.build.passages`).
     passages: OnOff = "on"
+    # The concept graph (`memory.build.graph`, `memory.recall.graph`).
+    graph: OnOff = "on"
+    concept_merge_similarity: float = Field(default=0.85, ge=0.5, le=1.0)
+    # Relational questions also retrieve through the concept graph (`memory.recall.graph.leg`);
+    # off: measured not to raise recall (docs/benchmarks.md, issue 14).
+    graph_recall: OnOff = "off"
+    # Lifecycle tiers (`memory.tiers`): how often the demotion sweep runs.
+    tier_sweep_seconds: float = Field(default=300.0, ge=1.0)
 
     # Prompt assembly
     context_budget: int = Field(default=8000, ge=256)

@@ -31,6 +31,7 @@ from typing import Any
 
 from gateway import background, logs
 from gateway.settings import Settings
+from memory.build import sweeper
 from memory.build.worker import JobObserver
 from memory.db import connect
 
@@ -121,6 +122,7 @@ async def _work(
             concurrency=settings.workers,
             observe=lambda kind, seconds, outcome: outcomes.put((kind, seconds, outcome)),
         )
+        await sweeper.schedule(engine)
         await runner.run(stopping)
     finally:
         await upstream.aclose()

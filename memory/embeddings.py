@@ -50,6 +50,7 @@ __all__ = [
     "Vector",
     "centroid",
     "make_embedder",
+    "vector_literal",
 ]
 
 log = logging.getLogger(__name__)
@@ -367,6 +368,11 @@ def make_embedder(
             "choose a model of that width (or one that accepts a 'dimensions' parameter)"
         )
     return embedder
+
+
+def vector_literal(vector: Sequence[float]) -> str:
+    """A vector in pgvector's text form, for SQL that casts it (`CAST(:v AS vector)`)."""
+    return "[" + ",".join(f"{float(x):.6g}" for x in vector) + "]"
 
 
 def centroid(vectors: Sequence[Vector]) -> list[float]:

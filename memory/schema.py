@@ -44,6 +44,15 @@ def _created_at() -> Column[object]:
     return Column("created_at", DateTime(timezone=True), nullable=False, server_default=func.now())
 
 
+def _conversation_id() -> Column[int]:
+    return Column(
+        "conversation_id",
+        BigInteger,
+        ForeignKey("conversations.id", ondelete="CASCADE"),
+        nullable=False,
+    )
+
+
 tenants = Table(
     "tenants",
     metadata,
@@ -281,6 +290,85 @@ working_contexts = Table(
     Column("recall_vector", Vector(EMBEDDING_DIM)),
     Column("recall_ids", ARRAY(BigInteger)),
     Column("updated_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+)
+
+# The concept graph (`memory.build.graph` builds it, `memory.recall.graph` walks it; migration
+# 0012): concepts of one tenant and scope (`memory.concepts.scope_key`), merged by meaning;
+# edges between them (`co_occurs`: in one segment, stored once with source < target;
+# `precedes`: topics of consecutive segments), and the nodes that mention each.
+concepts = Table(
+    "concepts",
+    metadata,
+    Column("id", BigInteger, primary_key=True, autoincrement=True),
+    Column("tenant_id", BigInteger, ForeignKey("tenants.id", ondelete="CASCADE"), nullable=False),
+    Column("scope", Text, nullable=False),
+    # `memory.concepts.concept_key` of the name: what exact-name matches compare.
+    Column("key", Text, nullable=False),
+    Column("name", Text, nullable=False),
+    Column("embedding", Vector(EMBEDDING_DIM)),
+    # Segments it was found in (merges included); schematic from `memory.concepts.SCHEMATIC`.
+    Column("frequency", Integer, nullable=False, server_default="1"),
+    _created_at(),
+    Column("updated_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+    UniqueConstraint("tenant_id", "scope", "key", name="uq_concepts_tenant_scope_key"),
+)
+
+concept_edges = Table(
+    "concept_edges",
+    metadata,
+    Column(
+        "source_id", BigInteger, ForeignKey("concepts.id", ondelete="CASCADE"), primary_key=True
+    ),
+    Column(
+        "target_id", BigInteger, ForeignKey("concepts.id", ondelete="CASCADE"), primary_key=True
+    ),
+    Column("kind", Text, primary_key=True),
+    Column("tenant_id", BigInteger, ForeignKey("tenants.id", ondelete="CASCADE"), nullable=False),
+    Column("weight", Integer, nullable=False, server_default="1"),
+    Index("ix_concept_edges_target", "target_id"),
+)
+
+concept_mentions = Table(
+    "concept_mentions",
+    metadata,
+    Column(
+        "concept_id", BigInteger, ForeignKey("concepts.id", ondelete="CASCADE"), primary_key=True
+    ),
+    Column("node_id", BigInteger, ForeignKey("nodes.id", ondelete="CASCADE"), primary_key=True),
+    Column("tenant_id", BigInteger, ForeignKey("tenants.id", ondelete="CASCADE"), nullable=False),
+    _conversation_id(),
+    # Times the node names the concept (a summary: in the whole segment).
+    Column("weight", SmallInteger, nullable=False, server_default="1"),
+    Index("ix_concept_mentions_node", "node_id"),
+)
+
+concept_graphs = Table(
+    "concept_graphs",
+    metadata,
+    Column("tenant_id", BigInteger, ForeignKey("tenants.id", ondelete="CASCADE"), primary_key=True),
+    Column("scope", Text, primary_key=True),
+    # Raised by every consolidation.
+    Column("version", Integer, nullable=False, server_default="0"),
+    Column("updated_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+)
+
+# Lifecycle tiers (`memory.tiers`; migration 0012): a row per node ever accessed, apart from
+# `nodes` so that counting an access never writes a row version of `nodes` (whose HNSW index
+# would take a new entry for it). A node without a row is cold.
+node_access = Table(
+    "node_access",
+    metadata,
+    Column("node_id", BigInteger, ForeignKey("nodes.id", ondelete="CASCADE"), primary_key=True),
+    Column("tenant_id", BigInteger, ForeignKey("tenants.id", ondelete="CASCADE"), nullable=False),
+    _conversation_id(),
+    Column("accesses", Integer, nullable=False, server_default="0"),
+    # Accesses since `window_start` (a window lasts `memory.tiers.WINDOW`).
+    Column("recent", Integer, nullable=False, server_default="0"),
+    Column("window_start", DateTime(timezone=True), nullable=False, server_default=func.now()),
+    Column("last_access", DateTime(timezone=True), nullable=False, server_default=func.now()),
+    Column("tier", Text, nullable=False, server_default="cold"),
+    Index("ix_node_access_conversation_tier", "conversation_id", "tier"),
+    Index("ix_node_access_sweep", "last_access", postgresql_where=text("tier <> 'cold'")),
 )
 
 jobs = Table(

@@ -37,6 +37,7 @@ from typing import Any, Final
 __all__ = [
     "ABBREVIATIONS",
     "COMPLETION_NEGATORS",
+    "CONCEPT_STOPWORDS",
     "GENERIC_TOOL_VERBS",
     "MODAL_VERBS",
     "MONTHS",
@@ -116,6 +117,30 @@ OPEN_MARKERS: Final = ("TBD", "TODO", "FIXME")
 """Upper-case words that mark something still open."""
 
 # --- lists, each for one use --------------------------------------------------------------------
+
+CONCEPT_STOPWORDS: Final = _words(
+    # Postgres's English stop words (the Snowball list its full-text search drops), so that
+    # the concept graph's words are those the full-text leg indexes; then the chat's own
+    # filler: greetings, reactions, hedges and the commonest verbs of talk.
+    """
+    i me my myself we our ours ourselves you your yours yourself yourselves he him his himself
+    she her hers herself it its itself they them their theirs themselves what which who whom
+    this that these those am is are was were be been being have has had having do does did
+    doing a an the and but if or because as until while of at by for with about against between
+    into through during before after above below to from up down in out on off over under again
+    further then once here there when where why how all any both each few more most other some
+    such no nor not only own same so than too very s t can will just don should now
+    hey hi hello thanks thank yeah yes yep wow oh ok okay lol haha cool nice great good awesome
+    amazing glad sure really totally definitely absolutely maybe also still even much many lot
+    lots thing things something anything everything stuff way ways kind sort bit
+    would could might must shall get gets got getting go goes going gone went make makes made
+    making know knew think thought feel felt like liked want wanted say said tell told see saw
+    look looks looking sounds sound seem seems let take took come came keep kept give gave
+    one ones two first last new next day days time times today yesterday tomorrow week weeks
+    """
+)
+"""Words that are never part of a concept's name (`memory.concepts.phrases`)."""
+
 
 ABBREVIATIONS: Final = (*TITLES, "vs", "etc", "approx", "Inc", "Ltd", "Co", "Corp", "No", "Fig")
 """Words whose full stop does not end a sentence (``split_sentences(..., prose=True)``)."""

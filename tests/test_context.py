@@ -396,6 +396,7 @@ async def test_dry_run_of_a_conversation_that_fits_is_the_history(engine: AsyncE
     assert assembled.labels == ["system", "history", "history", "history"]
     assert assembled.context_version is None
     assert assembled.why == []
+    assert assembled.route is None
 
 
 async def dry_run_of_the_tree(
@@ -424,6 +425,7 @@ async def test_dry_run_rebuilds_when_the_history_does_not_fit(
     assembled = await dry_run_of_the_tree(engine, built_tree)
     messages = assembled.messages
     assert assembled.tokens == tokens.count_messages(messages, model=MODEL) <= 1500
+    assert assembled.route == "flat"
     assert messages[-1] == {"role": "user", "content": "what is the storage unit door code"}
     # The working context: stable memory, verbatim turns, the recall note, the question; the
     # planted fact, a milestone ("remember that"), is in stable memory, tagged.

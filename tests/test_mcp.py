@@ -20,14 +20,26 @@ import mcp_types as types
 import pytest
 from mcp import Client
 from mcp.client.streamable_http import streamable_http_client
+from sqlalchemy import text as sql
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from devkit.gateway import GatewayProcess
 from devkit.upstream import UpstreamServer
+from memory.build import tree
+from memory.build.graph import GraphConfig
+from memory.build.summarize import ExtractiveSummarizer
+from memory.embeddings import LocalEmbedder
 from memory.write import tenants
 
 HEADER = "X-Memstrata-Conversation"
-TOOL_NAMES = ["memory_expand", "memory_search", "memory_browse", "memory_find", "memory_stats"]
+TOOL_NAMES = [
+    "memory_expand",
+    "memory_search",
+    "memory_browse",
+    "memory_find",
+    "memory_related",
+    "memory_stats",
+]
 
 
 @pytest.fixture(scope="module")
@@ -204,6 +216,48 @@ async def test_another_tenant_sees_nothing(
     assert text(found) == "0 messages match 'LX318'."
     assert stats.structured_content is not None
     assert stats.structured_content["messages"] == 2
+
+
+async def test_memory_related_reads_the_keys_tenant_only(
+    gateway: GatewayProcess, keys: tuple[str, str], engine: AsyncEngine
+) -> None:
+    name = f"mcp-graph-{uuid.uuid4().hex}"
+    for line in (
+        "The rain barrel waters the raised bed.",
+        "Tomatoes in the raised bed need calcium from the rain barrel water.",
+    ):
+        await chat(gateway, keys[0], name, line)
+    # This gateway runs no worker: the graph is built here, with the embedder it queries with.
+    async with engine.connect() as conn:
+        conversation_id, tenant_id = (
+            await conn.execute(
+                sql("SELECT id, tenant_id FROM conversations WHERE external_id = :e"), {"e": name}
+            )
+        ).one()
+    embedder = LocalEmbedder()
+    await tree.build(
+        engine,
+        tenant_id=tenant_id,
+        conversation_id=conversation_id,
+        config=tree.TreeConfig(
+            embedder=embedder,
+            summarizer=ExtractiveSummarizer(),
+            graph=GraphConfig(embedder=embedder),
+        ),
+        final=True,
+    )
+    await chat(gateway, keys[1], name, "Nothing about gardens here.")
+    async with connect(gateway, keys[0]) as mine, connect(gateway, keys[1]) as theirs:
+        found = await mine.call_tool(
+            "memory_related", {"conversation": name, "concept": "rain barrel"}
+        )
+        hidden = await theirs.call_tool(
+            "memory_related", {"conversation": name, "concept": "rain barrel"}
+        )
+    assert not found.is_error, text(found)
+    head, *_ = text(found).splitlines()
+    assert head.startswith("concept 'rain barrel") and "raised bed" in text(found)
+    assert hidden.is_error and "no concept 'rain barrel'" in text(hidden)
 
 
 def test_a_missing_or_unknown_key_is_refused(gateway: GatewayProcess) -> None:

@@ -30,7 +30,7 @@ from memory.write import identity, store
 
 CHAT = "/v1/chat/completions"
 HEADER = "X-Memstrata-Conversation"
-MEMORY_TOOLS = ["memory_expand", "memory_search", "memory_browse", "memory_find"]
+MEMORY_TOOLS = ["memory_expand", "memory_search", "memory_browse", "memory_find", "memory_related"]
 TOOLS: list[ChatCompletionToolParam] = [
     {
         "type": "function",

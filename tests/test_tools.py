@@ -20,20 +20,12 @@ import pytest
 from sqlalchemy import insert, update
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from devkit.upstream_script import embedding_vector
 from memory.recall import browsing, tools
 from memory.schema import nodes, tenants
 from memory.write import identity, store
+from tests.stored import HashEmbedder
 
 MODEL = "gpt-4o-mini"
-
-
-class FakeEmbedder:
-    name = "fake"
-    dim = 384
-
-    async def embed(self, texts: Sequence[str]) -> list[list[float]]:
-        return [embedding_vector(text, self.dim) for text in texts]
 
 
 @dataclass
@@ -153,7 +145,7 @@ async def run(
             scope,
             name=name,
             arguments=arguments if isinstance(arguments, str) else json.dumps(arguments),
-            embedder=FakeEmbedder(),
+            embedder=HashEmbedder(),
             limits=limits or tools.Limits(),
         )
 
@@ -172,6 +164,7 @@ def test_definitions_are_openai_function_tools() -> None:
         "memory_search",
         "memory_browse",
         "memory_find",
+        "memory_related",
     ]
     for definition in definitions:
         assert definition["type"] == "function"

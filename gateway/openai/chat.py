@@ -124,6 +124,7 @@ async def complete(request: Request, state: State, *, tenant_id: int) -> Respons
         reply_to=appended.reply_to,
     )
     turn.sent(assembled, state.metrics)
+    state.accesses.add(tenant_id, assembled.accessed)
     _report(state, timings)
     stream = bool(chat.stream)
     return await relay.forward(
@@ -260,7 +261,8 @@ async def dry_run(
     model: str = "gpt-4o",
 ) -> Assembled:
     """The prompt `complete` would send upstream if the stored conversation `external_id`
-    received `query` as a new user message, with what each message is; nothing is stored."""
+    received `query` as a new user message, with what each message is and the route its
+    retrieval took; nothing is stored, and no access is counted."""
     return await memory_dry_run(
         state.engine,
         tenant_id=tenant_id,
@@ -283,6 +285,7 @@ def recall_of(state: State) -> Recall:
         policy=background.policy(settings),
         mode=settings.context_mode,
         abandoned_branches=settings.recall_abandoned_branches == "on",
+        graph=settings.graph_recall == "on",
     )
 
 

@@ -42,6 +42,7 @@ from gateway.openai.streams import EventReader, MergedStream, add_usage, is_memo
 from gateway.openai.turn import REPLY_COMPLETE, Chunks, Turn
 from gateway.settings import Settings
 from gateway.state import State
+from memory import tiers
 from memory.db import transaction
 from memory.errors import StorageUnavailable
 from memory.recall import tools
@@ -292,6 +293,7 @@ class ToolLoop:
                     embedder=self._state.embedder,
                     limits=self._limits,
                 )
+            self._state.accesses.add(self._turn.tenant_id, tiers.ids_in(result))
         except StorageUnavailable:
             log.warning("memory tool %s: the database is unavailable", name)
             result = "error: memory cannot be read right now; answer without it"

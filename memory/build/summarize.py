@@ -84,6 +84,9 @@ class Summary:
     facts: dict[str, list[str]]
     method: Literal["llm", "extractive"]
     model: str | None
+    # The main topics, as short noun phrases: the LLM's concepts for the graph
+    # (`memory.build.graph`); the extractive summarizer names none.
+    topics: tuple[str, ...] = ()
 
 
 class Summarizer(Protocol):
@@ -231,6 +234,7 @@ or what it counts.
 - "dates": dates, times and deadlines, with what they refer to.
 - "decisions": decisions, agreements, commitments and plans, one short sentence each.
 - "open_questions": questions and tasks still unresolved at the end.
+- "topics": the few main topics discussed, each a short noun phrase of one to three words.
 Every list holds strings; use [] when there is nothing. Copy identifiers, numbers, names and \
 dates exactly as written in the input. Never invent facts that are not stated."""
 
@@ -387,7 +391,10 @@ class LLMSummarizer:
                 for key in ("identifiers", "numbers", "dates"):
                     for value in extracted[key]:
                         facts.add(key, value)
-        return Summary(text=narrative, facts=facts.values, method="llm", model=self.model)
+        topics = tuple(dict.fromkeys(string_list(obj.get("topics")) if obj else []))
+        return Summary(
+            text=narrative, facts=facts.values, method="llm", model=self.model, topics=topics[:12]
+        )
 
 
 # --- auto ---------------------------------------------------------------------------------------

@@ -49,7 +49,8 @@ from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from memory import tokens
-from memory.build import indexing, jobs
+from memory.build import graph, indexing, jobs
+from memory.build.graph import GraphConfig
 from memory.build.indexing import FLOATS, Embedded
 from memory.build.jobs import Job
 from memory.build.segments import SegmentMessage, SegmentPolicy, split
@@ -79,6 +80,8 @@ class TreeConfig:
     summary_batch: int = 16
     # Embed each message's sentences too (`memory.build.passages`): ~1.5x the embedding work.
     passages: bool = True
+    # Consolidate each closed segment into the concept graph (`memory.build.graph`); None: no graph.
+    graph: GraphConfig | None = None
 
 
 @dataclass
@@ -235,8 +238,20 @@ async def _segment(
                 [_message_input(by_seq[m.seq]) for m in segment.messages] for segment in batch
             ]
             summaries = await _summarize_all(config, groups, level=1)
+            prepared = None
+            if config.graph is not None:
+                prepared = await graph.prepare(
+                    engine,
+                    config.graph,
+                    tenant_id=tenant_id,
+                    conversation_id=conversation_id,
+                    segments=[
+                        ([(child.node_id, child.text) for child in group], summary)
+                        for group, summary in zip(groups, summaries, strict=True)
+                    ],
+                )
             async with transaction(engine) as conn:
-                await _insert_summaries(
+                inserted = await _insert_summaries(
                     conn,
                     tenant_id=tenant_id,
                     conversation_id=conversation_id,
@@ -256,6 +271,14 @@ async def _segment(
                     config=config,
                     fresh=fresh,
                 )
+                if prepared is not None and config.graph is not None:
+                    seqs = [next_seq + made + offset for offset in range(len(batch))]
+                    await graph.consolidate(
+                        conn,
+                        prepared,
+                        summaries=[(q, inserted[q]) if q in inserted else None for q in seqs],
+                        merge_similarity=config.graph.merge_similarity,
+                    )
             for segment in batch:
                 for message in segment.messages:
                     fresh.pop(by_seq[message.seq].id, None)
@@ -490,15 +513,16 @@ async def _insert_summaries(
     new: Sequence[_NewSummary],
     config: TreeConfig,
     fresh: Mapping[int, Embedded] | None = None,
-) -> None:
+) -> dict[int, int]:
     """Insert summary nodes and adopt their children, each child's parent written together
-    with its vector when `fresh` holds one (one row version, one HNSW entry).
+    with its vector when `fresh` holds one (one row version, one HNSW entry); the ids of the
+    summaries inserted, by seq.
 
     A summary that already exists (a racing build made it: same conversation, level and seq)
     is skipped, and a child that already has a parent keeps it. `_Branched` when a child left
     the current branch or went away since it was read (see the module docstring)."""
     if not new:
-        return
+        return {}
     # Under a share lock of the conversation's row (a branch moves under its update lock).
     # A deleted conversation is not checked: the insert fails on its foreign key.
     alive = await conn.scalar(
@@ -566,14 +590,14 @@ async def _insert_summaries(
         if item.seq in inserted
         for child in item.children
     ]
-    if not adopted:
-        return
-    fresh = fresh or {}
-    await indexing.write(
-        conn,
-        [(child, fresh.get(child), parent) for child, parent in adopted],
-        tenant_id=tenant_id,
-    )
+    if adopted:
+        fresh = fresh or {}
+        await indexing.write(
+            conn,
+            [(child, fresh.get(child), parent) for child, parent in adopted],
+            tenant_id=tenant_id,
+        )
+    return inserted
 
 
 def _centroid(vectors: Sequence[Vector | None]) -> list[float] | None:

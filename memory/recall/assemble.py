@@ -157,6 +157,8 @@ class Recall:
     mode: Literal["working", "rebuild"] = "working"
     abandoned_branches: bool = False
     """Recall also draws on messages that left their conversation's current branch."""
+    graph: bool = False
+    """A relational question also draws on the concept graph (`memory.recall.graph.leg`)."""
 
 
 @dataclass(frozen=True)
@@ -168,7 +170,10 @@ class Assembled:
     prompt's prefix and the prompt's fingerprint (`memory.recall.reuse`), and whether the
     working context was compacted for it and its note came from prepared candidates. When
     asked (`explained`), why each message the recall note (or a rebuilt turn's memory
-    message) quotes was picked (`why`)."""
+    message) quotes was picked (`why`). For a rebuilt turn, the route its retrieval took
+    (`memory.recall.query.Route`: flat, sequential, relational, or graph when the concept
+    graph answered too; None: nothing was retrieved) and the memory nodes placed in the prompt
+    (their accesses, `memory.tiers`)."""
 
     messages: list[Message]
     tokens: int
@@ -184,6 +189,8 @@ class Assembled:
     context_version: int | None = None
     """The working context's version the prompt came from (None: not from one)."""
     why: list[explain.Why] = field(default_factory=list)
+    route: str | None = None
+    accessed: tuple[int, ...] = ()
 
     @property
     def reuse(self) -> float:
@@ -264,10 +271,19 @@ async def assemble(
             tools_guide=prompt.TOOLS_GUIDE if tools_guide else None,
             abandoned=recall.abandoned_branches,
             explained=explained,
+            use_graph=recall.graph,
         )
         counts = tokens.count_each(built.messages, model=turn.model)
         return _measured(
-            turn, built.messages, counts, built.labels, full=full, rebuilt=True, why=built.why
+            turn,
+            built.messages,
+            counts,
+            built.labels,
+            full=full,
+            rebuilt=True,
+            why=built.why,
+            route=built.route,
+            accessed=(*built.retrieved, *built.summaries, *built.milestones),
         )
     context = await context_prompt.build(
         conn,
@@ -291,6 +307,8 @@ async def assemble(
         prepared_recall=context.prepared_recall,
         context_version=context.version,
         why=context.why,
+        route=context.route,
+        accessed=context.accessed,
     )
 
 
@@ -307,6 +325,8 @@ def _measured(
     prepared_recall: bool = False,
     context_version: int | None = None,
     why: Sequence[explain.Why] = (),
+    route: str | None = None,
+    accessed: tuple[int, ...] = (),
 ) -> Assembled:
     """The prompt with its reuse of the previous prompt and its own fingerprint."""
     system = len(leading_system(messages))
@@ -326,6 +346,8 @@ def _measured(
         prepared_recall=prepared_recall,
         context_version=context_version,
         why=list(why),
+        route=route,
+        accessed=accessed,
     )
 
 

@@ -11,6 +11,8 @@
   catastrophic pattern yields `PatternRejected` quickly, never a hung worker; at most
   `MAX_MATCHES` results, with a note of where to continue.
 * `search(query, limit)`: hybrid retrieval (`memory.recall.retrieval.search`), at most `MAX_SEARCH`.
+* `related(concept, limit)`: a concept of the graph (`memory.recall.graph.related`), by name or
+  else by meaning, its neighbours (schematic first) and the messages that mention them.
 
 Every function reads within a `Scope`: one tenant, one conversation, and for `expand` and
 `search` the other conversations it may recall; messages that left their conversation's
@@ -37,7 +39,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 from memory.db import AnyRow
 from memory.embeddings import Embedder
 from memory.errors import InvalidInput, NotFound, PatternRejected
-from memory.recall import retrieval
+from memory.recall import graph, retrieval
 from memory.schema import nodes
 from memory.write import conversations
 
@@ -221,17 +223,61 @@ async def search(
     )
     if not hits:
         return f"nothing found for {query!r}"
+    head = f"{len(hits)} results for {query!r}, best first:"
+    found = await _snippets(conn, scope, [_Node.from_hit(hit) for hit in hits])
+    return _fit([head, *found], limits, more="use fewer results")
+
+
+async def related(
+    conn: AsyncConnection,
+    scope: Scope,
+    *,
+    concept: str,
+    limit: int = DEFAULT_SEARCH_LIMIT,
+    embedder: Embedder,
+    limits: Limits = DEFAULT_LIMITS,
+) -> str:
+    """A concept of the graph, its neighbours and the messages that mention them."""
+    limit = min(max(limit, 1), MAX_SEARCH)
+    [vector] = await embedder.embed([concept])
+    found = await graph.related(
+        conn,
+        tenant_id=scope.tenant_id,
+        conversation_ids=scope.conversation_ids,
+        concept=concept,
+        vector=vector,
+        limit=limit,
+    )
+    if found.concept is None:
+        raise NotFound(f"no concept {concept!r} in this conversation's memory")
+    head = f"concept {_concept(found.concept)}, related to {len(found.neighbours)} concepts:"
+    lines = [head, *(f"- {_concept(item)}" for item in found.neighbours)]
+    messages = await _nodes(conn, scope, nodes.c.id.in_(found.mentions), everywhere=True)
+    order = {node_id: rank for rank, node_id in enumerate(found.mentions)}
+    messages.sort(key=lambda node: order[node.id])
+    if messages:
+        lines.append("messages that mention them, most first:")
+        lines += await _snippets(conn, scope, messages)
+    return _fit(lines, limits, more="ask for fewer")
+
+
+async def _snippets(conn: AsyncConnection, scope: Scope, found: Sequence[_Node]) -> list[str]:
+    """One line per node, its text clipped, naming its conversation when not the scope's own."""
     elsewhere = await conversations.external_ids(
         conn,
         tenant_id=scope.tenant_id,
-        ids={h.conversation_id for h in hits} - {scope.conversation_id},
+        ids={node.conversation_id for node in found} - {scope.conversation_id},
     )
-    lines = [f"{len(hits)} results for {query!r}, best first:"]
-    for hit in hits:
-        node = _Node.from_hit(hit)
-        body = _clip(node.text, SNIPPET_CHARS)
-        lines.append(_line(node, body, origin=elsewhere.get(hit.conversation_id)))
-    return _fit(lines, limits, more="use fewer results")
+    return [
+        _line(node, _clip(node.text, SNIPPET_CHARS), origin=elsewhere.get(node.conversation_id))
+        for node in found
+    ]
+
+
+def _concept(item: graph.Neighbour) -> str:
+    kind = ", schematic" if item.schematic else ""
+    steps = f", {item.depth} step{'s' if item.depth > 1 else ''} away" if item.depth else ""
+    return f"{item.name!r} (seen in {item.frequency} segments{kind}{steps})"
 
 
 # -- reading nodes ------------------------------------------------------------------------------

@@ -65,6 +65,10 @@ class ContextPrompt:
     prepared_recall: bool
     version: int
     why: tuple[explain.Why, ...] = ()
+    route: str | None = None
+    """The note's retrieval route (None: no note)."""
+    accessed: tuple[int, ...] = ()
+    """The messages the note quotes (accesses, `memory.tiers`)."""
 
 
 async def build(
@@ -166,6 +170,7 @@ async def build(
         abandoned=recall.abandoned_branches,
         fulltext=fulltext,
         explained=explained,
+        use_graph=recall.graph,
     )
     if persist:
         notes = tuple(kept for kept in state.notes if kept.before < turn.first_seq)
@@ -201,6 +206,8 @@ async def build(
         prepared_recall=prepared,
         version=state.version,
         why=note.why if note is not None else (),
+        route=note.route if note is not None else None,
+        accessed=note.ids if note is not None else (),
     )
 
 

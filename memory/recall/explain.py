@@ -28,10 +28,13 @@ from typing import Final
 from memory.recall.fusion import Candidates, Key, standouts
 from memory.recall.retrieval import Hit
 
-__all__ = ["LEGS", "PREPARED_LEGS", "LegRank", "Why", "explain"]
+__all__ = ["GRAPH_LEG", "LEGS", "PREPARED_LEGS", "LegRank", "Why", "explain"]
 
 LEGS: Final = ("full text", "vector", "passages")
 """The legs' names, in the order retrieval runs them (`retrieval.search`, `prompt.build`)."""
+GRAPH_LEG: Final = "graph"
+"""The concept graph's leg, after the others when a relational query takes it
+(`memory.recall.graph.leg`)."""
 PREPARED_LEGS: Final = ("prepared", "full text")
 """The legs of a recall note from prepared candidates: those candidates by similarity, then the
 identifiers the new message names (`recall_note.recall`)."""

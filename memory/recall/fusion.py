@@ -11,7 +11,8 @@ passages) into one score per node place:
   (`CONTIGUITY`), so an answer right after the best match is found even when it shares no word
   with the question;
 * query routing (`ROUTE_WEIGHTS`): sequential questions weight recency heavily, relational ones
-  raise summaries, others are flat hybrid with a light recency tie-break;
+  (with the concept graph's leg or without) raise summaries, others are flat hybrid with a
+  light recency tie-break;
 * periods: a query naming a calendar period ("in March 2023", "on 2023-03-16") raises the
   messages written within it (or in the week after), after contiguity;
 * speakers: a query naming one participant (a message `name`) raises that participant's
@@ -85,6 +86,7 @@ ROUTE_WEIGHTS: Final[Mapping[Route, Weights]] = {
     Route.FLAT: Weights(summary=0.6, recency=0.05),
     Route.SEQUENTIAL: Weights(summary=0.8, recency=1.5),
     Route.RELATIONAL: Weights(summary=1.5, recency=0.05),
+    Route.GRAPH: Weights(summary=1.5, recency=0.05),
 }
 
 

@@ -42,7 +42,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 
 from memory import tokens
 from memory.errors import ContextOverflow
-from memory.recall import explain, fusion, retrieval
+from memory.recall import explain, fusion, graph, retrieval
 from memory.recall.memory_block import MemoryBlock
 from memory.stages import staged
 from memory.write import store
@@ -224,6 +224,7 @@ async def build(
     shares: BudgetSplit | None = None,
     abandoned: bool = False,
     explained: bool = False,
+    use_graph: bool = False,
 ) -> BuiltPrompt:
     """The prompt for a conversation whose history does not fit (see the module docstring).
 
@@ -233,7 +234,8 @@ async def build(
     a vector, run while the full-text leg runs; without it, or when it returns None, retrieval
     is full-text only. The recent turns are the current branch's; `abandoned` lets retrieval
     also recall messages of abandoned branches. `explained` also says why each retrieved
-    message was recalled."""
+    message was recalled. `use_graph` adds the concept graph's leg for a relational query
+    (`memory.recall.graph.leg`)."""
     shares = shares or BudgetSplit()
     limit = budget - reserved_tokens
     must = await _calls_of(conn, tenant_id, conversation_id, new_messages, new_from)
@@ -303,6 +305,21 @@ async def build(
             messages=first_kept if len(scope_ids) == 1 else None,
             abandoned=abandoned,
         )
+    names = explain.LEGS[: len(legs)]
+    if use_graph:
+        graph_legs, which = await graph.leg(
+            conn,
+            tenant_id=tenant_id,
+            conversation_ids=scope_ids,
+            query=search_text,
+            query_vector=vector,
+            which=which,
+            limit=pool,
+            exclude_from=exclude,
+            abandoned=abandoned,
+        )
+        legs += graph_legs
+        names += (explain.GRAPH_LEG,) * len(graph_legs)
     scores = fusion.fuse(
         legs,
         which=which,
@@ -353,7 +370,9 @@ async def build(
     why: list[explain.Why] = []
     if explained and between:
         quoted = [*block.milestones, *block.messages]
-        why = explain.explain(legs, scores, quoted, pinned=[h.node_id for h in block.milestones])
+        why = explain.explain(
+            legs, scores, quoted, pinned=[h.node_id for h in block.milestones], names=names
+        )
     labels = (
         ["system"] * len(head) + between + ["verbatim"] * len(must) + ["new"] * len(new_messages)
     )

@@ -12,8 +12,10 @@ from typing import Final
 from memory.text import MONTH_FORMS, MONTHS
 
 __all__ = [
+    "RELATIONAL_LENGTH",
     "Route",
     "asks",
+    "asks_for_old",
     "identifiers",
     "participants_named",
     "periods",
@@ -29,6 +31,7 @@ class Route(StrEnum):
     FLAT = "flat"
     SEQUENTIAL = "sequential"
     RELATIONAL = "relational"
+    GRAPH = "graph"  # relational, answered with the concept graph too (`memory.recall.graph`)
 
 
 _SEQUENTIAL = re.compile(
@@ -37,9 +40,13 @@ _SEQUENTIAL = re.compile(
     re.IGNORECASE,
 )
 _RELATIONAL = re.compile(
-    r"\b(how|why|relate[sd]?|relation(ship)?s?|connect(ed|ion)?s?|overall|in general)\b",
+    r"\b(how|why|relate[sd]?|relation(ship)?s?|connect(ed|ion)?s?|overall|in general|"
+    r"explain(s|ed|ing)?|explanation|caus(e|es|ed|ing)|effects?)\b",
     re.IGNORECASE,
 )
+RELATIONAL_LENGTH: Final = 80
+"""A query longer than this (in characters) is relational: it describes, rather than names,
+what it looks for."""
 _PHRASE = re.compile(r'"([^"]+)"')
 _WORD = re.compile(r"[^\s\"()]+")
 
@@ -58,12 +65,29 @@ def asks(query: str) -> bool:
 
 
 def route(query: str) -> Route:
-    """The route of a query: sequential wins over relational, else flat."""
+    """The route of a query: sequential ("last time", "earlier", ...) wins over relational
+    ("how", "why", "relate", "explain", "cause", "effect", ... or longer than
+    `RELATIONAL_LENGTH`), else flat. Where the concept graph's leg is asked for, a relational
+    query takes the graph route when the graph knows some of its concepts
+    (`memory.recall.graph.leg`); otherwise it keeps the flat legs, its summaries raised."""
     if _SEQUENTIAL.search(query):
         return Route.SEQUENTIAL
-    if _RELATIONAL.search(query):
+    if _RELATIONAL.search(query) or len(query.strip()) > RELATIONAL_LENGTH:
         return Route.RELATIONAL
     return Route.FLAT
+
+
+_OLD = re.compile(
+    r"\b(old|older|oldest|long ago|(years?|months?) ago|originally|at first|first time|"
+    r"back (then|when|in)|in the beginning|ever|used to|archived?)\b",
+    re.IGNORECASE,
+)
+
+
+def asks_for_old(query: str) -> bool:
+    """Whether a query asks for old things ("years ago", "originally", "back then", a calendar
+    period it names): such a query is not answered from the hot and warm tiers alone."""
+    return bool(_OLD.search(query)) or bool(periods(query))
 
 
 def websearch_query(query: str) -> str:

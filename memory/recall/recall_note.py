@@ -17,7 +17,11 @@
   order under a heading per sitting, each tagged `[#id]` and its speaker
   (`memory.recall.memory_block`);
 * when asked (`explained`: the admin dry run), the note says why each message it quotes was
-  picked: its legs, ranks and fused rank (`memory.recall.explain`).
+  picked: its legs, ranks and fused rank (`memory.recall.explain`);
+* with `use_graph`, a relational message also draws on the concept graph
+  (`memory.recall.graph.leg`: the messages that mention the concepts a walk from its own
+  reaches), the route then `graph`; those messages are judged by their similarity like the
+  full-text leg's first.
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 from memory import tokens
 from memory.embeddings import Embedder
 from memory.errors import ProviderError
-from memory.recall import explain, fusion, retrieval
+from memory.recall import explain, fusion, graph, retrieval
 from memory.recall.fusion import Candidates, Key
 from memory.recall.memory_block import MemoryBlock
 from memory.schema import conversations
@@ -77,13 +81,14 @@ HEADER: Final = (
 
 @dataclass(frozen=True)
 class Recalled:
-    """A note: its text, the messages it quotes and its tokens, and why each was picked (when
-    asked)."""
+    """A note: its text, the messages it quotes and its tokens, why each was picked (when
+    asked), and the route its retrieval took (`memory.recall.query.Route`)."""
 
     text: str
     ids: tuple[int, ...]
     tokens: int
     why: tuple[explain.Why, ...] = ()
+    route: str = "flat"
 
 
 # Similarity to the query of messages by place (NULL: not embedded yet).
@@ -167,6 +172,7 @@ async def recall(
     abandoned: bool = False,
     fulltext: Candidates | None = None,
     explained: bool = False,
+    use_graph: bool = False,
 ) -> Recalled | None:
     """The note for `query` in `room` tokens, or None (see the module docstring).
 
@@ -175,7 +181,7 @@ async def recall(
     the ids in `present`. `prepared` are candidate node ids that stand in for retrieval;
     `abandoned` lets messages off their conversation's current branch be recalled. `fulltext`
     is the full-text leg already run (`fulltext_leg`) for the same turn; `explained` adds why
-    each quoted message was picked."""
+    each quoted message was picked; `use_graph` adds the concept graph's leg."""
     if room < MIN_ROOM or not query:
         return None
     conversation_id = conversation_ids[0]
@@ -213,16 +219,35 @@ async def recall(
             abandoned=abandoned,
             fulltext=fulltext,
         )
+    unjudged = _unjudged(legs, searched=prepared is None or vector is None)
+    names = names[: len(legs)]
+    which = retrieval.route(query)
+    if use_graph:
+        graph_legs, which = await graph.leg(
+            conn,
+            tenant_id=tenant_id,
+            conversation_ids=conversation_ids,
+            query=search_text,
+            query_vector=vector,
+            which=which,
+            limit=POOL,
+            levels=[0],
+            exclude_from=(conversation_id, exclude_from),
+            abandoned=abandoned,
+        )
+        judged = {place.key for leg in legs for place in leg.ranked if place.similarity}
+        unjudged += [p.key for leg in graph_legs for p in leg.ranked if p.key not in judged]
+        legs += graph_legs
+        names = (*names, *(explain.GRAPH_LEG for _ in graph_legs))
     fused = fusion.fuse(
         legs,
-        which=retrieval.route(query),
+        which=which,
         newest={conversation_id: newest},
         primary=conversation_id,
         speakers=retrieval.participants_named(query, participants),
         exclude_from=(conversation_id, exclude_from),
         within=retrieval.periods(query),
     )
-    unjudged = _unjudged(legs, searched=prepared is None or vector is None)
     similar = await _similarities(
         conn, tenant_id=tenant_id, keys=unjudged, vector=vector, abandoned=abandoned
     )
@@ -246,7 +271,11 @@ async def recall(
         if count <= room:
             why = explain.explain(legs, fused, block.messages, names=names) if explained else []
             return Recalled(
-                text=note, ids=tuple(sorted(block.message_ids)), tokens=count, why=tuple(why)
+                text=note,
+                ids=tuple(sorted(block.message_ids)),
+                tokens=count,
+                why=tuple(why),
+                route=str(which),
             )
         block.drop_weakest(count - room)
     return None

@@ -15,9 +15,16 @@
   - passages (`memory.build.passages`): the vector leg's messages ranked again by the better of
     their own similarity and their best sentence's, so that a message whose one relevant
     sentence is diluted by small talk rises to where that sentence alone would rank;
+  - when asked (`use_graph`), for relational queries, the concept graph
+    (`memory.recall.graph.leg`): the nodes mentioning the concepts a walk from the query's own
+    reaches (the `graph` route); when the graph knows none of the query's concepts, retrieval
+    keeps the flat legs;
 * messages that have no embedding yet are found by the full-text leg alone: nothing just written
   is invisible;
 * collapsed tree: summaries of every level are searched beside messages (`levels` restricts);
+* tiers (`memory.tiers`): hot nodes gain a small boost; over a scope of more than
+  `memory.recall.tiered.TIERED_SCOPE` messages, `search()` answers from the hot and warm nodes
+  alone when enough of them match well, and searches everything otherwise;
 * query routing (`route()`): sequential questions ("last time", "earlier", "before",
   "recently") weight recency heavily, relational ones ("how", "why", "relate") raise summaries;
 * callers strip participants' names from the text they embed (`without_names`): inside a
@@ -41,6 +48,8 @@ from sqlalchemy import REAL, bindparam, text
 from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.ext.asyncio import AsyncConnection
 
+from memory import tiers
+from memory.recall import graph, tiered
 from memory.recall.fusion import CONTIGUITY, Candidates, Key, Place, fuse, ranked
 from memory.recall.query import (
     Route,
@@ -467,6 +476,8 @@ async def search(
     participants: Collection[str] = (),
     fulltext: Candidates | None = None,
     abandoned: bool = False,
+    tiered_from: int = tiered.TIERED_SCOPE,
+    use_graph: bool = False,
 ) -> list[Hit]:
     """The `limit` best nodes for `query`, best first (see the module docstring).
 
@@ -474,37 +485,60 @@ async def search(
     after `seq` (the recent turns a prompt already holds verbatim). `which` overrides routing.
     `participants` are the conversation's speaker names (see `fuse`). `fulltext` passes a
     full-text leg already run with the same scope. `abandoned` also searches messages that
-    left their conversation's current branch (`memory.write.branches`)."""
+    left their conversation's current branch (`memory.write.branches`). Over more than
+    `tiered_from` messages, the hot and warm nodes are searched first
+    (`memory.recall.tiered`). `use_graph` adds the concept graph's leg."""
     if limit <= 0 or not conversation_ids:
         return []
     which = which or route(query)
     pool = max(candidates, limit)
-    legs: list[Candidates] = []
-    if fulltext is None:
-        fulltext = await fulltext_candidates(
+    newest = await _newest(conn, tenant_id=tenant_id, conversation_ids=conversation_ids)
+    messages = sum(last + 1 for last in newest.values())
+    warm = None
+    if query_vector is not None and fulltext is None and exclude_from is None:
+        warm = await tiered.warm_leg(
             conn,
             tenant_id=tenant_id,
             conversation_ids=conversation_ids,
             query=query,
-            limit=pool,
+            query_vector=query_vector,
+            messages=messages,
+            pool=pool,
             levels=levels,
-            exclude_from=exclude_from,
+            tiered_from=tiered_from,
             abandoned=abandoned,
         )
-    legs.append(fulltext)
-    newest = await _newest(conn, tenant_id=tenant_id, conversation_ids=conversation_ids)
-    if query_vector is not None:
-        legs += await vector_legs(
+    legs = (
+        [warm]
+        if warm is not None
+        else await _legs(
             conn,
             tenant_id=tenant_id,
             conversation_ids=conversation_ids,
+            query=query,
             query_vector=query_vector,
+            pool=pool,
+            levels=levels,
+            exclude_from=exclude_from,
+            fulltext=fulltext,
+            messages=messages,
+            abandoned=abandoned,
+        )
+    )
+    if warm is None and use_graph:
+        graph_legs, which = await graph.leg(
+            conn,
+            tenant_id=tenant_id,
+            conversation_ids=conversation_ids,
+            query=query,
+            query_vector=query_vector,
+            which=which,
             limit=pool,
             levels=levels,
             exclude_from=exclude_from,
-            messages=sum(last + 1 for last in newest.values()),
             abandoned=abandoned,
         )
+        legs += graph_legs
     scores = fuse(
         legs,
         which=which,
@@ -520,6 +554,48 @@ async def search(
     ]
 
 
+async def _legs(
+    conn: AsyncConnection,
+    *,
+    tenant_id: int,
+    conversation_ids: Sequence[int],
+    query: str,
+    query_vector: Sequence[float] | None,
+    pool: int,
+    levels: Sequence[int] | None,
+    exclude_from: tuple[int, int] | None,
+    fulltext: Candidates | None,
+    messages: int,
+    abandoned: bool,
+) -> list[Candidates]:
+    """The full-text leg (unless given) and, with a vector, the vector legs."""
+    if fulltext is None:
+        fulltext = await fulltext_candidates(
+            conn,
+            tenant_id=tenant_id,
+            conversation_ids=conversation_ids,
+            query=query,
+            limit=pool,
+            levels=levels,
+            exclude_from=exclude_from,
+            abandoned=abandoned,
+        )
+    legs = [fulltext]
+    if query_vector is not None:
+        legs += await vector_legs(
+            conn,
+            tenant_id=tenant_id,
+            conversation_ids=conversation_ids,
+            query_vector=query_vector,
+            limit=pool,
+            levels=levels,
+            exclude_from=exclude_from,
+            messages=messages,
+            abandoned=abandoned,
+        )
+    return legs
+
+
 @staged("load")
 async def load(
     conn: AsyncConnection,
@@ -531,7 +607,7 @@ async def load(
 ) -> list[Hit]:
     """The `limit` best-scored places that exist (and are not system prompts, nor, unless
     `abandoned`, messages off their conversation's current branch), as hits in descending score
-    order."""
+    order, hot nodes (`memory.tiers`) raised by `tiers.HOT_BOOST`."""
     best = ranked(scores, limit)
     if not best:
         return []
@@ -546,6 +622,8 @@ async def load(
         },
     )
     hits = [as_hit(row, scores[(row[1], row[2], row[3])]) for row in rows]
+    hot = await tiers.hot_among(conn, tenant_id=tenant_id, node_ids=[h.node_id for h in hits])
+    hits = [replace(h, score=h.score * tiers.HOT_BOOST) if h.node_id in hot else h for h in hits]
     return sorted(hits, key=lambda hit: (-hit.score, -hit.seq, hit.node_id))
 
 

@@ -1,9 +1,10 @@
 """The memory tools: what a model (or an MCP client) may call to read memory beyond its prompt.
 
-Four tools (SPEC §7), offered to the model in OpenAI's function-tool format (`definitions()`,
+Five tools (SPEC §7), offered to the model in OpenAI's function-tool format (`definitions()`,
 whose prompt cost `tool_tokens(model)` tells) and served over MCP with the same meaning:
-`memory_expand(node_id)`, `memory_search(query, limit)`, `memory_browse(level, start, end)`
-and `memory_find(pattern, start_seq, end_seq)`; their bodies are in `memory.recall.browsing`.
+`memory_expand(node_id)`, `memory_search(query, limit)`, `memory_browse(level, start, end)`,
+`memory_find(pattern, start_seq, end_seq)` and `memory_related(concept, limit)` (the concept
+graph); their bodies are in `memory.recall.browsing`.
 
 `call` runs one call as a model makes it (arguments as a JSON text or object, leniently read:
 `"812"`, `"#812"` and `"[#812]"` all name node 812) in a `Scope` (`scope_for` builds a request's:
@@ -38,6 +39,7 @@ from memory.recall.browsing import (
     browse,
     expand,
     find,
+    related,
     search,
 )
 from memory.recall.recall_note import related_conversations
@@ -58,7 +60,9 @@ __all__ = [
     "tool_tokens",
 ]
 
-TOOL_NAMES: Final = frozenset({"memory_expand", "memory_search", "memory_browse", "memory_find"})
+TOOL_NAMES: Final = frozenset(
+    {"memory_expand", "memory_search", "memory_browse", "memory_find", "memory_related"}
+)
 
 DESCRIPTIONS: Final[Mapping[str, str]] = {
     "memory_expand": (
@@ -69,6 +73,7 @@ DESCRIPTIONS: Final[Mapping[str, str]] = {
         "List one memory level in order: 0 = messages by seq; 1+ = summaries, numbered from 0."
     ),
     "memory_find": "Find messages matching a regex ((?i) ignores case), optionally by seq range.",
+    "memory_related": "A topic's related topics and the messages that mention them.",
 }
 """Short on purpose: the definitions are reserved out of every prompt's budget (`tool_tokens`)."""
 
@@ -99,6 +104,13 @@ _PARAMETERS: Final[Mapping[str, dict[str, Any]]] = {
             "end_seq": {"type": "integer", "description": "inclusive"},
         },
         "required": ["pattern"],
+    },
+    "memory_related": {
+        "properties": {
+            "concept": {"type": "string"},
+            "limit": {"type": "integer", "description": f"1-{MAX_SEARCH}"},
+        },
+        "required": ["concept"],
     },
 }
 
@@ -136,7 +148,7 @@ async def scope_for(
 
 
 def definitions() -> list[dict[str, Any]]:
-    """The four tools in OpenAI's `tools` format (a fresh copy each call)."""
+    """The five tools in OpenAI's `tools` format (a fresh copy each call)."""
     return [
         {
             "type": "function",
@@ -150,7 +162,13 @@ def definitions() -> list[dict[str, Any]]:
                 },
             },
         }
-        for name in ("memory_expand", "memory_search", "memory_browse", "memory_find")
+        for name in (
+            "memory_expand",
+            "memory_search",
+            "memory_browse",
+            "memory_find",
+            "memory_related",
+        )
     ]
 
 
@@ -227,6 +245,15 @@ async def call(
             pattern=_str(args, "pattern"),
             start_seq=_optional_int(args, "start_seq"),
             end_seq=_optional_int(args, "end_seq"),
+            limits=limits,
+        )
+    if name == "memory_related":
+        return await related(
+            conn,
+            scope,
+            concept=_str(args, "concept"),
+            limit=_int(args, "limit", DEFAULT_SEARCH_LIMIT),
+            embedder=embedder,
             limits=limits,
         )
     raise InvalidInput(f"there is no tool {name!r}; use one of {', '.join(sorted(TOOL_NAMES))}")

@@ -17,9 +17,11 @@ from typing import Any
 from sqlalchemy import ColumnElement, delete, func, select
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
+from memory.concepts import scope_key
 from memory.db import AnyRow, transaction
 from memory.errors import InvalidInput, NotFound
-from memory.schema import conversations, jobs, nodes, working_contexts
+from memory.schema import concept_graphs, concepts, conversations, jobs, nodes, working_contexts
+from memory.tiers import tier_counts
 from memory.write import store
 
 
@@ -68,6 +70,8 @@ class ConversationStats:
     level_tokens: dict[int, int]
     # Jobs of the conversation not yet done, by status.
     pending_jobs: dict[str, int]
+    # Nodes per lifecycle tier (`memory.tiers`: hot, warm, cold).
+    tiers: dict[str, int]
     # Its working context (None while it fits its budget): version, compactions, where the
     # verbatim turns start, stable-memory messages, kept notes and tokens.
     working_context: dict[str, int] | None = None
@@ -204,7 +208,8 @@ async def get_conversation(
 
 
 async def stats(conn: AsyncConnection, *, tenant_id: int, external_id: str) -> ConversationStats:
-    """Counts, tokens per level, request counters and pending jobs of one conversation."""
+    """Counts, tokens per level, request counters, pending jobs and nodes per tier of one
+    conversation."""
     summary = await get_conversation(conn, tenant_id=tenant_id, external_id=external_id)
     levels: dict[int, int] = {}
     level_tokens: dict[int, int] = {}
@@ -235,6 +240,7 @@ async def stats(conn: AsyncConnection, *, tenant_id: int, external_id: str) -> C
         levels=levels,
         level_tokens=level_tokens,
         pending_jobs=pending.get(summary.id, {}),
+        tiers=await tier_counts(conn, tenant_id=tenant_id, conversation_id=summary.id),
         working_context=dict(context._mapping) if context is not None else None,
     )
 
@@ -291,7 +297,8 @@ async def export_messages(
 async def delete_conversation(
     conn: AsyncConnection, *, tenant_id: int, external_id: str
 ) -> Deleted:
-    """Delete the conversation and everything of it (messages, summaries, embeddings, jobs)."""
+    """Delete the conversation and everything of it (messages, summaries, embeddings, jobs,
+    its concept graph when it has one of its own)."""
     conversation_id = await conn.scalar(
         select(conversations.c.id)
         .where(conversations.c.tenant_id == tenant_id, conversations.c.external_id == external_id)
@@ -311,4 +318,11 @@ async def delete_conversation(
         select(func.count()).where(jobs.c.conversation_id == conversation_id)
     )
     await conn.execute(delete(conversations).where(conversations.c.id == conversation_id))
+    # The concept graph of the conversation alone goes with it (a user's graph stays: its
+    # mentions of this conversation went with the nodes).
+    scope = scope_key(user=None, conversation_id=conversation_id)
+    for table in (concepts, concept_graphs):
+        await conn.execute(
+            delete(table).where(table.c.tenant_id == tenant_id, table.c.scope == scope)
+        )
     return Deleted(messages=int(counts[0]), summaries=int(counts[1]), jobs=int(job_count or 0))

@@ -1,6 +1,7 @@
 """Admin routes of conversations: list, statistics, messages, bulk import, the summary tree
-(whole, or a page of one node's children), one node, export, deletion, forced compaction and a
-dry run of the context with its parts and why each quoted message was picked.
+(whole, or a page of one node's children), the concept graph, one node, export, deletion,
+forced compaction and a dry run of the context with its parts, why each quoted message was
+picked and the route its retrieval took.
 
 Everything acts within one tenant (`?tenant=`, see `scope`); a conversation or node of another
 tenant is 404, exactly like one that does not exist.
@@ -24,6 +25,7 @@ from gateway.routes.admin.models import (
     TEXT_PATTERN,
     BranchRunPublic,
     CompactQueued,
+    ConceptPublic,
     ContextPart,
     ContextPublic,
     ContextRequest,
@@ -31,6 +33,8 @@ from gateway.routes.admin.models import (
     ConversationList,
     ConversationPublic,
     ConversationStats,
+    EdgePublic,
+    GraphPublic,
     HierarchyPublic,
     ImportResult,
     MessagePublic,
@@ -45,6 +49,7 @@ from gateway.schemas import ImportRequest
 from memory.build import tree
 from memory.db import transaction
 from memory.errors import NotFound
+from memory.recall import graph
 from memory.write import branches, conversations, identity, store, tree_pages
 
 router = APIRouter()
@@ -146,7 +151,7 @@ async def conversation_stats(
     conversation: ConversationPath, engine: EngineDep, tenant_id: ScopeDep
 ) -> ConversationStats:
     """Messages, nodes and tokens per level, tokens stored vs sent, compression ratio, last
-    activity and pending jobs."""
+    activity, pending jobs and nodes per lifecycle tier."""
     async with transaction(engine) as conn:
         found = await conversations.stats(conn, tenant_id=tenant_id, external_id=conversation)
     return ConversationStats(
@@ -156,6 +161,7 @@ async def conversation_stats(
         compression_ratio=found.compression_ratio,
         pending_jobs=found.pending_jobs,
         working_context=found.working_context,
+        tiers=found.tiers,
     )
 
 
@@ -331,6 +337,30 @@ async def conversation_tree(
     )
 
 
+@router.get("/conversations/{conversation}/graph", summary="The concept graph")
+async def conversation_graph(
+    conversation: ConversationPath,
+    engine: EngineDep,
+    tenant_id: ScopeDep,
+    limit: Annotated[int, Query(ge=1, le=1000)] = 200,
+) -> GraphPublic:
+    """The concepts the conversation mentions (most frequent first, at most `limit`), with
+    their frequency and whether they are schematic, the edges between them, and the version of
+    the graph they belong to (the conversation's `user`, else the conversation alone)."""
+    async with transaction(engine) as conn:
+        ref = await store.find_conversation(conn, tenant_id=tenant_id, external_id=conversation)
+        found = await graph.conversation_graph(
+            conn, tenant_id=tenant_id, conversation_id=ref.id, limit=limit
+        )
+    return GraphPublic(
+        conversation=conversation,
+        scope=found.scope,
+        version=found.version,
+        concepts=[ConceptPublic.model_validate(concept) for concept in found.concepts],
+        edges=[EdgePublic.model_validate(edge) for edge in found.edges],
+    )
+
+
 @router.post(
     "/conversations/{conversation}/compact",
     summary="Compact now",
@@ -381,6 +411,7 @@ async def context_dry_run(
         compacted=assembled.compacted,
         prepared_recall=assembled.prepared_recall,
         recalled=[RecalledPublic.model_validate(why) for why in assembled.why],
+        route=assembled.route,
     )
 
 

@@ -128,6 +128,9 @@ class ConversationStats(ConversationPublic):
         description="The working context (null while the conversation fits its budget): "
         "version, compactions, verbatim_from, stable_messages, notes, tokens"
     )
+    tiers: dict[str, int] = Field(
+        description="Nodes per lifecycle tier: hot (3+ accesses in 7 days), warm (1+), cold"
+    )
 
 
 class ConversationDeleted(BaseModel):
@@ -335,6 +338,51 @@ class ContextPublic(BaseModel):
         description="Why each message the recall note (or, rebuilt per query, the memory "
         "message) quotes was picked, best rank first"
     )
+    route: str | None = Field(
+        description="The route retrieval took: flat, sequential, graph (relational, with the "
+        "concept graph's leg) or relational (no concept of the question in the graph); null "
+        "when nothing was retrieved (the history fits, or the message asks nothing)"
+    )
+
+
+class ConceptPublic(BaseModel):
+    """A concept of the graph (`memory.recall.graph`)."""
+
+    model_config = FROM_RECORD
+
+    id: int
+    name: str
+    scope: str = Field(
+        description="`user:NAME` (the conversation's OpenAI user) or `conversation:ID`"
+    )
+    frequency: int = Field(description="Segments it was found in")
+    schematic: bool = Field(description="A core concept: frequency 5 or more")
+    mentions: int = Field(default=0, description="Nodes of the conversation that mention it")
+
+
+class EdgePublic(BaseModel):
+    model_config = FROM_RECORD
+
+    source: int
+    target: int
+    kind: Literal["co_occurs", "precedes"]
+    weight: int
+
+
+class GraphPublic(BaseModel):
+    """The concepts a conversation mentions, the edges between them, its graph's version."""
+
+    conversation: str
+    scope: str
+    version: int = Field(description="Raised by every consolidation (one per closed segment)")
+    concepts: list[ConceptPublic]
+    edges: list[EdgePublic]
+
+
+class ConceptList(BaseModel):
+    object: Literal["list"] = "list"
+    query: str
+    data: list[ConceptPublic]
 
 
 # -- search and jobs -------------------------------------------------------------------------

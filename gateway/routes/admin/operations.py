@@ -1,4 +1,5 @@
-"""Admin routes across a tenant's conversations: search, and the background jobs (queue depth,
+"""Admin routes across a tenant's conversations: search (its results count as accesses of their
+nodes, `memory.tiers`), the concept graph's concepts, and the background jobs (queue depth,
 failures, dead letters, each job with the conversation it works on, retrying one)."""
 
 import logging
@@ -11,6 +12,8 @@ from gateway.routes.admin.models import (
     CONVERSATION_MAX,
     CONVERSATION_PATTERN,
     TEXT_PATTERN,
+    ConceptList,
+    ConceptPublic,
     HitPublic,
     JobPublic,
     JobRetried,
@@ -21,7 +24,7 @@ from gateway.routes.admin.scope import ScopeDep, id_path
 from memory.build import jobs
 from memory.db import transaction
 from memory.errors import ProviderError
-from memory.recall import retrieval
+from memory.recall import graph, retrieval
 from memory.write import conversations, store
 
 log = logging.getLogger(__name__)
@@ -74,6 +77,7 @@ async def search(
             levels=levels,
             abandoned=True,  # an operator sees every branch
         )
+    state.accesses.add(tenant_id, [hit.node_id for hit in hits])
     return SearchResults(
         query=q,
         data=[
@@ -92,6 +96,20 @@ async def search(
             if hit.conversation_id in names
         ],
     )
+
+
+@router.get("/concepts", summary="Search a tenant's concepts")
+async def concepts(
+    engine: EngineDep,
+    tenant_id: ScopeDep,
+    q: Annotated[str, Query(min_length=1, max_length=200, pattern=TEXT_PATTERN)],
+    limit: Annotated[int, Query(ge=1, le=200)] = 20,
+) -> ConceptList:
+    """The tenant's concepts (every scope) whose name holds `q` (case aside), most frequent
+    first."""
+    async with transaction(engine) as conn:
+        found = await graph.find_concepts(conn, tenant_id=tenant_id, query=q, limit=limit)
+    return ConceptList(query=q, data=[ConceptPublic.model_validate(c) for c in found])
 
 
 @router.get("/jobs", summary="Background jobs: queue depth, failures, dead letters")
