@@ -49,7 +49,7 @@ from memory import tiers, tokens
 from memory.db import connect
 from memory.embeddings import LocalEmbedder
 from memory.postgres import EmbeddedPostgres
-from memory.recall import prompt, retrieval
+from memory.recall import prompt, retrieval, tiered
 
 SYSTEM = [{"role": "system", "content": h.SYSTEM_PROMPT}]
 
@@ -74,11 +74,13 @@ def setup(data_dir: Path, messages: int, tenant: int | None) -> None:
         "MEMSTRATA_SUMMARY_MODE": "extractive",
         "MEMSTRATA_LOG_LEVEL": "warning",
     }
-    memstrata = str(Path(sys.executable).with_name("memstrata"))
+    # The code of the working tree this runs from (the `memstrata` script imports the checkout
+    # the venv was installed from: another worktree's code, and its migrations).
+    memstrata = [sys.executable, "-m", "gateway.cli"]
     if not asyncio.run(_count_conversations(data_dir)):
         first = _conversation_file(data_dir, messages, messages * 1000)
         subprocess.run(
-            [memstrata, "import", str(first), "--conversation", f"bench-{messages}", "--wait"],
+            [*memstrata, "import", str(first), "--conversation", f"bench-{messages}", "--wait"],
             env=env,
             check=True,
         )
@@ -88,7 +90,7 @@ def setup(data_dir: Path, messages: int, tenant: int | None) -> None:
     for number in range(count):
         path = _conversation_file(data_dir, messages, 900_000 + number)
         subprocess.run(
-            [memstrata, "import", str(path), "--conversation", f"tenant-{number}"],
+            [*memstrata, "import", str(path), "--conversation", f"tenant-{number}"],
             env=env,
             check=True,
         )
@@ -367,6 +369,20 @@ async def _tenant_search(
         await conn.execute(text("DELETE FROM node_access WHERE tenant_id = :t"), {"t": tenant_id})
         await conn.commit()
 
+        async def answered_warm(index: int) -> bool:
+            """Whether the warm tier answers the question (the cold history is not read)."""
+            warm = await tiered.warm_leg(
+                conn,
+                tenant_id=tenant_id,
+                conversation_ids=ids,
+                query=questions[index],
+                query_vector=vectors[index],
+                messages=int(messages),
+                pool=retrieval.CANDIDATES,
+            )
+            await conn.rollback()
+            return warm is not None
+
         async def measure(indexes: Sequence[int]) -> tuple[list[float], dict[int, list[int]], int]:
             latencies: list[float] = []
             hits: dict[int, list[int]] = {}
@@ -386,16 +402,19 @@ async def _tenant_search(
                     await conn.rollback()
                     if round_number:
                         latencies.append(elapsed)
+                        by_path[await answered_warm(index)].append(elapsed)
                     else:
                         hits[index] = [hit.node_id for hit in result]
                         fact = facts[index]
                         found += fact is not None and any(fact in hit.text for hit in result)
             return latencies, hits, found
 
+        by_path: dict[bool, list[float]] = defaultdict(list)
         everything = range(len(questions))
         warm_half = [i for i in everything if i % 2 == 0]
         cold_half = [i for i in everything if i % 2 == 1]
         cold, hits, found_cold = await measure(everything)
+        by_path.clear()
         accessed: Counter[int] = Counter(node for i in warm_half for node in hits[i])
         await tiers.record(conn, tenant_id=tenant_id, accessed=accessed)
         await conn.commit()
@@ -415,6 +434,10 @@ async def _tenant_search(
             "asked_again_warm": h.summarize(warm_asked),
             "asked_cold": h.summarize(cold_asked),
             "found": found_warm + found_other,
+            # Both passes with tiers, by whether the warm tier answered (else the whole
+            # history was searched, the warm leg's cost added).
+            "answered_warm": h.summarize(by_path[True]) | {"queries": len(by_path[True])},
+            "fell_through": h.summarize(by_path[False]) | {"queries": len(by_path[False])},
         },
     }
 

@@ -220,3 +220,7 @@ async def _worker(
         yield background.worker(engine, settings, config, concurrency=concurrency)
     finally:
         await upstream.aclose()
+
+
+if __name__ == "__main__":
+    main()
