@@ -208,15 +208,19 @@ async def recall(
     state: State, stored: StoredTurn, budget: Budget, *, tools_guide: bool, persist: bool = True
 ) -> Assembled:
     """Assemble in a transaction of its own, for a turn stored in an earlier one (the
-    Responses API): the conversation is locked again when its working context may advance."""
+    Responses API): the conversation is locked again when its working context may advance,
+    and the prompt's memory counts as accessed (`memory.tiers`)."""
     async with transaction(state.engine) as conn:
         if persist:
             await store.lock(
                 conn, tenant_id=stored.tenant_id, conversation_id=stored.conversation_id
             )
-        return await assemble(
+        assembled = await assemble(
             conn, stored, budget, recall_of(state), tools_guide=tools_guide, persist=persist
         )
+    if persist:
+        state.accesses.add(stored.tenant_id, assembled.accessed)
+    return assembled
 
 
 async def parse(
