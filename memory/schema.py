@@ -83,7 +83,7 @@ conversations = Table(
     Column("requests", Integer, nullable=False, server_default="0"),
     Column("tokens_sent", BigInteger, nullable=False, server_default="0"),
     Column("tokens_full", BigInteger, nullable=False, server_default="0"),
-    # `identity.content_hash` of the newest stored system or developer message (migration 0005).
+    # `chains.content_hash` of the newest stored system or developer message (migration 0005).
     Column("system_hash", Text),
     # What the upstream reported for those requests (summed over hidden tool rounds), the prompt
     # tokens that repeated the previous prompt's prefix, and that prompt's fingerprint

@@ -23,7 +23,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from devkit.gateway import GatewayProcess
 from devkit.upstream import UpstreamServer
 from memory.schema import DEFAULT_TENANT, conversations, nodes, tenants
-from memory.write import identity
+from memory.write import chains
 
 CHAT = "/v1/chat/completions"
 HEADER = "X-Memstrata-Conversation"
@@ -159,17 +159,17 @@ def test_the_same_message_however_it_is_serialized() -> None:
         "role": "assistant",
         "refusal": None,
     }
-    assert identity.chain([compact]) == identity.chain([spaced])
+    assert chains.chain([compact]) == chains.chain([spaced])
     text = {"role": "user", "content": "hi\nthere"}
     parts = {"role": "user", "content": [{"type": "text", "text": "hi"}, "there"]}
-    assert identity.chain([text]) == identity.chain([parts])
+    assert chains.chain([text]) == chains.chain([parts])
     other = {**compact, "tool_calls": [{**call, "function": {"name": "add", "arguments": "{}"}}]}
-    assert identity.chain([compact]) != identity.chain([other])
+    assert chains.chain([compact]) != chains.chain([other])
     # Arguments that are not JSON are compared as written.
     broken = {**compact, "tool_calls": [{**call, "function": {"name": "add", "arguments": "{x"}}]}
-    assert identity.chain([broken]) != identity.chain([compact])
+    assert chains.chain([broken]) != chains.chain([compact])
     image = [{"type": "text", "text": "look"}, {"type": "image_url", "image_url": {"url": "u"}}]
-    assert identity.content_hash(image) != identity.content_hash("look")
+    assert chains.content_hash(image) != chains.content_hash("look")
 
 
 @pytest.mark.parametrize("named", [False, True], ids=["no-header", "header"])

@@ -19,7 +19,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from memory.db import ALEMBIC_INI, connect, migrate, transaction
 from memory.errors import StorageUnavailable
 from memory.schema import conversations
-from memory.write import identity
+from memory.write import chains, identity
 
 
 async def test_a_dead_pooled_connection_is_replaced_without_an_error(
@@ -111,7 +111,7 @@ async def test_migration_0005_fingerprints_the_newest_system_prompt(empty_databa
                 select(conversations.c.external_id, conversations.c.system_hash)
             )
             found = {external_id: system_hash for external_id, system_hash in rows}
-        assert found == {"with": identity.content_hash([{"text": "new"}]), "without": None}
+        assert found == {"with": chains.content_hash([{"text": "new"}]), "without": None}
     finally:
         await engine.dispose()
 
@@ -194,7 +194,7 @@ async def test_migration_0009_rehashes_chains_so_old_conversations_keep_matching
                     )
                 )
             ).one()
-            assert (row.head_hash, row.head_seq) == (identity.chain(messages)[-1], 3)
+            assert (row.head_hash, row.head_seq) == (chains.chain(messages)[-1], 3)
             found = await identity.identify(
                 conn, tenant_id=tenant, external_id=None, user=None, messages=resent
             )

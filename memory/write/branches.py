@@ -22,7 +22,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 
 from memory.db import AnyRow
 from memory.schema import nodes
-from memory.write.identity import ROOT_HASH
+from memory.write.chains import ROOT_HASH
 
 
 @dataclass(frozen=True)

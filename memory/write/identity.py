@@ -1,22 +1,7 @@
 """Which conversation a request belongs to, where its new messages start, and whether it
 branches or repeats an earlier request.
 
-**Chain hashes.** A message's chain hash is sha256 over its parent's chain hash and the message's
-canonical form (`canonical`), so the hash of a message stands for the whole path before it.
-Two messages are the same when their canonical forms are equal: role, `name`, content,
-tool calls and `tool_call_id` (and the deprecated `function_call`), where
-
-* content `null`, `""` and `[]` are alike, and a list of text parts is the string of their
-  texts joined by newlines (the other keys of a text part are left out); a list holding other
-  parts keeps them, compared as JSON;
-* a tool call is its `id`, function name and arguments, the arguments compared as parsed JSON
-  (`{"x":1}` and `{"x": 1}` are alike; arguments that do not parse are compared as written);
-* field order never matters, and fields a client may add or drop when it resends a message it
-  received (`refusal`, `annotations`, `audio`, `reasoning_content`, a tool call's `type`) are
-  left out.
-
-`content_hash(content)` fingerprints a content alone in the same canonical form: a conversation
-keeps the one of its newest system prompt (`system_hash`) to recognise a client that repeats it.
+**Chain hashes** (`memory.write.chains`) name each message by the whole path before it.
 
 **Branches.** Every stored message keeps its chain hash. A conversation's messages form a
 tree, stored in arrival order (`seq`): its *current branch* is the path the client last sent,
@@ -47,9 +32,7 @@ OpenAI SDKs). A client that sends only its new messages may say the same thing t
 purpose ("continue"): that is not taken for a retry on its bytes alone.
 """
 
-import contextlib
 import hashlib
-import json
 import re
 import uuid
 from collections.abc import Mapping, Sequence
@@ -65,12 +48,12 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 from memory.db import AnyRow
 from memory.errors import InvalidConversationId
 from memory.schema import conversations, nodes
+from memory.write import chains
 
 CONVERSATION_ID_PATTERN = r"^[A-Za-z0-9._:-]*[A-Za-z0-9_:-][A-Za-z0-9._:-]*$"
 """Characters of A-Za-z0-9._:-, not dots alone (`.` and `..` name folders in paths and URLs)."""
 CONVERSATION_ID_MAX = 128
 _CONVERSATION_ID = re.compile(CONVERSATION_ID_PATTERN)
-ROOT_HASH = ""
 _SYSTEM_ROLES = ("system", "developer")
 DEFAULT_WINDOW: Final = timedelta(hours=24)
 """How long an `Idempotency-Key` names the request that first carried it."""
@@ -89,99 +72,6 @@ def validate_conversation_id(value: str) -> str:
 def new_conversation_id() -> str:
     """A fresh conversation id for a history that matches no stored conversation."""
     return f"conv-{uuid.uuid4().hex}"
-
-
-# -- the canonical form ------------------------------------------------------------------------
-
-
-def canonical(message: Mapping[str, Any]) -> dict[str, Any]:
-    """What identifies a message (see the module docstring)."""
-    found: dict[str, Any] = {
-        "role": message.get("role"),
-        "name": message.get("name") or None,
-        "content": canonical_content(message.get("content")),
-        "tool_calls": [_call(call) for call in message.get("tool_calls") or []],
-        "tool_call_id": message.get("tool_call_id"),
-    }
-    legacy = message.get("function_call")
-    if isinstance(legacy, Mapping):
-        found["function_call"] = _function(legacy)
-    return found
-
-
-def canonical_content(content: Any) -> Any:
-    """A message's content in canonical form: no content is `""`, text parts are a string."""
-    if content is None:
-        return ""
-    if not isinstance(content, list):
-        return content
-    texts = [_text_of(part) for part in content]
-    if all(text is not None for text in texts):
-        return "\n".join(text for text in texts if text is not None)
-    return [
-        part if text is None else {"type": "text", "text": text}
-        for part, text in zip(content, texts, strict=True)
-    ]
-
-
-def _text_of(part: Any) -> str | None:
-    if isinstance(part, str):
-        return part
-    if isinstance(part, Mapping) and part.get("type") == "text":
-        text = part.get("text")
-        return text if isinstance(text, str) else None
-    return None
-
-
-def _call(call: Any) -> dict[str, Any]:
-    if not isinstance(call, Mapping):
-        return {"raw": call}
-    function = call.get("function")
-    return {"id": call.get("id"), **_function(function if isinstance(function, Mapping) else {})}
-
-
-def _function(function: Mapping[str, Any]) -> dict[str, Any]:
-    arguments = function.get("arguments")
-    if isinstance(arguments, str):
-        with contextlib.suppress(ValueError):  # arguments that do not parse: as written
-            arguments = json.loads(arguments)
-    return {"name": function.get("name"), "arguments": arguments}
-
-
-def _dumps(value: Any) -> bytes:
-    # surrogatepass: an upstream's reply may hold an unpaired surrogate (stored escaped, still
-    # hashed as it came); for any other text it is plain UTF-8.
-    text = json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
-    return text.encode("utf-8", "surrogatepass")
-
-
-def content_hash(content: Any) -> str:
-    """A fingerprint of a message's content (a string or a list of parts), canonical."""
-    return hashlib.sha256(_dumps(canonical_content(content))).hexdigest()
-
-
-def chain_hash(parent: str, message: Mapping[str, Any]) -> str:
-    """The chain hash of `message` following a message whose chain hash is `parent`."""
-    return hashlib.sha256(f"{parent}\n".encode() + _dumps(canonical(message))).hexdigest()
-
-
-def chain(messages: Sequence[Mapping[str, Any]], parent: str = ROOT_HASH) -> list[str]:
-    """Chain hashes of `messages`, the first one following `parent`."""
-    hashes: list[str] = []
-    for message in messages:
-        parent = chain_hash(parent, message)
-        hashes.append(parent)
-    return hashes
-
-
-def after_head(hashes: Sequence[str], head: str | None) -> int | None:
-    """Where the new messages start, or None when the history does not contain the head."""
-    if head is None:
-        return 0
-    try:
-        return hashes.index(head) + 1
-    except ValueError:
-        return None
 
 
 # -- requests ----------------------------------------------------------------------------------
@@ -206,7 +96,7 @@ class RequestKey:
         if idempotency_key:
             digest = hashlib.sha256(idempotency_key.encode()).hexdigest()
             return cls(value=f"key:{digest}", explicit=True, retrying=retrying)
-        digest = hashlib.sha256(_dumps(body)).hexdigest()
+        digest = hashlib.sha256(chains.canonical_json(body)).hexdigest()
         return cls(value=f"body:{digest}", explicit=False, retrying=retrying)
 
 
@@ -234,7 +124,7 @@ class Found:
     start: int
     """Where the history's new messages start."""
     created: bool
-    parent: str = ROOT_HASH
+    parent: str = chains.ROOT_HASH
     """The chain hash the new messages (and then the reply) continue from."""
     parent_seq: int | None = None
     """The seq of that message (None: the conversation's root)."""
@@ -267,7 +157,7 @@ async def identify(
     the deepest stored message of the history's chain, when the history extends it or may
     branch from it; else a new one. `request` tells a retry (within `window` for an
     `Idempotency-Key`)."""
-    hashes = chain(messages)
+    hashes = chains.chain(messages)
     if external_id is not None:
         locked = await lock_or_create(conn, tenant_id=tenant_id, external_id=external_id, user=user)
         found = await _place(conn, locked.row, messages, hashes, created=locked.created)
@@ -309,7 +199,7 @@ def _repeated_system(system_hash: str | None, messages: Sequence[Mapping[str, An
     first = messages[0]
     if first.get("role") not in _SYSTEM_ROLES:
         return 0
-    return 1 if content_hash(first.get("content")) == system_hash else 0
+    return 1 if chains.content_hash(first.get("content")) == system_hash else 0
 
 
 # The request and kind of the head message, read with the conversation's row (a retry is told
@@ -420,7 +310,7 @@ async def _match(
             # only a system prompt never match each other, so they need not wait in line.
             await conn.execute(
                 text("SELECT pg_advisory_xact_lock(:key)"),
-                {"key": _opening_lock(tenant_id, [*turns, *hashes, ROOT_HASH][0])},
+                {"key": _opening_lock(tenant_id, [*turns, *hashes, chains.ROOT_HASH][0])},
             )
     row = (
         await conn.execute(
@@ -487,7 +377,7 @@ async def _place(
     head = row.head_hash
     if head is None:  # nothing stored yet
         return Found(row=row, start=0, created=created, whole=True)
-    start = after_head(hashes, head)
+    start = chains.after_head(hashes, head)
     if start is not None:
         return Found(
             row=row, start=start, created=created, parent=head, parent_seq=row.head_seq, whole=True

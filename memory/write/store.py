@@ -32,7 +32,7 @@ from memory.db import AnyRow
 from memory.errors import NotFound
 from memory.schema import DEFAULT_TENANT, conversations, nodes, tenants
 from memory.text import escape_unstorable
-from memory.write import branches, identity
+from memory.write import branches, chains, identity
 from memory.write.branches import ReplyTo
 
 MESSAGE_FIELDS = ("role", "name", "content", "tool_calls", "tool_call_id")
@@ -240,7 +240,7 @@ async def append(
             user_id=conv.user_id,
             prompt_fingerprint=conv.prompt_fingerprint,
         )
-    place = branches.Place(after=(conv.head_hash or identity.ROOT_HASH, conv.head_seq))
+    place = branches.Place(after=(conv.head_hash or chains.ROOT_HASH, conv.head_seq))
     if reply_to is not None and conv.head_hash != reply_to.parent:
         place = await branches.place_reply(conn, conv=conv, reply_to=reply_to)
     inserted = await _insert(
@@ -304,7 +304,7 @@ async def resume_point(
     head = await conn.scalar(
         select(conversations.c.head_hash).where(conversations.c.id == conversation_id)
     )
-    start = identity.after_head(identity.chain(messages), head)
+    start = chains.after_head(chains.chain(messages), head)
     return 0 if start is None else start
 
 
@@ -451,7 +451,7 @@ async def _move_head(
             "added": added,
             "new_head": head[0] if head is not None else None,
             "new_head_seq": head[1] if head is not None else None,
-            "new_system": identity.content_hash(system) if system is not None else None,
+            "new_system": chains.content_hash(system) if system is not None else None,
             "requests": 0 if request is None else 1,
             "sent": stats.sent,
             "full": stats.full,
@@ -491,7 +491,7 @@ async def _insert(
     if not messages:
         return _Inserted(node_ids=[], tokens=0, head=None)
     parent, parent_seq = after
-    hashes = identity.chain(messages, parent)
+    hashes = chains.chain(messages, parent)
     now = datetime.now(UTC)
     rows = []
     for offset, (original, digest) in enumerate(zip(messages, hashes, strict=True)):

@@ -1,0 +1,119 @@
+"""Chain hashes: what identifies a message, and the path before it.
+
+A message's chain hash is sha256 over its parent's chain hash and the message's
+canonical form (`canonical`), so the hash of a message stands for the whole path before it.
+Two messages are the same when their canonical forms are equal: role, `name`, content,
+tool calls and `tool_call_id` (and the deprecated `function_call`), where
+
+* content `null`, `""` and `[]` are alike, and a list of text parts is the string of their
+  texts joined by newlines (the other keys of a text part are left out); a list holding other
+  parts keeps them, compared as JSON;
+* a tool call is its `id`, function name and arguments, the arguments compared as parsed JSON
+  (`{"x":1}` and `{"x": 1}` are alike; arguments that do not parse are compared as written);
+* field order never matters, and fields a client may add or drop when it resends a message it
+  received (`refusal`, `annotations`, `audio`, `reasoning_content`, a tool call's `type`) are
+  left out.
+
+`content_hash(content)` fingerprints a content alone in the same canonical form: a conversation
+keeps the one of its newest system prompt (`system_hash`) to recognise a client that repeats it.
+"""
+
+import contextlib
+import hashlib
+import json
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+ROOT_HASH = ""
+"""The parent of a conversation's first message."""
+
+
+def canonical(message: Mapping[str, Any]) -> dict[str, Any]:
+    """What identifies a message (see the module docstring)."""
+    found: dict[str, Any] = {
+        "role": message.get("role"),
+        "name": message.get("name") or None,
+        "content": canonical_content(message.get("content")),
+        "tool_calls": [_call(call) for call in message.get("tool_calls") or []],
+        "tool_call_id": message.get("tool_call_id"),
+    }
+    legacy = message.get("function_call")
+    if isinstance(legacy, Mapping):
+        found["function_call"] = _function(legacy)
+    return found
+
+
+def canonical_content(content: Any) -> Any:
+    """A message's content in canonical form: no content is `""`, text parts are a string."""
+    if content is None:
+        return ""
+    if not isinstance(content, list):
+        return content
+    texts = [_text_of(part) for part in content]
+    if all(text is not None for text in texts):
+        return "\n".join(text for text in texts if text is not None)
+    return [
+        part if text is None else {"type": "text", "text": text}
+        for part, text in zip(content, texts, strict=True)
+    ]
+
+
+def _text_of(part: Any) -> str | None:
+    if isinstance(part, str):
+        return part
+    if isinstance(part, Mapping) and part.get("type") == "text":
+        text = part.get("text")
+        return text if isinstance(text, str) else None
+    return None
+
+
+def _call(call: Any) -> dict[str, Any]:
+    if not isinstance(call, Mapping):
+        return {"raw": call}
+    function = call.get("function")
+    return {"id": call.get("id"), **_function(function if isinstance(function, Mapping) else {})}
+
+
+def _function(function: Mapping[str, Any]) -> dict[str, Any]:
+    arguments = function.get("arguments")
+    if isinstance(arguments, str):
+        with contextlib.suppress(ValueError):  # arguments that do not parse: as written
+            arguments = json.loads(arguments)
+    return {"name": function.get("name"), "arguments": arguments}
+
+
+def canonical_json(value: Any) -> bytes:
+    """`value` as sorted, compact JSON in UTF-8: the bytes a hash is taken over."""
+    # surrogatepass: an upstream's reply may hold an unpaired surrogate (stored escaped, still
+    # hashed as it came); for any other text it is plain UTF-8.
+    text = json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return text.encode("utf-8", "surrogatepass")
+
+
+def content_hash(content: Any) -> str:
+    """A fingerprint of a message's content (a string or a list of parts), canonical."""
+    return hashlib.sha256(canonical_json(canonical_content(content))).hexdigest()
+
+
+def chain_hash(parent: str, message: Mapping[str, Any]) -> str:
+    """The chain hash of `message` following a message whose chain hash is `parent`."""
+    return hashlib.sha256(f"{parent}\n".encode() + canonical_json(canonical(message))).hexdigest()
+
+
+def chain(messages: Sequence[Mapping[str, Any]], parent: str = ROOT_HASH) -> list[str]:
+    """Chain hashes of `messages`, the first one following `parent`."""
+    hashes: list[str] = []
+    for message in messages:
+        parent = chain_hash(parent, message)
+        hashes.append(parent)
+    return hashes
+
+
+def after_head(hashes: Sequence[str], head: str | None) -> int | None:
+    """Where the new messages start, or None when the history does not contain the head."""
+    if head is None:
+        return 0
+    try:
+        return hashes.index(head) + 1
+    except ValueError:
+        return None
