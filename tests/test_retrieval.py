@@ -13,8 +13,11 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from datetime import UTC, date, datetime
+from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from sqlalchemy import insert, select
 from sqlalchemy.ext.asyncio import AsyncEngine
 
@@ -450,6 +453,57 @@ def test_an_identifier_match_outranks_a_standout_first_in_both_vector_legs() -> 
     assert fusion.ranked(scores, 2)[0] == (1, 0, 90)
     # The standout keeps a bonus of its own over its neighbours.
     assert scores[(1, 0, 40)] > scores[(1, 0, 41)] + fusion.EXACT_BONUS / (fusion.RRF_K + 2)
+
+
+_DAYS = [datetime(2023, 3, day, tzinfo=UTC) for day in (1, 15, 30)]
+_PLACES = st.builds(
+    lambda conv, level, seq, name, exact, sim, day: Place(
+        key=(conv, level, seq),
+        span_end=seq + 3 * level,
+        name=name,
+        exact=exact,
+        similarity=sim,
+        created_at=day,
+    ),
+    st.sampled_from([1, 2]),
+    st.sampled_from([0, 0, 0, 1]),
+    st.integers(0, 60),
+    st.sampled_from([None, "Ann", "Bo"]),
+    st.booleans(),
+    st.one_of(st.none(), st.floats(0.0, 1.0)),
+    st.sampled_from([None, *_DAYS]),
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    legs=st.lists(st.lists(_PLACES, max_size=30), min_size=1, max_size=3),
+    which=st.sampled_from(list(Route)),
+    speakers=st.sampled_from([set(), {"Ann"}, {"Ann", "Bo"}]),
+    exclude=st.sampled_from([None, (1, 40), (2, 10)]),
+    within=st.sampled_from([[], retrieval.periods("in March 2023")]),
+)
+def test_fusing_apart_gives_the_fused_and_the_own_scores_exactly(
+    legs: list[list[Place]],
+    which: Route,
+    speakers: set[str],
+    exclude: tuple[int, int] | None,
+    within: list[tuple[date, date]],
+) -> None:
+    """The recall note's one pass (`fuse_apart`) is, float for float, `fuse` with and without
+    contiguity."""
+    candidates = [Candidates(leg) for leg in legs]
+    same: dict[str, Any] = {
+        "which": which,
+        "newest": {1: 50},
+        "primary": 1,
+        "speakers": speakers,
+        "exclude_from": exclude,
+        "within": within,
+    }
+    fused, own = fusion.fuse_apart(candidates, **same)
+    assert fused == fusion.fuse(candidates, **same)
+    assert own == fusion.fuse(candidates, kernel=(), **same)
 
 
 def test_a_long_neighbour_keeps_little_of_what_contiguity_lent_it() -> None:

@@ -25,7 +25,6 @@
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 from collections.abc import Awaitable, Collection, Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -237,8 +236,8 @@ async def recall(
             fulltext=fulltext,
             aside=aside,
         )
-    fuse = functools.partial(
-        fusion.fuse,
+    # With what each message scores by itself, without contiguity (the rest was lent to it).
+    fused, own = fusion.fuse_apart(
         legs,
         which=retrieval.route(query),
         newest={conversation_id: newest},
@@ -247,7 +246,6 @@ async def recall(
         exclude_from=(conversation_id, exclude_from),
         within=retrieval.periods(query),
     )
-    fused = fuse()
     unjudged = _unjudged(legs, searched=prepared is None or vector is None)
     similar = await _similarities(
         conn, tenant_id=tenant_id, keys=unjudged, vector=vector, abandoned=abandoned
@@ -260,8 +258,7 @@ async def recall(
     enc = tokens.get_encoding(tokens.encoding_name_for_model(model))
     block = MemoryBlock(enc=enc, primary=conversation_id)
     left = room - tokens.count_message({"role": "system", "content": HEADER}, model=model)
-    # Without contiguity, what each message scores by itself (the rest was lent to it).
-    for hit in _worth(hits, own=fuse(kernel=())):
+    for hit in _worth(hits, own=own):
         if hit.level == 0 and hit.node_id not in present:
             cost = block.cost_of_message(hit)
             if cost <= left:
