@@ -350,9 +350,7 @@ def _dump(path: Path, messages: Any) -> None:
 
 
 async def _drain(client: httpx.AsyncClient, gateway: GatewayProcess) -> None:
-    idle, waited, depth = await harness.wait_idle(client, gateway.root_url, limit=1800, poll=0.2)
-    if not idle:
-        raise RuntimeError(f"the background queue did not drain in {waited:.0f}s: {depth}")
+    await harness.drain(client, gateway.root_url, limit=1800, poll=0.2)
 
 
 # -- summaries -------------------------------------------------------------------------------

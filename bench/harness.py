@@ -618,6 +618,15 @@ async def wait_idle(
         await asyncio.sleep(poll)
 
 
+async def drain(client: Client, root_url: str, *, limit: float, poll: float = 1.0) -> float:
+    """`wait_idle`, as a precondition: the seconds waited; RuntimeError if the queue is still
+    busy after `limit` seconds."""
+    idle, waited, depth = await wait_idle(client, root_url, limit=limit, poll=poll)
+    if not idle:
+        raise RuntimeError(f"the background queue did not drain in {waited:.0f}s: {depth}")
+    return waited
+
+
 @contextlib.asynccontextmanager
 async def database(dsn: str) -> AsyncIterator[asyncpg.Connection]:
     connection = await asyncpg.connect(dsn)

@@ -447,6 +447,7 @@ async def default_serve(
         return [], []
     seconds = {c: config.variant_seconds for c in config.concurrencies}
     gateway = stack.gateway(name="gateway-default", workers=1)
+    await _drain(client, gateway, "default serve")
     cells = await measure(
         client,
         stack,
@@ -460,6 +461,7 @@ async def default_serve(
     searches = await search_latency(client, gateway, config) if config.searches else []
     gateway.stop()
     gateway = stack.gateway(name="gateway-rebuild", workers=1, context_mode="rebuild")
+    await _drain(client, gateway, "rebuild")
     cells += await measure(
         client,
         stack,
@@ -480,6 +482,15 @@ def config_dict(config: OverheadConfig) -> dict[str, Any]:
     data["requests"] = {str(k): v for k, v in config.requests.items()}
     data["seconds"] = {str(k): v for k, v in config.seconds.items()}
     return data
+
+
+async def _drain(client: h.Client, gateway: GatewayProcess, variant: str) -> None:
+    """Let `gateway`'s worker finish the jobs queued before it started (the messages the
+    `MEMSTRATA_WORKERS=0` cells stored, thousands of them, which nothing embedded), so that
+    what runs beside its measured requests is what a default `serve` does in steady state:
+    embedding and summarizing the messages those requests store, and preparing their recall."""
+    waited = await h.drain(client, gateway.root_url, limit=3600)
+    h.log(f"  {variant}: the queue drained in {waited:.1f}s before measuring")
 
 
 async def standalone(args: argparse.Namespace) -> dict[str, Any]:
