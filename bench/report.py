@@ -229,7 +229,8 @@ def _overhead(data: Mapping[str, Any], images: Path, rel: str) -> list[str]:
             "",
             "The same with the default `serve` (`MEMSTRATA_WORKERS=1`: one background job at a "
             "time, in `serve`'s child process), which embeds and summarizes the messages the "
-            "requests store, on the same cores:",
+            "requests store, on the same cores (measured once it has drained the backlog of "
+            "messages the `MEMSTRATA_WORKERS=0` cells stored):",
             "",
         ]
         lines += h.markdown_table(

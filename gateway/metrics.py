@@ -43,7 +43,7 @@ from starlette.routing import Mount
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway.logs import route_template
-from memory.build import jobs, tree
+from memory.build import backlog, tree
 from memory.db import transaction
 from memory.errors import StorageUnavailable
 from memory.write.store import RequestStats
@@ -212,7 +212,7 @@ class Metrics:
         self._refreshed_at = now
         try:
             async with transaction(engine) as conn:
-                depth = await jobs.depth(conn)
+                depth = await backlog.depth(conn)
                 summaries = await tree.summary_counts(conn)
         except StorageUnavailable as exc:
             log.warning("metrics cannot read the database: %s", exc)

@@ -17,7 +17,7 @@ import pytest
 from sqlalchemy import delete, insert, make_url, select, text, update
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from memory.build import jobs
+from memory.build import backlog, jobs
 from memory.build.worker import Worker, _listen_dsn
 from memory.errors import InvalidInput, NotFound
 from memory.schema import conversations, tenants
@@ -416,7 +416,7 @@ async def test_two_workers_run_every_job_once_in_conversation_order(
     assert sorted(order[None]) == expected[None]
     assert workers_used == {"worker-0", "worker-1"}
     async with engine.connect() as conn:
-        counts = await jobs.depth(conn, tenant_id=tenant_id)
+        counts = await backlog.depth(conn, tenant_id=tenant_id)
     assert counts == {"queued": 0, "running": 0, "done": total, "dead": 0, "failures": 0}
 
 
@@ -622,7 +622,7 @@ async def test_worker_retries_until_success(engine: AsyncEngine, tenant_id: int,
     stored = await row(engine, job_id)
     assert (stored.status, stored.attempts) == ("done", 3)
     async with engine.connect() as conn:
-        assert (await jobs.depth(conn, tenant_id=tenant_id))["failures"] == 0
+        assert (await backlog.depth(conn, tenant_id=tenant_id))["failures"] == 0
 
 
 async def test_dead_letter_after_max_attempts_is_visible_and_retryable(
@@ -648,8 +648,8 @@ async def test_dead_letter_after_max_attempts_is_visible_and_retryable(
     assert any(str(job_id) in record.getMessage() for record in caplog.records)
 
     async with engine.connect() as conn:
-        counts = await jobs.depth(conn, tenant_id=tenant_id)
-        listed = await jobs.list_jobs(conn, status="dead", tenant_id=tenant_id)
+        counts = await backlog.depth(conn, tenant_id=tenant_id)
+        listed = await backlog.list_jobs(conn, status="dead", tenant_id=tenant_id)
     assert counts == {"queued": 0, "running": 0, "done": 0, "dead": 1, "failures": 1}
     assert [(j.id, j.kind, j.attempts, j.max_attempts, j.conversation_id) for j in listed] == [
         (job_id, kind, 2, 2, conv)
@@ -668,7 +668,7 @@ async def test_dead_letter_after_max_attempts_is_visible_and_retryable(
 
     assert await Worker(engine, {kind: fixed}, kinds=[kind]).run_until_idle() == 1
     async with engine.connect() as conn:
-        counts = await jobs.depth(conn, tenant_id=tenant_id)
+        counts = await backlog.depth(conn, tenant_id=tenant_id)
     assert counts == {"queued": 0, "running": 0, "done": 1, "dead": 0, "failures": 0}
 
 
@@ -748,21 +748,21 @@ async def test_retry_and_listing_are_tenant_scoped(
     async with engine.begin() as conn:
         with pytest.raises(NotFound):
             await jobs.retry(conn, job_id=mine, tenant_id=other_tenant)
-        assert [j.id for j in await jobs.list_jobs(conn, status=None, tenant_id=tenant_id)] == [
+        assert [j.id for j in await backlog.list_jobs(conn, status=None, tenant_id=tenant_id)] == [
             mine
         ]
-        assert [j.id for j in await jobs.list_jobs(conn, status=None, tenant_id=other_tenant)] == [
-            theirs
-        ]
-        assert await jobs.list_jobs(conn, status="dead", tenant_id=other_tenant) == []
-        everyone = await jobs.list_jobs(conn, status=None, tenant_id=None, limit=1000)
+        assert [
+            j.id for j in await backlog.list_jobs(conn, status=None, tenant_id=other_tenant)
+        ] == [theirs]
+        assert await backlog.list_jobs(conn, status="dead", tenant_id=other_tenant) == []
+        everyone = await backlog.list_jobs(conn, status=None, tenant_id=None, limit=1000)
         assert {mine, theirs} <= {j.id for j in everyone}
-        assert (await jobs.depth(conn, tenant_id=other_tenant))["queued"] == 1
-        assert (await jobs.depth(conn, tenant_id=other_tenant))["dead"] == 0
+        assert (await backlog.depth(conn, tenant_id=other_tenant))["queued"] == 1
+        assert (await backlog.depth(conn, tenant_id=other_tenant))["dead"] == 0
         with pytest.raises(InvalidInput):
-            await jobs.list_jobs(conn, status="bogus", tenant_id=tenant_id)
+            await backlog.list_jobs(conn, status="bogus", tenant_id=tenant_id)
         with pytest.raises(InvalidInput):
-            await jobs.list_jobs(conn, status=None, tenant_id=tenant_id, limit=0)
+            await backlog.list_jobs(conn, status=None, tenant_id=tenant_id, limit=0)
         assert await jobs.retry(conn, job_id=mine, tenant_id=tenant_id)
 
 

@@ -22,8 +22,8 @@ Contract
   `locked_by` *and* `attempts`, which every claim increments): a worker whose job was reclaimed
   cannot overwrite the new owner's state.
 * `fail` requeues with exponential backoff and jitter, or after `max_attempts` attempts moves the
-  job to `dead` (the dead letter), keeping `last_error`; `retry` revives it; `depth` and
-  `list_jobs` make both visible. A job whose worker keeps dying (killed, out of memory) never
+  job to `dead` (the dead letter), keeping `last_error`; `retry` revives it;
+  `memory.build.backlog` shows both. A job whose worker keeps dying (killed, out of memory) never
   calls `fail`: once its lease runs out after its `max_attempts`-th claim, the next `claim`
   dead-letters it instead of running it again, so a job that crashes its worker cannot loop.
 * Every time is the database's `now()`, never a host's clock, so any number of `serve` and
@@ -119,23 +119,6 @@ class Job:
     max_attempts: int
     locked_by: str
     lease_until: datetime
-
-
-@dataclass(frozen=True)
-class JobRecord:
-    """A job as the admin API shows it."""
-
-    id: int
-    kind: str
-    status: str
-    tenant_id: int | None
-    conversation_id: int | None
-    attempts: int
-    max_attempts: int
-    last_error: str | None
-    run_after: datetime
-    created_at: datetime
-    updated_at: datetime
 
 
 Handler = Callable[[Job], Awaitable[None]]
@@ -565,11 +548,7 @@ async def fail(
         log.warning("job %d (%s) is dead after %d attempts", job.id, job.kind, job.attempts)
 
 
-# --- Administration (in the caller's transaction) --------------------------------------------
-
-
-def _tenant_scope(tenant_id: int | None) -> list[ColumnElement[bool]]:
-    return [] if tenant_id is None else [jobs.c.tenant_id == tenant_id]
+# --- Reviving (in the caller's transaction) ------------------------------------------------
 
 
 async def retry(conn: AsyncConnection, *, job_id: int, tenant_id: int | None = None) -> bool:
@@ -579,7 +558,9 @@ async def retry(conn: AsyncConnection, *, job_id: int, tenant_id: int | None = N
     done, or if a job with the same `dedupe_key` is already queued (that one will do the work).
     Raises `NotFound` if the job does not exist (for this tenant).
     """
-    scope = [jobs.c.id == job_id, *_tenant_scope(tenant_id)]
+    scope = [jobs.c.id == job_id]
+    if tenant_id is not None:
+        scope.append(jobs.c.tenant_id == tenant_id)
     revive = (
         update(jobs)
         .where(*scope, jobs.c.status.in_([_DEAD, _Q]))
@@ -606,72 +587,3 @@ async def retry(conn: AsyncConnection, *, job_id: int, tenant_id: int | None = N
     if await conn.scalar(select(jobs.c.id).where(*scope)) is None:
         raise NotFound(f"job {job_id} does not exist")
     return False
-
-
-async def depth(conn: AsyncConnection, *, tenant_id: int | None = None) -> dict[str, int]:
-    """How many jobs are in each status, and `failures`: failed at least once and not done."""
-    failing = and_(jobs.c.last_error.is_not(None), jobs.c.status != _DONE)
-    rows = await conn.execute(
-        select(jobs.c.status, func.count(), func.count().filter(failing))
-        .where(*_tenant_scope(tenant_id))
-        .group_by(jobs.c.status)
-    )
-    counts = dict.fromkeys(STATUSES, 0)
-    counts["failures"] = 0
-    for status, count, failures in rows:
-        counts[status] = counts.get(status, 0) + int(count)
-        counts["failures"] += int(failures)
-    return counts
-
-
-async def list_jobs(
-    conn: AsyncConnection,
-    *,
-    status: str | None,
-    tenant_id: int | None,
-    limit: int = 100,
-    conversation_id: int | None = None,
-) -> list[JobRecord]:
-    """The newest jobs, of `status`, `tenant_id` and `conversation_id` if given."""
-    if status is not None and status not in STATUSES:
-        raise InvalidInput(f"status must be one of {', '.join(STATUSES)}", param="status")
-    if not 1 <= limit <= 1000:
-        raise InvalidInput("limit must be between 1 and 1000", param="limit")
-    query = (
-        select(
-            jobs.c.id,
-            jobs.c.kind,
-            jobs.c.status,
-            jobs.c.tenant_id,
-            jobs.c.conversation_id,
-            jobs.c.attempts,
-            jobs.c.max_attempts,
-            jobs.c.last_error,
-            jobs.c.run_after,
-            jobs.c.created_at,
-            jobs.c.updated_at,
-        )
-        .where(*_tenant_scope(tenant_id))
-        .order_by(jobs.c.id.desc())
-        .limit(limit)
-    )
-    if status is not None:
-        query = query.where(jobs.c.status == _status(status))
-    if conversation_id is not None:
-        query = query.where(jobs.c.conversation_id == conversation_id)
-    return [
-        JobRecord(
-            id=row.id,
-            kind=row.kind,
-            status=row.status,
-            tenant_id=row.tenant_id,
-            conversation_id=row.conversation_id,
-            attempts=row.attempts,
-            max_attempts=row.max_attempts,
-            last_error=row.last_error,
-            run_after=row.run_after,
-            created_at=row.created_at,
-            updated_at=row.updated_at,
-        )
-        for row in await conn.execute(query)
-    ]

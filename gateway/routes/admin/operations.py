@@ -18,7 +18,7 @@ from gateway.routes.admin.models import (
     SearchResults,
 )
 from gateway.routes.admin.scope import ScopeDep, id_path
-from memory.build import jobs
+from memory.build import backlog, jobs
 from memory.db import transaction
 from memory.errors import ProviderError
 from memory.recall import retrieval
@@ -111,8 +111,8 @@ async def list_jobs(
         if conversation is not None:
             ref = await store.find_conversation(conn, tenant_id=tenant_id, external_id=conversation)
             conversation_id = ref.id
-        depth = await jobs.depth(conn, tenant_id=tenant_id)
-        records = await jobs.list_jobs(
+        depth = await backlog.depth(conn, tenant_id=tenant_id)
+        records = await backlog.list_jobs(
             conn,
             status=status,
             tenant_id=tenant_id,
