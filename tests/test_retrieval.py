@@ -483,15 +483,15 @@ _PLACES = st.builds(
     exclude=st.sampled_from([None, (1, 40), (2, 10)]),
     within=st.sampled_from([[], retrieval.periods("in March 2023")]),
 )
-def test_fusing_apart_gives_the_fused_and_the_own_scores_exactly(
+def test_one_fusion_pass_gives_the_fused_and_the_own_scores_exactly(
     legs: list[list[Place]],
     which: Route,
     speakers: set[str],
     exclude: tuple[int, int] | None,
     within: list[tuple[date, date]],
 ) -> None:
-    """The recall note's one pass (`fuse_apart`) is, float for float, `fuse` with and without
-    contiguity."""
+    """The recall note's one pass (`fuse` filling `own`) is, float for float, `fuse` with and
+    without contiguity."""
     candidates = [Candidates(leg) for leg in legs]
     same: dict[str, Any] = {
         "which": which,
@@ -501,7 +501,8 @@ def test_fusing_apart_gives_the_fused_and_the_own_scores_exactly(
         "exclude_from": exclude,
         "within": within,
     }
-    fused, own = fusion.fuse_apart(candidates, **same)
+    own: dict[fusion.Key, float] = {}
+    fused = fusion.fuse(candidates, own=own, **same)
     assert fused == fusion.fuse(candidates, **same)
     assert own == fusion.fuse(candidates, kernel=(), **same)
 

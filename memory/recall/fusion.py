@@ -41,7 +41,6 @@ __all__ = [
     "Key",
     "Place",
     "fuse",
-    "fuse_apart",
     "ranked",
     "standouts",
 ]
@@ -123,63 +122,11 @@ def fuse(
     exclude_from: tuple[int, int] | None = None,
     kernel: Sequence[float] = CONTIGUITY,
     within: Sequence[tuple[date, date]] = (),
+    own: dict[Key, float] | None = None,
 ) -> dict[Key, float]:
-    """Fused score per node place (see the module docstring and `fuse_apart`)."""
-    fused, _ = _fuse(
-        legs,
-        which=which,
-        newest=newest,
-        primary=primary,
-        speakers=speakers,
-        exclude_from=exclude_from,
-        kernel=kernel,
-        within=within,
-        apart=False,
-    )
-    return fused
-
-
-@staged("fuse")
-def fuse_apart(
-    legs: Sequence[Candidates],
-    *,
-    which: Route,
-    newest: Mapping[int, int],
-    primary: int | None = None,
-    speakers: Collection[str] = (),
-    exclude_from: tuple[int, int] | None = None,
-    within: Sequence[tuple[date, date]] = (),
-) -> tuple[dict[Key, float], dict[Key, float]]:
-    """`fuse`'s scores, and beside them what each candidate scores by itself (what `fuse`
-    gives with no contiguity: the rest was lent to it by its neighbours), in one pass."""
-    fused, own = _fuse(
-        legs,
-        which=which,
-        newest=newest,
-        primary=primary,
-        speakers=speakers,
-        exclude_from=exclude_from,
-        kernel=CONTIGUITY,
-        within=within,
-        apart=True,
-    )
-    return fused, own
-
-
-def _fuse(
-    legs: Sequence[Candidates],
-    *,
-    which: Route,
-    newest: Mapping[int, int],
-    primary: int | None,
-    speakers: Collection[str],
-    exclude_from: tuple[int, int] | None,
-    kernel: Sequence[float],
-    within: Sequence[tuple[date, date]],
-    apart: bool,
-) -> tuple[dict[Key, float], dict[Key, float]]:
-    """Fused score per node place (see the module docstring), and, when `apart`, the same
-    without what contiguity lent (else empty).
+    """Fused score per node place (see the module docstring); `own`, when given, is filled in
+    the same pass with what each candidate scores by itself (what `fuse` gives with no
+    contiguity: the rest was lent to it by its neighbours), the same floats.
 
     Reciprocal-rank fusion of the legs; each message lends `kernel[d-1]` of its score to the
     messages `d` places away (which may not be candidates themselves); candidates written by
@@ -210,17 +157,17 @@ def _fuse(
     scores: dict[Key, float] = dict.fromkeys(standouts(legs), EXACT_BONUS / (RRF_K + 1))
     scores.update(dict.fromkeys(exact, EXACT_BONUS * len(legs) / (RRF_K + 1)))
     get = scores.get
-    own: dict[Key, float] = dict(scores) if apart else {}
+    unlent: dict[Key, float] | None = dict(scores) if own is not None else None
     for key, score in base.items():
         conv, level, seq = key
         if level > 0:
             scores[key] = get(key, 0.0) + score * summary_weight
-            if apart:
-                own[key] = own.get(key, 0.0) + score * summary_weight
+            if unlent is not None:
+                unlent[key] = unlent.get(key, 0.0) + score * summary_weight
             continue
         scores[key] = get(key, 0.0) + score
-        if apart:
-            own[key] = own.get(key, 0.0) + score
+        if unlent is not None:
+            unlent[key] = unlent.get(key, 0.0) + score
         for distance, share in lends:
             for near in (seq - distance, seq + distance):
                 if near >= 0:
@@ -233,7 +180,6 @@ def _fuse(
     exp = math.exp
     end_of = span_end.get
     result: dict[Key, float] = {}
-    alone: dict[Key, float] = {}
     for key, score in scores.items():
         conv, level, seq = key
         end = end_of(key, seq)
@@ -249,7 +195,7 @@ def _fuse(
             last, scale = horizon
         # The score by itself, when asked, scaled alike, factor by factor (the same floats as
         # fusing without contiguity).
-        mine = own.get(key) if apart else None
+        mine = unlent.get(key) if unlent is not None else None
         factor = 1.0 + recency_weight * exp(-max(0, last - end) / scale)
         score *= factor
         if mine is not None:
@@ -270,9 +216,9 @@ def _fuse(
                     if mine is not None:
                         mine *= PERIOD_BOOST
         result[key] = score
-        if mine is not None:
-            alone[key] = mine
-    return result, alone
+        if own is not None and mine is not None:
+            own[key] = mine
+    return result
 
 
 def standouts(legs: Sequence[Candidates]) -> set[Key]:

@@ -237,7 +237,8 @@ async def recall(
             aside=aside,
         )
     # With what each message scores by itself, without contiguity (the rest was lent to it).
-    fused, own = fusion.fuse_apart(
+    own: dict[Key, float] = {}
+    fused = fusion.fuse(
         legs,
         which=retrieval.route(query),
         newest={conversation_id: newest},
@@ -245,6 +246,7 @@ async def recall(
         speakers=retrieval.participants_named(query, participants),
         exclude_from=(conversation_id, exclude_from),
         within=retrieval.periods(query),
+        own=own,
     )
     unjudged = _unjudged(legs, searched=prepared is None or vector is None)
     similar = await _similarities(
