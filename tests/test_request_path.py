@@ -6,7 +6,8 @@ nothing more, against a real Postgres:
   would have sent (the dry run's, byte for byte) with the query embedded once; a turn refused
   after it started stores nothing and the work is cancelled;
 * retrieval's vector legs in a spare connection (`memory.db.spare`) beside the full-text leg
-  in the turn's own: the same legs, ranks and similarities; no spare from a busy pool.
+  in the turn's own, and `retrieval.search`'s beside its full-text leg: the same legs, ranks,
+  similarities and hits; a failing leg cancels the other; no spare from a busy pool.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from gateway.state import State
 from memory import db
 from memory.embeddings import Embedder
 from memory.errors import ContextOverflow
-from memory.recall import recall_note
+from memory.recall import recall_note, retrieval
 from memory.recall import working_context as wc
 from memory.recall.assemble import Budget, Recall, StoredTurn, assemble
 from memory.recall.early import Early
@@ -218,6 +219,52 @@ async def test_vector_legs_beside_the_turn_are_the_turns_own(
             (p.key, p.similarity) for p in other.ranked
         ]
     assert alone[1].ranked  # the vector leg found something
+
+
+async def test_a_search_beside_its_connection_finds_what_it_finds_alone(
+    engine: AsyncEngine, tenant_id: int
+) -> None:
+    """`retrieval.search` (the memory tools' and admin search's) with its vector legs in a
+    spare connection returns the same hits, scores and order as in its own."""
+    _, conversation, _ = await asked_for_fact(engine, tenant_id, limit=2000)
+    [vector] = await EMBEDDER.embed([FACT_QUESTION])
+    async with engine.connect() as conn:
+        search = functools.partial(
+            retrieval.search,
+            conn,
+            tenant_id=tenant_id,
+            conversation_ids=[conversation.id],
+            query=FACT_QUESTION,
+            query_vector=vector,
+            limit=12,
+        )
+        alone = await search()
+        async with db.spare(conn) as aside:
+            assert aside is not None
+            beside = await search(aside=aside)
+    assert alone, "the search found nothing to compare"
+    assert [(h.node_id, h.score) for h in alone] == [(h.node_id, h.score) for h in beside]
+
+
+async def test_one_failing_leg_cancels_the_other() -> None:
+    """`beside` raises the failure and leaves nothing running in the other connection."""
+    other_cancelled = asyncio.Event()
+
+    async def fails() -> int:
+        await asyncio.sleep(0)
+        raise RuntimeError("leg failed")
+
+    async def waits() -> int:
+        try:
+            await asyncio.sleep(60)
+        except asyncio.CancelledError:
+            other_cancelled.set()
+            raise
+        return 1
+
+    with pytest.raises(RuntimeError, match="leg failed"):
+        await retrieval.beside(fails(), waits())
+    await asyncio.wait_for(other_cancelled.wait(), timeout=5)
 
 
 async def test_a_busy_pool_lends_no_spare(database_url: str) -> None:

@@ -34,6 +34,7 @@ import regex
 from sqlalchemy import ColumnElement, func, select
 from sqlalchemy.ext.asyncio import AsyncConnection
 
+from memory import db
 from memory.db import AnyRow
 from memory.embeddings import Embedder
 from memory.errors import InvalidInput, NotFound, PatternRejected
@@ -194,11 +195,13 @@ async def search(
     embedder: Embedder,
     limits: Limits = DEFAULT_LIMITS,
 ) -> str:
-    """The best matching nodes for `query` (the full-text leg runs while it is embedded)."""
+    """The best matching nodes for `query`: the full-text leg runs while it is embedded, and
+    the vector legs beside it in a spare connection when one is free (the tools' transactions
+    write nothing the legs read)."""
     limit = min(max(limit, 1), MAX_SEARCH)
     embedding = asyncio.ensure_future(embedder.embed([query]))
-    try:
-        fulltext = await retrieval.fulltext_candidates(
+    fulltext = asyncio.ensure_future(
+        retrieval.fulltext_candidates(
             conn,
             tenant_id=scope.tenant_id,
             conversation_ids=scope.conversation_ids,
@@ -206,19 +209,24 @@ async def search(
             limit=max(retrieval.CANDIDATES, limit),
             abandoned=scope.abandoned,
         )
-        [vector] = await embedding
-    finally:
-        embedding.cancel()  # when the leg failed; a finished task ignores it
-    hits = await retrieval.search(
-        conn,
-        tenant_id=scope.tenant_id,
-        conversation_ids=scope.conversation_ids,
-        query=query,
-        query_vector=vector,
-        limit=limit,
-        abandoned=scope.abandoned,
-        fulltext=fulltext,
     )
+    try:
+        async with db.spare(conn) as aside:
+            [vector] = await embedding
+            hits = await retrieval.search(
+                conn,
+                tenant_id=scope.tenant_id,
+                conversation_ids=scope.conversation_ids,
+                query=query,
+                query_vector=vector,
+                limit=limit,
+                abandoned=scope.abandoned,
+                fulltext=fulltext,
+                aside=aside,
+            )
+    finally:  # when one failed, a finished task ignores it
+        embedding.cancel()
+        fulltext.cancel()
     if not hits:
         return f"nothing found for {query!r}"
     elsewhere = await conversations.external_ids(

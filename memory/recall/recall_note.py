@@ -24,7 +24,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import Awaitable, Collection, Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -373,13 +372,8 @@ async def search_legs(
 
     if aside is None:
         return [await fulltext, *await nearest(conn)]
-    found, vectors = asyncio.ensure_future(fulltext), asyncio.ensure_future(nearest(aside))
-    try:
-        await asyncio.gather(found, vectors)
-    finally:  # one failed: the other is not left running in its connection
-        found.cancel()
-        vectors.cancel()
-    return [found.result(), *vectors.result()]
+    found, vectors = await retrieval.beside(fulltext, nearest(aside))
+    return [found, *vectors]
 
 
 def _worth(hits: Sequence[Hit], *, own: Mapping[Key, float]) -> list[Hit]:

@@ -27,15 +27,17 @@ System and developer messages are never returned (they are the client's prompt, 
 nor, unless a caller asks (`abandoned`), messages that left their conversation's current branch
 (an edited message, a regenerated answer: `memory.write.branches`).
 `search()` costs one SQL round trip per leg plus one to load the hits; the full-text leg does
-not need the vector, so callers may run it (`fulltext_candidates`) while the query is embedded.
+not need the vector, so callers may start it (`fulltext_candidates`) while the query is embedded,
+and the vector legs may run beside it in a second connection (`aside`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping, Sequence
+import asyncio
+from collections.abc import Awaitable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any, Final
+from typing import Any, Final, TypeVar
 
 from sqlalchemy import REAL, bindparam, text
 from sqlalchemy.dialects.postgresql import ARRAY
@@ -54,12 +56,16 @@ from memory.recall.query import (
 )
 from memory.stages import staged
 
+A = TypeVar("A")
+B = TypeVar("B")
+
 __all__ = [
     "Candidates",
     "Hit",
     "Route",
     "as_hit",
     "asks",
+    "beside",
     "candidates_of",
     "fulltext_candidates",
     "identifiers",
@@ -482,23 +488,25 @@ async def search(
     which: Route | None = None,
     candidates: int = CANDIDATES,
     participants: Collection[str] = (),
-    fulltext: Candidates | None = None,
+    fulltext: Awaitable[Candidates] | None = None,
     abandoned: bool = False,
+    aside: AsyncConnection | None = None,
 ) -> list[Hit]:
     """The `limit` best nodes for `query`, best first (see the module docstring).
 
     `exclude_from=(conversation_id, seq)` leaves out that conversation's nodes that start at or
     after `seq` (the recent turns a prompt already holds verbatim). `which` overrides routing.
-    `participants` are the conversation's speaker names (see `fuse`). `fulltext` passes a
-    full-text leg already run with the same scope. `abandoned` also searches messages that
-    left their conversation's current branch (`memory.write.branches`)."""
+    `participants` are the conversation's speaker names (see `fuse`). `fulltext` is the
+    full-text leg already started with the same scope. `abandoned` also searches messages that
+    left their conversation's current branch (`memory.write.branches`). With `aside`, a spare
+    connection (`memory.db.spare`) that sees what `conn` sees (`conn`'s transaction wrote
+    nothing the legs read), the vector legs run there while the full-text leg runs in `conn`."""
     if limit <= 0 or not conversation_ids:
         return []
     which = which or route(query)
     pool = max(candidates, limit)
-    legs: list[Candidates] = []
     if fulltext is None:
-        fulltext = await fulltext_candidates(
+        fulltext = fulltext_candidates(
             conn,
             tenant_id=tenant_id,
             conversation_ids=conversation_ids,
@@ -508,11 +516,13 @@ async def search(
             exclude_from=exclude_from,
             abandoned=abandoned,
         )
-    legs.append(fulltext)
-    newest = await _newest(conn, tenant_id=tenant_id, conversation_ids=conversation_ids)
-    if query_vector is not None:
-        legs += await vector_legs(
-            conn,
+
+    async def nearest(on: AsyncConnection) -> tuple[dict[int, int], list[Candidates]]:
+        newest = await _newest(on, tenant_id=tenant_id, conversation_ids=conversation_ids)
+        if query_vector is None:
+            return newest, []
+        return newest, await vector_legs(
+            on,
             tenant_id=tenant_id,
             conversation_ids=conversation_ids,
             query_vector=query_vector,
@@ -522,8 +532,14 @@ async def search(
             messages=sum(last + 1 for last in newest.values()),
             abandoned=abandoned,
         )
+
+    if aside is None or query_vector is None:
+        found = await fulltext
+        newest, vectors = await nearest(conn)
+    else:
+        found, (newest, vectors) = await beside(fulltext, nearest(aside))
     scores = fuse(
-        legs,
+        [found, *vectors],
         which=which,
         newest=newest,
         primary=conversation_ids[0] if len(conversation_ids) > 1 else None,
@@ -535,6 +551,18 @@ async def search(
     return (await load(conn, tenant_id=tenant_id, scores=scores, limit=limit, abandoned=abandoned))[
         :limit
     ]
+
+
+async def beside(first: Awaitable[A], second: Awaitable[B]) -> tuple[A, B]:
+    """Both results, the two run at once (each in its own connection); when one fails, the
+    other is cancelled rather than left running in its connection."""
+    one, two = asyncio.ensure_future(first), asyncio.ensure_future(second)
+    try:
+        await asyncio.gather(one, two)
+    finally:
+        one.cancel()
+        two.cancel()
+    return one.result(), two.result()
 
 
 @staged("load")

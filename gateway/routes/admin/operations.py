@@ -19,7 +19,7 @@ from gateway.routes.admin.models import (
 )
 from gateway.routes.admin.scope import ScopeDep, id_path
 from memory.build import backlog, jobs
-from memory.db import transaction
+from memory.db import spare, transaction
 from memory.errors import ProviderError
 from memory.recall import retrieval
 from memory.write import conversations, store
@@ -64,16 +64,18 @@ async def search(
         names = await conversations.recent(
             conn, tenant_id=tenant_id, external_id=conversation, limit=SEARCH_SCOPE
         )
-        hits = await retrieval.search(
-            conn,
-            tenant_id=tenant_id,
-            conversation_ids=list(names),
-            query=q,
-            query_vector=vector,
-            limit=limit,
-            levels=levels,
-            abandoned=True,  # an operator sees every branch
-        )
+        async with spare(conn) as aside:
+            hits = await retrieval.search(
+                conn,
+                tenant_id=tenant_id,
+                conversation_ids=list(names),
+                query=q,
+                query_vector=vector,
+                limit=limit,
+                levels=levels,
+                abandoned=True,  # an operator sees every branch
+                aside=aside,
+            )
     return SearchResults(
         query=q,
         data=[
