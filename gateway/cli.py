@@ -6,6 +6,7 @@ start the embedded server under `MEMSTRATA_DATA_DIR`.
 """
 
 import asyncio
+import gc
 import signal
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
@@ -72,8 +73,10 @@ def serve(host: str | None, port: int | None) -> None:
 
     settings = _settings(host=host, port=port)
     _logging(settings)
+    app = create_app(settings)
+    _collect_less()
     uvicorn.run(
-        create_app(settings),
+        app,
         host=settings.host,
         port=settings.port,
         log_level=settings.log_level,
@@ -82,6 +85,26 @@ def serve(host: str | None, port: int | None) -> None:
         access_log=False,
         timeout_graceful_shutdown=10,
     )
+
+
+YOUNG_COLLECTION_THRESHOLD = 20_000
+"""Net allocations of container objects between two collections of the youngest generation in
+`serve` (Python's default: 700). A turn holds thousands of them until it ends (candidates,
+rows, messages): at 700 the collector ran ~4 times a turn and traversed what the turn still
+held; at 20,000 it runs about once in 50 turns, and most of a turn's objects are freed by then."""
+
+
+def _collect_less() -> None:
+    """Tune the garbage collector for the request path: the heap built at start (modules, the
+    app, its schemas) is frozen, so the oldest generation's collections never traverse it, and
+    young collections run less often (`YOUNG_COLLECTION_THRESHOLD`). Measured over 100 turns
+    of `bench.overhead`'s 10k varied conversation: 375 young and 34 middle collections taking
+    66 ms and one full collection taking 130 ms (a single request's latency), before; 2 young
+    collections taking 12 ms, after. Cycles are still collected, only later."""
+    gc.collect()
+    gc.freeze()
+    _, middle, old = gc.get_threshold()
+    gc.set_threshold(YOUNG_COLLECTION_THRESHOLD, middle, old)
 
 
 @main.command("migrate")
