@@ -53,6 +53,13 @@ INSTRUMENTED_MODULES = (
     "gateway.openai.degraded",
     "memory.write.store",
     "memory.recall.assemble",
+    "memory.recall.context_prompt",
+    "memory.recall.working_context",
+    "memory.recall.compaction",
+    "memory.recall.recall_note",
+    "memory.recall.anticipation",
+    "memory.recall.early",
+    "memory.recall.fusion",
     "memory.recall.prompt",
     "memory.recall.retrieval",
     "memory.build.tree",
@@ -353,7 +360,7 @@ def serve() -> None:
     import uvicorn
 
     from gateway.app import create_app
-    from gateway.cli import _logging
+    from gateway.cli import _collect_less, _logging
     from gateway.settings import Settings
 
     settings = Settings()
@@ -362,8 +369,10 @@ def serve() -> None:
     instrument_sql()
     print(f"instrumented {len(wrapped)} functions", file=sys.stderr, flush=True)
     out_dir = Path(os.environ.get("BENCH_PROFILE_DIR", h.RESULTS_DIR))
+    app = ProfilingApp(create_app(settings), out_dir)
+    _collect_less()  # as `memstrata serve` tunes its collector
     uvicorn.run(
-        ProfilingApp(create_app(settings), out_dir),
+        app,
         host=settings.host,
         port=settings.port,
         log_level=settings.log_level,
