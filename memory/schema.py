@@ -154,8 +154,15 @@ nodes = Table(
     Index("ix_nodes_tenant_level", "tenant_id", "level"),
     Index("ix_nodes_parent", "parent_id"),
     # Full text within conversations (`btree_gin`, migration 0011): a word's nodes of the
-    # searched conversations only, where an index on `tsv` alone yields every tenant's.
-    Index("ix_nodes_conversation_tsv", "conversation_id", "tsv", postgresql_using="gin"),
+    # searched conversations only, where an index on `tsv` alone yields every tenant's. Its
+    # pending list is kept small (migration 0012): every lookup reads all of it.
+    Index(
+        "ix_nodes_conversation_tsv",
+        "conversation_id",
+        "tsv",
+        postgresql_using="gin",
+        postgresql_with={"gin_pending_list_limit": 128},
+    ),
     Index(
         "ix_nodes_embedding",
         "embedding",

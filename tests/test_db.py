@@ -1,5 +1,6 @@
-"""The database layer: transactions over a pool whose connections may have died, the migration
-that keeps each conversation's system prompt fingerprint, and the one that rehashes chains."""
+"""The database layer: transactions over a pool whose connections may have died, the migrations'
+indexes as the schema declares them, the migration that keeps each conversation's system prompt
+fingerprint, and the one that rehashes chains."""
 
 import asyncio
 import importlib.util
@@ -18,7 +19,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from memory.db import ALEMBIC_INI, connect, migrate, transaction
 from memory.errors import StorageUnavailable
-from memory.schema import conversations
+from memory.schema import conversations, metadata
 from memory.write import chains, identity
 
 
@@ -78,6 +79,30 @@ def _upgrade_to(revision: str, *, down: bool = False) -> Callable[[Connection], 
         (command.downgrade if down else command.upgrade)(config, revision)
 
     return upgrade
+
+
+async def test_the_migrated_indexes_are_the_schemas_with_their_options(
+    engine: AsyncEngine,
+) -> None:
+    """Every index `memory.schema` declares exists after the migrations, with the storage
+    options it declares (the full-text index's small pending list: migration 0012)."""
+    async with engine.connect() as conn:
+        rows = await conn.execute(
+            text(
+                "SELECT c.relname, coalesce(c.reloptions, '{}') FROM pg_class c "
+                "JOIN pg_namespace s ON s.oid = c.relnamespace "
+                "WHERE c.relkind = 'i' AND s.nspname = current_schema()"
+            )
+        )
+        migrated = {name: set(options) for name, options in rows}
+    declared = {index for table in metadata.tables.values() for index in table.indexes}
+    assert declared
+    for index in declared:
+        assert index.name in migrated, f"{index.name} is declared but not migrated"
+        options = index.dialect_options["postgresql"]["with"] or {}
+        wanted = {f"{key}={value}" for key, value in options.items()}
+        assert wanted <= migrated[str(index.name)], (index.name, migrated[str(index.name)])
+    assert "gin_pending_list_limit=128" in migrated["ix_nodes_conversation_tsv"]
 
 
 async def test_migration_0005_fingerprints_the_newest_system_prompt(empty_database: str) -> None:
