@@ -42,15 +42,41 @@ TARGET_RETRIEVAL_P95 = 10.0
 # Written by hand from the profile of the run it names; `make bench` keeps it and redraws the
 # rest. Update it when the profile changes.
 CLOSING_NOTE = """\
-Written by hand from the full run of 2026-11-21 10:26-10:38 UTC (commit `08bcef936d`, machine
-otherwise idle: load average 1.5-2.4) and the profile re-run at 10:43-10:46 (`--only profile`,
-after a fix to the Postgres CPU count); the tables above are redrawn by every run, this note is
-not: update it when the profile changes. At 10,000 stored messages a request spent 78.6 ms in
-`gateway.openai.chat.complete` (stage timers, c=1), 62.4 ms of it building the prompt; it ran 17 SQL
-statements (46 ms waiting). In the full run, where the profile came after minutes of other
-traffic on the same tables, the same figures were 57.5, 41.8 and 28 ms, with the full-text
-leg at 19.3 ms and the vector leg at 1.0 ms: planner statistics and index state move them.
-The three biggest costs, and what was done about them:
+**2026-11-26, the profile above** (commit `806a475`; "local changes" were result files only).
+At 10,000 stored messages, c=1, workers off, a turn spends 53 ms in
+`gateway.openai.chat.complete`, 34 ms of it building the working-context prompt; the recall
+note's retrieval (`recall_note.search_legs`, 14.6 ms) runs its two legs side by side, and the
+vector legs (HNSW, 400 candidates and their passages: 10.9 ms of SQL) are now the longer of the
+two. Found and fixed this day:
+
+1. **The full-text index's pending list.** A GIN index takes new entries into an unsorted
+   pending list of up to 4 MB, and every lookup reads all of it; a freshly imported conversation
+   left it full. Migration 0012 keeps it at 128 kB: the full-text statement went from 13.6 to
+   7.5 ms per request in this profile (29.0 ms of SQL wait against 33.8), and from 11.6 to 5.4
+   ms on a 10k conversation after 7,500 messages were stored elsewhere (same rows).
+2. **Garbage collection in `serve`.** Over 100 turns of the 10k varied conversation, Python's
+   collector ran 375 young and 34 middle collections (66 ms) and one full collection of 130 ms
+   (all of it inside one request). `serve` now freezes the heap built at start and collects the
+   young generation every 20,000 net allocations: 2 collections, 12 ms, over the same 100 turns.
+3. **`memory_search` and admin search** run their vector legs in a spare pooled connection
+   beside the full-text leg, as the recall note's retrieval already did.
+
+What the request path still costs, c=1 (the dev harness's per-thread CPU, 10k varied, default
+`serve`): the event-loop thread 32 ms of CPU per turn, the query's embedding 8 ms (two ONNX
+threads), Postgres 21 ms, the worker child 45 ms (niced), on 2 cores shared with the load
+generator and the fake upstream. The added latency follows the CPU the machine has left, not
+one slow step; the next cuts have to remove work (rows decoded, statements per turn), not move
+it.
+
+Earlier, written by hand from the full run of 2026-11-21 10:26-10:38 UTC (commit `08bcef936d`,
+machine otherwise idle: load average 1.5-2.4) and the profile re-run at 10:43-10:46 (`--only
+profile`, after a fix to the Postgres CPU count); the tables above are redrawn by every run,
+this note is not: update it when the profile changes. At 10,000 stored messages a request spent
+78.6 ms in `gateway.openai.chat.complete` (stage timers, c=1), 62.4 ms of it building the
+prompt; it ran 17 SQL statements (46 ms waiting). In the full run, where the profile came after
+minutes of other traffic on the same tables, the same figures were 57.5, 41.8 and 28 ms, with
+the full-text leg at 19.3 ms and the vector leg at 1.0 ms: planner statistics and index state
+move them. The three biggest costs, and what was done about them:
 
 1. **The full-text leg of retrieval: 31.7 ms of SQL per request (19.3 ms in the full run).**
    Every node holding any word of the question is read and scored, and at 10,000 messages
