@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from sqlalchemy import insert, select
+from sqlalchemy import insert, select, text, update
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from devkit import synthetic
@@ -172,6 +172,81 @@ async def test_a_sentence_buried_in_a_long_message_is_found_by_its_passage(
     assert found.similarity > (by_whole.get(key) or 0.0) + 0.2
     hits = await search(engine, corpus, BURIED_QUERY, limit=5)
     assert BURIED_AT in [hit.seq for hit in hits if hit.level == 0]
+
+
+LIMIT = 48
+
+
+async def test_an_index_scan_that_reaches_little_of_its_scope_is_run_exactly(
+    engine: AsyncEngine, corpus: Corpus
+) -> None:
+    """A scope whose messages the HNSW scan does not reach gets the exact scan's rows from the
+    vector leg, not the few the index gave. Here the scope is 300 messages whose vectors sit
+    opposite the query (each a little apart), beside the corpus's 5,000: the scan, stopped
+    after its first pass (`hnsw.max_scan_tuples`), finds the query's nearest, none of them."""
+    [query] = await corpus.embedder.embed([MEANING_QUERY])
+    away = [[-x for x in query] for _ in range(300)]
+    for number, vector in enumerate(away):
+        vector[number % len(vector)] += 0.05 * (1 + number // len(vector))
+    small = [{"role": "user", "content": f"Filler {number}."} for number in range(len(away))]
+    external_id = f"away-{uuid.uuid4().hex}"
+    await importer.import_messages(
+        engine,
+        tenant_id=corpus.tenant_id,
+        external_id=external_id,
+        messages=small,
+        created_at=[None] * len(small),
+        model="gpt-4o",
+        batch=len(small),
+    )
+    async with engine.begin() as conn:
+        ref = await store.find_conversation(
+            conn, tenant_id=corpus.tenant_id, external_id=external_id
+        )
+        for seq, vector in enumerate(away):
+            await conn.execute(
+                update(nodes)
+                .where(nodes.c.conversation_id == ref.id, nodes.c.level == 0, nodes.c.seq == seq)
+                .values(embedding=vector)
+            )
+    scope = {
+        "tenant_id": corpus.tenant_id,
+        "conversation_ids": [ref.id],
+        "query_vector": query,
+        "levels": [0],
+        "limit": LIMIT,
+    }
+    async with engine.connect() as conn:
+        await conn.execute(text("SET hnsw.max_scan_tuples = 1"))
+        # What the index alone gives, asked for as `vector_legs` asks.
+        await conn.execute(
+            text(
+                "SELECT set_config('hnsw.iterative_scan', 'relaxed_order', true), "
+                "set_config('hnsw.ef_search', :ef, true), set_config('enable_sort', 'off', true)"
+            ),
+            {"ef": str(2 * LIMIT)},
+        )
+        by_index = await conn.execute(
+            retrieval._VECTOR,
+            {
+                **retrieval._scope_params(
+                    tenant_id=corpus.tenant_id,
+                    conversation_ids=[ref.id],
+                    levels=[0],
+                    exclude_from=None,
+                    abandoned=False,
+                ),
+                "vector": query,
+                "limit": LIMIT,
+            },
+        )
+        assert len(list(by_index)) < LIMIT // retrieval.UNDERFOUND  # the case under test
+        await conn.rollback()
+        await conn.execute(text("SET hnsw.max_scan_tuples = 1"))
+        large = await retrieval.vector_legs(conn, **scope, messages=retrieval.EXACT_SCAN_MAX + 1)
+        exact = await retrieval.vector_legs(conn, **scope, messages=len(small))
+    assert len(exact[0].ranked) == LIMIT
+    assert [p.key for p in large[0].ranked] == [p.key for p in exact[0].ranked]
 
 
 async def test_finds_a_planted_identifier_exactly(engine: AsyncEngine, corpus: Corpus) -> None:
