@@ -20,6 +20,7 @@ import re
 import uuid
 from collections.abc import Sequence
 from dataclasses import replace
+from datetime import timedelta
 from typing import Any, cast
 
 import pytest
@@ -41,7 +42,7 @@ from memory.recall import anticipation, browsing, explain, tools
 from memory.recall import working_context as wc
 from memory.recall.assemble import Assembled, Budget, Recall, StoredTurn, assemble
 from memory.recall.working_context import Policy
-from memory.schema import working_contexts
+from memory.schema import nodes, working_contexts
 from memory.write import store, tree_nodes
 
 MODEL = "gpt-4o"
@@ -578,6 +579,38 @@ async def test_a_turn_that_keeps_the_prefix_leaves_the_rest_as_stored(
     noted = "note" in kept.labels
     assert len(state.notes) == len(built.notes) + noted
     assert state.tokens == sum(kept.counts[1 : stable_end(kept) + noted])
+
+
+async def test_verbatim_turns_read_again_are_the_stored_ones(
+    engine: AsyncEngine, tenant_id: int
+) -> None:
+    """`read_items` keeps what it read of a conversation and reads only the rest next time:
+    the turns come out as a fresh read gives them, and a node found under a known id but
+    stored at another time (a recreated database) is read again, not taken for the known one."""
+    conversation = await Conversation.start(engine, tenant_id, synthetic.messages(40, seed=11))
+    span = {"tenant_id": tenant_id, "conversation_id": conversation.id, "model": MODEL}
+
+    async def read(start: int, end: int, *, fresh: bool = False) -> list[wc.Item]:
+        if fresh:
+            wc._read.clear()
+        async with engine.begin() as conn:
+            return await wc.read_items(conn, start=start, end=end, **span)
+
+    first = await read(5, 30)
+    assert [item.seq for item in first] == list(range(5, 30))
+    wider = await read(10, 41)
+    assert wider == await read(10, 41, fresh=True)
+    assert wider[:20] == first[5:]
+
+    async with engine.begin() as conn:
+        await conn.execute(
+            update(nodes)
+            .where(nodes.c.conversation_id == conversation.id, nodes.c.seq == 20)
+            .values(content="stored again", created_at=nodes.c.created_at + timedelta(seconds=1))
+        )
+    again = await read(10, 41)
+    assert again[10].message["content"] == "stored again"
+    assert again == await read(10, 41, fresh=True)
 
 
 # -- anticipatory recall -----------------------------------------------------------------------

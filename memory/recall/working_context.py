@@ -31,13 +31,14 @@ counts, how far it reaches, its notes) without rewriting the stable memory.
 
 from __future__ import annotations
 
-import json
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
+from datetime import datetime
 from typing import Any, Final
 
-from sqlalchemy import case, func, null, select, text, update
+from sqlalchemy import BigInteger, bindparam, case, func, null, select, text, update
+from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.ext.asyncio import AsyncConnection
 
@@ -67,11 +68,14 @@ MASK_MIN_TOKENS: Final = 64
 
 SYSTEM_ROLES: Final = ("system", "developer")
 
-_COUNTS_KEPT: Final = 65_536
-# The verbatim turns are read, and were re-encoded, on every turn: a stored message's count in
-# an encoding is kept by node id and a hash of the message as sent (ids restart in a recreated
-# database; hashing is a small fraction of encoding).
-_counts: OrderedDict[tuple[str, int, int], int] = OrderedDict()
+_KEPT: Final = 32_768
+"""Most verbatim messages `read_items` keeps decoded and counted, over all conversations."""
+
+# The verbatim turns are read on every turn, and most of them were read on the one before: each
+# conversation's, as last read, decoded and counted in an encoding (stored messages never
+# change; a node is known by its id and the time it was stored, since ids restart in a
+# recreated database). Least recently read conversations go first.
+_read: OrderedDict[tuple[int, str], dict[int, tuple[datetime, Item]]] = OrderedDict()
 
 
 @dataclass(frozen=True)
@@ -265,11 +269,20 @@ def render(state: State, items: Sequence[Item], *, policy: Policy, model: str) -
     return Rendered(messages=messages, labels=labels, counts=counts)
 
 
+# The rows of seq `start` to `end - 1`; the stored message of those in `known` (already decoded
+# and counted) is left out. A known row whose time differs is not the one known: see `_read`.
 _ITEMS = text(
-    "SELECT id, seq, role, name, content, tool_calls, tool_call_id, meta FROM nodes "
-    "WHERE tenant_id = :tenant_id AND conversation_id = :conversation_id AND level = 0 "
-    "AND seq >= :start AND seq < :end AND superseded_at IS NULL ORDER BY seq"
-)
+    """
+SELECT n.id, n.seq, n.role, n.created_at, n.id = ANY(:known) AS known, m.name, m.content,
+       m.tool_calls, m.tool_call_id, m.meta
+FROM nodes n
+LEFT JOIN LATERAL (SELECT n.name, n.content, n.tool_calls, n.tool_call_id, n.meta
+                   WHERE NOT n.id = ANY(:known)) m ON true
+WHERE n.tenant_id = :tenant_id AND n.conversation_id = :conversation_id AND n.level = 0
+  AND n.seq >= :start AND n.seq < :end AND n.superseded_at IS NULL
+ORDER BY n.seq
+"""
+).bindparams(bindparam("known", type_=ARRAY(BigInteger)))
 
 
 async def read_items(
@@ -277,43 +290,46 @@ async def read_items(
 ) -> list[Item]:
     """The current branch's messages from seq `start` to `end - 1` as verbatim turns, as a
     prompt carries them (`store.prompt_message`; the client's system messages left out), each
-    counted in `model`'s encoding."""
+    counted in `model`'s encoding. Messages this process read last time for the conversation
+    are not read, decoded or counted again (`_read`)."""
     if end <= start:
         return []
-    rows = await conn.execute(
-        _ITEMS,
-        {"tenant_id": tenant_id, "conversation_id": conversation_id, "start": start, "end": end},
-    )
-    items: list[Item] = []
     encoding = tokens.encoding_name_for_model(model)
+    key = (conversation_id, encoding)
+    known = _read.get(key, {})
+    params = {
+        "tenant_id": tenant_id,
+        "conversation_id": conversation_id,
+        "start": start,
+        "end": end,
+        "known": list(known),
+    }
+    rows = list(await conn.execute(_ITEMS, params))
+    if any(row.known and known[row.id][0] != row.created_at for row in rows):
+        known = {}  # another database under the same ids: read them all
+        rows = list(await conn.execute(_ITEMS, {**params, "known": []}))
+    read: dict[int, tuple[datetime, Item]] = {}
     for row in rows:
         if row.role in SYSTEM_ROLES:
             continue
+        if row.known:
+            read[row.id] = known[row.id]
+            continue
         message = canonical(store.prompt_message(row))
-        items.append(
-            Item(
-                node_id=row.id,
-                seq=row.seq,
-                role=row.role,
-                name=row.name,
-                message=message,
-                tokens=_count(row.id, message, model, encoding),
-            )
+        item = Item(
+            node_id=row.id,
+            seq=row.seq,
+            role=row.role,
+            name=row.name,
+            message=message,
+            tokens=tokens.count_message(message, model=model),
         )
-    return items
-
-
-def _count(node_id: int, message: dict[str, Any], model: str, encoding: str) -> int:
-    """What stored message `node_id` (as `message`) costs in `model`'s encoding."""
-    key = (encoding, node_id, hash(json.dumps(message, separators=(",", ":"), default=str)))
-    found = _counts.get(key)
-    if found is None:
-        found = _counts[key] = tokens.count_message(message, model=model)
-        if len(_counts) > _COUNTS_KEPT:
-            _counts.popitem(last=False)
-    else:
-        _counts.move_to_end(key)
-    return found
+        read[row.id] = (row.created_at, item)
+    _read[key] = read
+    _read.move_to_end(key)
+    while sum(len(held) for held in _read.values()) > _KEPT and len(_read) > 1:
+        _read.popitem(last=False)
+    return [item for _, item in read.values()]
 
 
 # -- persistence -------------------------------------------------------------------------------
