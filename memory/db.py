@@ -20,7 +20,8 @@ from typing import Any, TypeAlias
 
 from alembic import command
 from alembic.config import Config
-from sqlalchemy import Row, event, text
+from sqlalchemy import REAL, Row, event, text
+from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.engine import Connection
 from sqlalchemy.exc import DBAPIError, DisconnectionError, InterfaceError, OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
@@ -32,6 +33,11 @@ from memory.errors import SchemaMismatch, StorageUnavailable
 ALEMBIC_INI = Path(__file__).resolve().parent.parent / "alembic.ini"
 AnyRow: TypeAlias = Row[*tuple[Any, ...]]
 """A result row of any shape (SQLAlchemy types rows by their columns)."""
+
+FLOATS = ARRAY(REAL)
+"""The type vectors travel as: float4 arrays, which asyncpg encodes and decodes in C (cast to
+`vector` in SQL); pgvector's text form costs ~0.3 ms of Python per vector each way, as much as
+the rest of a message's processing outside the model."""
 
 _MIGRATION_LOCK = 7_240_311  # arbitrary, constant advisory-lock key for migrations
 

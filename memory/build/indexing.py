@@ -14,22 +14,17 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 from sqlalchemy import REAL, BigInteger, Boolean, bindparam, cast, func, update
-from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from memory.build import importance, passages
-from memory.db import AnyRow
+from memory.db import FLOATS, AnyRow
 from memory.embeddings import Embedder, Vector
 from memory.schema import nodes
 from memory.schema import passages as passages_table
 
-__all__ = ["FLOATS", "HAS_TEXT", "Embedded", "embed", "has_text", "write"]
+__all__ = ["HAS_TEXT", "Embedded", "embed", "has_text", "write"]
 
-FLOATS: Final = ARRAY(REAL)
-"""Vectors travel as float4 arrays, which asyncpg encodes and decodes in C; pgvector's text form
-costs ~0.3 ms of Python per vector each way, as much as the rest of a message's processing
-outside the model."""
 
 # One statement writes whatever a node gains: a vector with its importance and pin, a parent,
 # or both at once. A NULL parameter leaves its column as it is, and a node keeps a parent it

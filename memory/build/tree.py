@@ -50,11 +50,11 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from memory import tokens
 from memory.build import indexing, jobs
-from memory.build.indexing import FLOATS, Embedded
+from memory.build.indexing import Embedded
 from memory.build.jobs import Job
 from memory.build.segments import SegmentMessage, SegmentPolicy, split
 from memory.build.summarize import Summarizer, Summary, SummaryInput
-from memory.db import AnyRow, transaction
+from memory.db import FLOATS, AnyRow, transaction
 from memory.embeddings import Embedder, Vector, centroid
 from memory.schema import conversations, nodes
 

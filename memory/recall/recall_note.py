@@ -29,10 +29,11 @@ from collections.abc import Awaitable, Collection, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Final
 
-from sqlalchemy import select, text
+from sqlalchemy import bindparam, select, text
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from memory import tokens
+from memory.db import FLOATS
 from memory.embeddings import Embedder
 from memory.errors import ProviderError
 from memory.recall import explain, fusion, retrieval
@@ -104,7 +105,7 @@ FROM unnest(CAST(:conversations AS bigint[]), CAST(:seqs AS integer[])) AS w(con
 JOIN nodes n ON n.conversation_id = w.conv AND n.level = 0 AND n.seq = w.seq
 WHERE n.tenant_id = :tenant_id AND (CAST(:abandoned AS boolean) OR n.superseded_at IS NULL)
 """
-)
+).bindparams(bindparam("vector", type_=FLOATS))
 # The prepared candidates, scored by their similarity to the new message: the better of the
 # whole message's and its best passage's.
 _PREPARED = text(
@@ -118,7 +119,7 @@ WHERE n.tenant_id = :tenant_id AND n.id = ANY(:ids) AND n.embedding IS NOT NULL
   AND (CAST(:abandoned AS boolean) OR n.superseded_at IS NULL)
 ORDER BY similarity DESC
 """
-)
+).bindparams(bindparam("vector", type_=FLOATS))
 
 
 def query_of(new_messages: Sequence[Mapping[str, Any]]) -> str:
@@ -314,7 +315,7 @@ async def _prepared_leg(
         {
             "tenant_id": tenant_id,
             "ids": list(ids),
-            "vector": retrieval.vector_literal(vector),
+            "vector": [float(x) for x in vector],
             "abandoned": abandoned,
         },
     )
@@ -415,7 +416,7 @@ async def _similarities(
         _SIMILARITY,
         {
             "tenant_id": tenant_id,
-            "vector": retrieval.vector_literal(vector),
+            "vector": [float(x) for x in vector],
             "conversations": [key[0] for key in keys],
             "seqs": [key[2] for key in keys],
             "abandoned": abandoned,

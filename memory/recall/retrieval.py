@@ -39,10 +39,10 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Final, TypeVar
 
-from sqlalchemy import REAL, bindparam, text
-from sqlalchemy.dialects.postgresql import ARRAY
+from sqlalchemy import bindparam, text
 from sqlalchemy.ext.asyncio import AsyncConnection
 
+from memory.db import FLOATS
 from memory.recall.fusion import CONTIGUITY, Candidates, Key, Place, fuse, ranked
 from memory.recall.query import (
     Route,
@@ -75,7 +75,6 @@ __all__ = [
     "route",
     "search",
     "vector_legs",
-    "vector_literal",
     "websearch_query",
     "without_names",
 ]
@@ -124,9 +123,6 @@ class Hit:
     tool_calls: Any = None
     tool_call_id: str | None = None
 
-
-_FLOATS: Final = ARRAY(REAL)
-"""The query's vector travels as a float4 array (encoded by asyncpg in C), not as text."""
 
 # -- the legs ------------------------------------------------------------------------------
 
@@ -275,11 +271,11 @@ SELECT m.conversation_id, m.level, m.seq, m.span_end, m.name, m.created_at, fals
 FROM nearest m
 """
 _VECTOR = text(_NEAREST.format(scope=_SCOPE, order="n.embedding <=> (SELECT v FROM q)")).bindparams(
-    bindparam("vector", type_=_FLOATS)
+    bindparam("vector", type_=FLOATS)
 )
 _VECTOR_EXACT = text(
     _NEAREST.format(scope=_SCOPE, order="(n.embedding <=> (SELECT v FROM q)) + 0")
-).bindparams(bindparam("vector", type_=_FLOATS))
+).bindparams(bindparam("vector", type_=FLOATS))
 
 _LOAD = text(
     """
@@ -451,11 +447,6 @@ async def vector_legs(
     ]
     parts.sort(key=_similarity, reverse=True)
     return [whole, Candidates(parts)]
-
-
-def vector_literal(vector: Sequence[float]) -> str:
-    """A vector as pgvector's text form."""
-    return "[" + ",".join(f"{float(x):.6g}" for x in vector) + "]"
 
 
 def candidates_of(rows: Any) -> Candidates:
