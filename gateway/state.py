@@ -16,12 +16,14 @@ from gateway.metrics import Metrics
 from gateway.settings import Settings
 from gateway.upstream import Upstream
 from memory.embeddings import Embedder
+from memory.recall.early import PastBudget
 
 
 @dataclass
 class State:
     """The settings, the database engine, the upstream clients and the query embedder, with
-    this process's metrics and recently verified keys."""
+    this process's metrics, recently verified keys and the conversations it found past their
+    budget."""
 
     settings: Settings
     engine: AsyncEngine
@@ -31,6 +33,7 @@ class State:
     metrics: Metrics = field(default_factory=Metrics)
     key_grace: KeyGrace = field(default_factory=lambda: KeyGrace(seconds=0))
     tasks: set[asyncio.Task[None]] = field(default_factory=set)
+    past_budget: PastBudget = field(default_factory=PastBudget)
 
     def spawn(self, work: Coroutine[Any, Any, None]) -> None:
         """Run `work` after the response, held until it ends or the app stops (`close`)."""

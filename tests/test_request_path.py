@@ -4,7 +4,9 @@ nothing more, against a real Postgres:
 * the query's embedding, started as soon as the conversation is identified
   (`memory.recall.early`, `gateway.openai.chat.start_query`): the turn sends the prompt it
   would have sent (the dry run's, byte for byte) with the query embedded once; a turn refused
-  after it started stores nothing and the work is cancelled;
+  after it started stores nothing and the work is cancelled; for a named conversation found
+  past its budget, a guess of the query starts as the request arrives, and a wrong one gives
+  way;
 * retrieval's vector legs in a spare connection (`memory.db.spare`) beside the full-text leg
   in the turn's own, and `retrieval.search`'s beside its full-text leg: the same legs, ranks,
   similarities and hits; a failing leg cancels the other; no spare from a busy pool.
@@ -19,6 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import httpx
 import pytest
 from sqlalchemy import func, select
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
@@ -30,10 +33,11 @@ from memory.embeddings import Embedder
 from memory.errors import ContextOverflow
 from memory.recall import recall_note, retrieval
 from memory.recall import working_context as wc
-from memory.recall.assemble import Budget, Recall, StoredTurn, assemble
+from memory.recall.assemble import Budget, Recall, StoredTurn, assemble, query_ahead, query_guess
 from memory.recall.early import Early
 from memory.schema import nodes
 from memory.write import store
+from tests.inprocess import App
 from tests.test_working_context import (
     EMBEDDER,
     FACT,
@@ -180,6 +184,106 @@ async def test_no_query_starts_for_a_conversation_that_fits(
     early.close()
     assert early.started is None and counting.texts == []
     assert not sent.rebuilt
+
+
+async def test_a_wrong_guess_gives_way_to_the_query_identified() -> None:
+    """`Early.start` with another text cancels the guess's work and embeds the new text; the
+    text already started is not embedded again; an empty text cancels a guess."""
+    counting = CountingEmbedder(gate=asyncio.Event())
+    early = Early(counting)
+    early.start("what was the guess?")
+    await asyncio.sleep(0)  # the guess reaches the embedder
+    early.start("what was the question?")
+    early.start("what was the question?")
+    await asyncio.sleep(0)
+    assert counting.cancelled == 1 and early.started == "what was the question?"
+    assert counting.texts == ["what was the guess?", "what was the question?"]
+    early.start("")
+    await asyncio.sleep(0)
+    assert counting.cancelled == 2 and early.started is None
+    early.close()
+
+
+@pytest.mark.parametrize(
+    ("messages", "new_from"),
+    [
+        ([SYSTEM, {"role": "user", "content": "Where is the storage unit?"}], 1),
+        (
+            [
+                SYSTEM,
+                {"role": "user", "content": "We rented a unit."},
+                {"role": "assistant", "content": "Noted."},
+                {"role": "user", "content": "Which floor?"},
+                {"role": "user", "content": "And what is its number?"},
+            ],
+            3,
+        ),
+    ],
+)
+def test_the_guess_is_the_query_identifying_finds(messages: list[Message], new_from: int) -> None:
+    """Whether the client sends the new message alone or resends its history, the guess made
+    before identifying is the query identifying finds for a conversation past its budget."""
+    recall = Recall(embedder=EMBEDDER)
+    found = query_ahead(
+        messages,
+        new_from=new_from,
+        stored_tokens=10_000,
+        budget=Budget(2000, 0),
+        recall=recall,
+        model=MODEL,
+    )
+    assert found and query_guess(messages, recall=recall) == found
+
+
+async def test_a_conversation_past_its_budget_starts_its_query_on_arrival(
+    app: App, engine: AsyncEngine
+) -> None:
+    """Through the chat endpoint: a named conversation that fits embeds nothing; once this
+    process found one past its budget, its next request's query starts as the request arrives
+    (a guess, which identifying confirms), and each turn embeds its query once."""
+    counting = CountingEmbedder()
+    state, tenant = app.state, app.state.default_tenant_id
+    fits, past = f"fits-{uuid.uuid4().hex}", f"past-{uuid.uuid4().hex}"
+    long_ago = [
+        {"role": "user" if n % 2 == 0 else "assistant", "content": f"Item {n}: " + "words " * 40}
+        for n in range(80)
+    ]
+    async with engine.begin() as conn:
+        ref, _ = await store.open_conversation(conn, tenant_id=tenant, external_id=past)
+        await store.append(
+            conn, tenant_id=tenant, conversation_id=ref.id, messages=long_ago, model=MODEL
+        )
+    questions = ["Where is the storage unit?", "Which floor is it on?"]
+
+    async def send(client: httpx.AsyncClient, conversation: str, messages: list[Message]) -> None:
+        headers = {"X-Memstrata-Conversation": conversation, "X-Memstrata-Budget": "1500"}
+        answer = await client.post(
+            "/v1/chat/completions", json={"model": MODEL, "messages": messages}, headers=headers
+        )
+        assert answer.status_code == 200, answer.text
+
+    state.embedder, embedder = counting, state.embedder
+    try:
+        async with app.client() as client:
+            await send(client, fits, [SYSTEM, {"role": "user", "content": questions[0]}])
+            assert counting.texts == [] and not state.past_budget.holds(tenant, fits)
+            await send(client, past, [SYSTEM, {"role": "user", "content": questions[0]}])
+            assert counting.texts == [questions[0]] and state.past_budget.holds(tenant, past)
+            arrivals: list[str | None] = []
+            start = Early.start
+
+            def noted(early: Early, text: str) -> None:
+                arrivals.append(early.started)
+                start(early, text)
+
+            with pytest.MonkeyPatch.context() as patch:
+                patch.setattr(Early, "start", noted)
+                await send(client, past, [SYSTEM, {"role": "user", "content": questions[1]}])
+    finally:
+        state.embedder = embedder
+    # The first start found nothing started; identifying found the guess already running.
+    assert arrivals == [None, questions[1]]
+    assert counting.texts == questions
 
 
 async def test_vector_legs_beside_the_turn_are_the_turns_own(

@@ -9,7 +9,9 @@ its reply is recorded only if the first one's is not (`Turn.record`). A turn who
 prompt and new messages alone exceed the budget is refused (400 `context_length_exceeded`)
 inside that transaction, so it stores nothing. The query the read path will embed for the
 turn's recall starts embedding as soon as the conversation is identified, while the turn is
-stored (`memory.recall.early`); a refused turn cancels it. The prompt is assembled by the read path
+stored, or as the request arrives for a named conversation this process last found past its
+budget (a guess, replaced if identifying finds another: `memory.recall.early`); a refused turn
+cancels it. The prompt is assembled by the read path
 (`memory.recall.assemble`) in that same transaction, under the conversation's row lock, so that
 the working context it advances is advanced by one request at a time whichever process serves
 it. It is then forwarded (`upstream_body`: a conversation-scoped `prompt_cache_key`, and, for a
@@ -54,6 +56,7 @@ from memory.recall.assemble import (
     assemble,
     check_fits,
     query_ahead,
+    query_guess,
 )
 from memory.recall.assemble import dry_run as memory_dry_run
 from memory.recall.early import Early
@@ -101,9 +104,12 @@ async def complete(request: Request, state: State, *, tenant_id: int) -> Respons
         retry_count=request.headers.get(RETRY_COUNT_HEADER),
     )
     # The query's embedding starts once the conversation is identified, while the turn is
-    # stored and its working context read (`memory.recall.early`).
+    # stored and its working context read (`memory.recall.early`); for a named conversation
+    # past its budget last time, a guess of it starts now.
     early = Early(state.embedder)
     recall = recall_of(state, embedder=early)
+    if external_id is not None and state.past_budget.holds(tenant_id, external_id):
+        early.start(query_guess(body["messages"], recall=recall))
     with stages.recording() as timings:
         try:
             async with transaction(state.engine) as conn:
@@ -127,6 +133,9 @@ async def complete(request: Request, state: State, *, tenant_id: int) -> Respons
                             model=model,
                         ),
                     )
+                if external_id is not None:
+                    past = (stored.stored_tokens or 0) > budget.limit
+                    state.past_budget.saw(tenant_id, external_id, past=past)
                 with stages.stage("assemble"):
                     assembled = await assemble(
                         conn, stored, budget, recall, tools_guide=tools_room > 0

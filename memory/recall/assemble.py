@@ -213,6 +213,21 @@ def query_ahead(
     new = _new_part(messages, len(messages) - new_from, system=len(leading_system(messages)))
     if stored_tokens + tokens.count_messages(new, model=model) <= budget.limit:
         return ""
+    return _query(new, recall)
+
+
+def query_guess(messages: list[Message], *, recall: Recall) -> str:
+    """The query `query_ahead` most likely finds, guessed before the conversation is identified
+    (for one past its budget: `memory.recall.early`): a request's trailing user messages are
+    usually its new ones, whether the client resends its history or sends the new message
+    alone after its system prompt."""
+    start = len(messages)
+    while start > 0 and messages[start - 1].get("role") == "user":
+        start -= 1
+    return _query(messages[start:], recall)
+
+
+def _query(new: list[Message], recall: Recall) -> str:
     return query_of(new) if recall.mode == "rebuild" else note_query(new)
 
 
