@@ -179,6 +179,15 @@ nodes = Table(
     ),
     # Finding where an incoming history leaves a stored one, and the request of a retry.
     Index("ix_nodes_chain", "tenant_id", "chain_hash", postgresql_where=text("level = 0")),
+    # The same within one conversation (migration 0013): the opening system prompt's hash is
+    # every conversation's that opens with it, so the tenant's index reads one entry per such
+    # conversation.
+    Index(
+        "ix_nodes_conversation_chain",
+        "conversation_id",
+        "chain_hash",
+        postgresql_where=text("level = 0"),
+    ),
     Index(
         "ix_nodes_request",
         "conversation_id",
@@ -191,6 +200,9 @@ nodes = Table(
         "id",
         postgresql_where=text("embedding IS NULL"),
     ),
+    # Statistics kept fresh (migration 0013): a conversation that grew since the last analyze
+    # is taken for a few rows, and its lookups scan all of it.
+    postgresql_with={"autovacuum_analyze_scale_factor": 0.01, "autovacuum_analyze_threshold": 2000},
 )
 
 passages = Table(

@@ -5,9 +5,11 @@ fingerprint, and the one that rehashes chains."""
 import asyncio
 import importlib.util
 import json
+import re
 import uuid
 from collections.abc import AsyncIterator, Callable
 from types import ModuleType
+from typing import Any
 
 import asyncpg
 import pytest
@@ -81,28 +83,56 @@ def _upgrade_to(revision: str, *, down: bool = False) -> Callable[[Connection], 
     return upgrade
 
 
-async def test_the_migrated_indexes_are_the_schemas_with_their_options(
+async def test_the_migrated_tables_and_indexes_have_the_schemas_options(
     engine: AsyncEngine,
 ) -> None:
-    """Every index `memory.schema` declares exists after the migrations, with the storage
-    options it declares (the full-text index's small pending list: migration 0012)."""
+    """Every index `memory.schema` declares exists after the migrations, and every table and
+    index has the storage options it declares (the full-text index's small pending list:
+    migration 0012; the messages' frequent analyze: 0013)."""
     async with engine.connect() as conn:
         rows = await conn.execute(
             text(
                 "SELECT c.relname, coalesce(c.reloptions, '{}') FROM pg_class c "
                 "JOIN pg_namespace s ON s.oid = c.relnamespace "
-                "WHERE c.relkind = 'i' AND s.nspname = current_schema()"
+                "WHERE c.relkind IN ('i', 'r') AND s.nspname = current_schema()"
             )
         )
         migrated = {name: set(options) for name, options in rows}
-    declared = {index for table in metadata.tables.values() for index in table.indexes}
+    declared = [
+        *metadata.tables.values(),
+        *(index for table in metadata.tables.values() for index in table.indexes),
+    ]
     assert declared
-    for index in declared:
-        assert index.name in migrated, f"{index.name} is declared but not migrated"
-        options = index.dialect_options["postgresql"]["with"] or {}
+    for item in declared:
+        assert item.name in migrated, f"{item.name} is declared but not migrated"
+        options = item.dialect_options["postgresql"]["with"] or {}
         wanted = {f"{key}={value}" for key, value in options.items()}
-        assert wanted <= migrated[str(index.name)], (index.name, migrated[str(index.name)])
+        assert wanted <= migrated[str(item.name)], (item.name, migrated[str(item.name)])
     assert "gin_pending_list_limit=128" in migrated["ix_nodes_conversation_tsv"]
+    assert "autovacuum_analyze_threshold=2000" in migrated["nodes"]
+    assert "ix_nodes_conversation_chain" in migrated
+
+
+@pytest.mark.parametrize("statement", [identity._PATH, identity._DEEPEST])
+async def test_a_history_is_looked_up_through_a_chain_index_in_a_generic_plan(
+    engine: AsyncEngine, statement: Any
+) -> None:
+    """Identifying a turn looks its history's chain hashes up through the partial chain
+    indexes even in the generic plan a prepared statement settles on after five runs (a
+    `level` sent as a parameter kept them out, and the conversation was read whole)."""
+    compiled = statement.compile(dialect=engine.dialect)
+    arguments = ", ".join("NULL" for _ in compiled.positiontup or ())
+    async with engine.connect() as conn:
+        # Session settings, undone: the connection goes back to the pool.
+        await conn.exec_driver_sql("SET plan_cache_mode = force_generic_plan")
+        await conn.exec_driver_sql(f"PREPARE lookup AS {compiled}")
+        try:
+            explained = await conn.exec_driver_sql(f"EXPLAIN EXECUTE lookup({arguments})")
+            plan = "\n".join(row[0] for row in explained)
+        finally:
+            await conn.exec_driver_sql("DEALLOCATE lookup")
+            await conn.exec_driver_sql("RESET plan_cache_mode")
+    assert re.search(r"Index Cond: \(.*chain_hash = ANY", plan), plan
 
 
 async def test_migration_0005_fingerprints_the_newest_system_prompt(empty_database: str) -> None:
