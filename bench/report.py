@@ -42,6 +42,38 @@ TARGET_RETRIEVAL_P95 = 10.0
 # Written by hand from the profile of the run it names; `make bench` keeps it and redraws the
 # rest. Update it when the profile changes.
 CLOSING_NOTE = """\
+**2026-11-26, later** (commits `ac21450`..`ed05e71`; the tables above are still `806a475`'s:
+the machine ran 1.5-2x slower in the hours after, on the same code: the relay alone added 2.6
+ms at c=1 against 1.3, so these changes were measured side by side instead, base and head
+alternating on identical databases, 100-120 turns a run, 10k messages, default `serve`).
+
+1. **The history lookup read whole conversations.** Identifying a turn looks its chain hashes up
+   among the conversation's messages, on the request and again on the reply. The query wrote
+   `level = 0` as a parameter, so once a prepared statement settled on its generic plan (after
+   five runs) Postgres could not use the partial chain indexes and read the conversation
+   through its (conversation, level, seq) index: 4-6 ms a lookup at 10,000 messages, 31-72 ms
+   cold. The level is a constant now; migration 0013 adds a (conversation_id, chain_hash) index
+   (the opening system prompt's hash is every conversation's that opens with it: 1.3-2.5 ms
+   with 5,000 of them through the tenant's index, 0.06 ms through this one) and analyzes
+   `nodes` after 1% of its rows change (statistics that predate a conversation's growth took it
+   for a few rows). Repetitive text, 10k: the store stage 14.8 -> 5.6 ms, added p50 36.7 ->
+   24.2 ms.
+2. **The verbatim turns are read once per process.** The working context's messages were read,
+   decoded and counted on every turn; a process now keeps what it read last time for each
+   conversation (by node id and the time it was stored) and reads only the rest: added p50
+   47.7 -> 44.2 ms, p95 59.3 -> 54.2 (varied).
+3. **The query's embedding starts as the request arrives** for a named conversation the process
+   last found past its budget (a guess from the request's trailing user messages, which
+   identifying confirms or replaces): the wait for the vector 6.8 -> 3.7 ms, added p50 39.1 ->
+   38.1 ms, p95 51.4 -> 45.7.
+
+Tried and left out: the worker child's CPU (33-50 ms a turn at c=1, mostly embedding the new
+messages' sentences) costs the request path ~8 ms at p50 (`MEMSTRATA_WORKERS=0`: 33.7 against
+41.7 ms added), and a busy loop at nice 19 alone added 4.5 ms: niceness does not help (nice
+19, renicing its Postgres backends: no change), nor does holding its jobs back while a request
+is being built (the jobs are longer than the gaps between requests), fewer ONNX threads or a
+shorter switch interval.
+
 **2026-11-26, the profile above** (commit `806a475`; "local changes" were result files only).
 At 10,000 stored messages, c=1, workers off, a turn spends 53 ms in
 `gateway.openai.chat.complete`, 34 ms of it building the working-context prompt; the recall
