@@ -20,7 +20,7 @@ import re
 import uuid
 from collections.abc import Sequence
 from dataclasses import replace
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Any, cast
 
 import pytest
@@ -611,6 +611,29 @@ async def test_verbatim_turns_read_again_are_the_stored_ones(
     again = await read(10, 41)
     assert again[10].message["content"] == "stored again"
     assert again == await read(10, 41, fresh=True)
+
+
+def test_what_is_kept_of_read_turns_stays_within_its_tokens() -> None:
+    """The turns kept for the next read stay within their token bound: the conversations read
+    least recently go first, and one read again replaces what was kept of it."""
+    stamp = datetime.now(UTC)
+
+    def turns(conversation: int, count: int, size: int) -> wc.Read:
+        return {
+            node: (stamp, wc.Item(node, node, "user", None, {"role": "user"}, size))
+            for node in range(conversation * 100, conversation * 100 + count)
+        }
+
+    recent = wc._Recent(tokens=1000)
+    recent.put((1, "o200k_base"), turns(1, 4, 100))
+    recent.put((2, "o200k_base"), turns(2, 4, 100))
+    recent.put((1, "o200k_base"), turns(1, 5, 100))  # read again: 500, not 900
+    assert len(recent.get((1, "o200k_base"))) == 5 and recent.get((2, "o200k_base"))
+    recent.put((3, "o200k_base"), turns(3, 3, 100))  # 1,200: the least recent (2) goes
+    assert recent.get((2, "o200k_base")) == {}
+    assert recent.get((1, "o200k_base")) and recent.get((3, "o200k_base"))
+    recent.put((4, "o200k_base"), turns(4, 20, 100))  # alone past the bound: kept, alone
+    assert [recent.get((n, "o200k_base")) != {} for n in (1, 3, 4)] == [False, False, True]
 
 
 # -- anticipatory recall -----------------------------------------------------------------------

@@ -11,14 +11,14 @@ inside that transaction, so it stores nothing. The query the read path will embe
 turn's recall starts embedding as soon as the conversation is identified, while the turn is
 stored, or as the request arrives for a named conversation this process last found past its
 budget (a guess, replaced if identifying finds another: `memory.recall.early`); a refused turn
-cancels it. The prompt is assembled by the read path
-(`memory.recall.assemble`) in that same transaction, under the conversation's row lock, so that
-the working context it advances is advanced by one request at a time whichever process serves
-it. It is then forwarded (`upstream_body`: a conversation-scoped `prompt_cache_key`, and, for a
-stream, a request for the usage, which the relay hides from a client that did not ask for it)
-and relayed (`gateway.openai.relay`), which records the reply, and queues its build, when it is
-complete. When the database is down during the store or assembly step, nothing is stored and
-the request is forwarded unchanged or refused with 503, as `gateway.openai.degraded` decides.
+cancels it. The prompt is assembled by the read path (`memory.recall.assemble`) in that same
+transaction, under the conversation's row lock, so that the working context it advances is
+advanced by one request at a time whichever process serves it. It is then forwarded
+(`upstream_body`: a conversation-scoped `prompt_cache_key`, and, for a stream, a request for
+the usage, which the relay hides from a client that did not ask for it) and relayed
+(`gateway.openai.relay`), which records the reply, and queues its build, when it is complete.
+When the database is down during the store or assembly step, nothing is stored and the request
+is forwarded unchanged or refused with 503, as `gateway.openai.degraded` decides.
 """
 
 import functools

@@ -68,14 +68,9 @@ MASK_MIN_TOKENS: Final = 64
 
 SYSTEM_ROLES: Final = ("system", "developer")
 
-_KEPT: Final = 32_768
-"""Most verbatim messages `read_items` keeps decoded and counted, over all conversations."""
-
-# The verbatim turns are read on every turn, and most of them were read on the one before: each
-# conversation's, as last read, decoded and counted in an encoding (stored messages never
-# change; a node is known by its id and the time it was stored, since ids restart in a
-# recreated database). Least recently read conversations go first.
-_read: OrderedDict[tuple[int, str], dict[int, tuple[datetime, Item]]] = OrderedDict()
+KEPT_TOKENS: Final = 4_000_000
+"""Most tokens of verbatim messages a process keeps decoded and counted (`read_items`), over all
+conversations: a few tens of MB."""
 
 
 @dataclass(frozen=True)
@@ -190,6 +185,42 @@ class Rendered:
         return sum(self.counts)
 
 
+Read = dict[int, tuple[datetime, Item]]
+"""A conversation's verbatim messages as read: by node id, the time it was stored and the item."""
+
+
+class _Recent:
+    """Each conversation's verbatim messages as last read, in an encoding, within `tokens` over
+    all (the least recently read go first). The verbatim turns are read on every turn, and most
+    of them were read on the one before; stored messages never change, and a node is known by
+    its id and the time it was stored (ids restart in a recreated database)."""
+
+    def __init__(self, tokens: int) -> None:
+        self._most = tokens
+        self._total = 0
+        self._held: OrderedDict[tuple[int, str], tuple[int, Read]] = OrderedDict()
+
+    def get(self, key: tuple[int, str]) -> Read:
+        found = self._held.get(key)
+        return {} if found is None else found[1]
+
+    def put(self, key: tuple[int, str], read: Read) -> None:
+        size = sum(item.tokens for _, item in read.values())
+        replaced = self._held.pop(key, None)
+        self._total += size - (0 if replaced is None else replaced[0])
+        self._held[key] = (size, read)
+        while self._total > self._most and len(self._held) > 1:
+            _, (dropped, _) = self._held.popitem(last=False)
+            self._total -= dropped
+
+    def clear(self) -> None:
+        self._held.clear()
+        self._total = 0
+
+
+_read = _Recent(KEPT_TOKENS)
+
+
 # -- rendering ---------------------------------------------------------------------------------
 
 
@@ -296,7 +327,7 @@ async def read_items(
         return []
     encoding = tokens.encoding_name_for_model(model)
     key = (conversation_id, encoding)
-    known = _read.get(key, {})
+    known = _read.get(key)
     params = {
         "tenant_id": tenant_id,
         "conversation_id": conversation_id,
@@ -308,7 +339,7 @@ async def read_items(
     if any(row.known and known[row.id][0] != row.created_at for row in rows):
         known = {}  # another database under the same ids: read them all
         rows = list(await conn.execute(_ITEMS, {**params, "known": []}))
-    read: dict[int, tuple[datetime, Item]] = {}
+    read: Read = {}
     for row in rows:
         if row.role in SYSTEM_ROLES:
             continue
@@ -325,10 +356,7 @@ async def read_items(
             tokens=tokens.count_message(message, model=model),
         )
         read[row.id] = (row.created_at, item)
-    _read[key] = read
-    _read.move_to_end(key)
-    while sum(len(held) for held in _read.values()) > _KEPT and len(_read) > 1:
-        _read.popitem(last=False)
+    _read.put(key, read)
     return [item for _, item in read.values()]
 
 
