@@ -57,7 +57,10 @@ alternating on identical databases, 100-120 turns a run, 10k messages, default `
    with 5,000 of them through the tenant's index, 0.06 ms through this one) and analyzes
    `nodes` after 1% of its rows change (statistics that predate a conversation's growth took it
    for a few rows). Repetitive text, 10k: the store stage 14.8 -> 5.6 ms, added p50 36.7 ->
-   24.2 ms.
+   24.2 ms. Still open: a generic plan is built for the average conversation, so in a database
+   of many small conversations and a few large ones it may still read a large one whole (the
+   test suite's database chose so); per-statement custom plans or a lookup whose index cannot
+   lose on cost would close it.
 2. **The verbatim turns are read once per process.** The working context's messages were read,
    decoded and counted on every turn; a process now keeps what it read last time for each
    conversation (by node id and the time it was stored) and reads only the rest: added p50

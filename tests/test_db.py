@@ -115,23 +115,37 @@ async def test_the_migrated_tables_and_indexes_have_the_schemas_options(
 
 @pytest.mark.parametrize("statement", [identity._PATH, identity._DEEPEST])
 async def test_a_history_is_looked_up_through_a_chain_index_in_a_generic_plan(
-    engine: AsyncEngine, statement: Any
+    empty_database: str, statement: Any
 ) -> None:
     """Identifying a turn looks its history's chain hashes up through the partial chain
-    indexes even in the generic plan a prepared statement settles on after five runs (a
-    `level` sent as a parameter kept them out, and the conversation was read whole)."""
-    compiled = statement.compile(dialect=engine.dialect)
-    arguments = ", ".join("NULL" for _ in compiled.positiontup or ())
-    async with engine.connect() as conn:
-        # Session settings, undone: the connection goes back to the pool.
-        await conn.exec_driver_sql("SET plan_cache_mode = force_generic_plan")
-        await conn.exec_driver_sql(f"PREPARE lookup AS {compiled}")
-        try:
+    indexes even in the generic plan a prepared statement settles on after five runs, in a
+    database of large conversations (a `level` sent as a parameter kept them out: the plan
+    read the conversation, or the tenant, whole)."""
+    engine = connect(empty_database)
+    try:
+        await migrate(engine)
+        async with engine.connect() as conn:
+            await conn.execute(
+                text(
+                    "WITH t AS (INSERT INTO tenants (name) VALUES ('t') RETURNING id), "
+                    "c AS (INSERT INTO conversations (tenant_id, external_id) "
+                    "SELECT id, 'c' || g FROM t, generate_series(1, 4) g RETURNING id, tenant_id) "
+                    "INSERT INTO nodes (tenant_id, conversation_id, level, seq, span_start, "
+                    "span_end, role, content, chain_hash, text) SELECT c.tenant_id, c.id, 0, "
+                    "s, s, s, 'user', '\"hi\"', md5(c.id || '.' || s), 'hi' "
+                    "FROM c, generate_series(0, 2999) s"
+                )
+            )
+            await conn.commit()
+            await conn.execute(text("ANALYZE nodes"))
+            compiled = statement.compile(dialect=engine.dialect)
+            arguments = ", ".join("NULL" for _ in compiled.positiontup or ())
+            await conn.exec_driver_sql("SET plan_cache_mode = force_generic_plan")
+            await conn.exec_driver_sql(f"PREPARE lookup AS {compiled}")
             explained = await conn.exec_driver_sql(f"EXPLAIN EXECUTE lookup({arguments})")
             plan = "\n".join(row[0] for row in explained)
-        finally:
-            await conn.exec_driver_sql("DEALLOCATE lookup")
-            await conn.exec_driver_sql("RESET plan_cache_mode")
+    finally:
+        await engine.dispose()
     assert re.search(r"Index Cond: \(.*chain_hash = ANY", plan), plan
 
 
