@@ -48,6 +48,8 @@ def embedder(settings: Settings, upstream: Provider) -> Embedder:
         model=settings.embedding_model,
         model_path=settings.embedding_model_path,
         tokenizer_path=settings.embedding_tokenizer_path,
+        quantization=settings.embedding_quantization,
+        cache_dir=settings.embedding_cache_dir,
     )
 
 

@@ -55,6 +55,8 @@ class Settings(BaseSettings):
     embedding_model: str = "text-embedding-3-small"
     embedding_model_path: Path | None = None
     embedding_tokenizer_path: Path | None = None
+    embedding_quantization: Literal["dynamic", "off"] = "dynamic"
+    embedding_cache_dir: Path | None = None
 
     # The summary tree
     summary_mode: Literal["auto", "llm", "extractive"] = "auto"

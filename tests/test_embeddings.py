@@ -20,6 +20,7 @@ from memory.embeddings import (
     EMBEDDING_DIM,
     Embedder,
     LocalEmbedder,
+    Quantization,
     UpstreamEmbedder,
     centroid,
     make_embedder,
@@ -69,10 +70,13 @@ async def test_paraphrases_are_closer_than_unrelated_text(local: LocalEmbedder) 
     assert near < far - 0.3
 
 
-async def test_batching_and_sorting_do_not_change_vectors(local: LocalEmbedder) -> None:
-    # Different batch sizes put each text next to different neighbours and paddings.
+@pytest.mark.parametrize("quantization", ["dynamic", "off"])
+async def test_batching_and_sorting_do_not_change_vectors(quantization: Quantization) -> None:
+    # Different batch sizes put each text next to different neighbours and paddings. Int8
+    # products scale a run's activations together: there each text must run alone.
+    local = LocalEmbedder(quantization=quantization)
     one_by_one = [(await local.embed([text]))[0] for text in SENTENCES]
-    small_batches = await LocalEmbedder(batch_size=2).embed(SENTENCES)
+    small_batches = await LocalEmbedder(batch_size=2, quantization=quantization).embed(SENTENCES)
     one_batch = await local.embed(SENTENCES)
     for a, b, c in zip(one_by_one, small_batches, one_batch, strict=True):
         assert np.allclose(a, b, atol=1e-4)
