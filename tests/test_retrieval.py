@@ -26,7 +26,7 @@ from gateway import importer
 from memory.build import tree
 from memory.build.summarize import ExtractiveSummarizer
 from memory.embeddings import LocalEmbedder
-from memory.recall import fusion, recall_note, retrieval
+from memory.recall import fusion, legs, nearest, recall_note, retrieval
 from memory.recall.fusion import Candidates, Place
 from memory.recall.query import Route
 from memory.schema import nodes, tenants
@@ -158,7 +158,7 @@ async def test_a_sentence_buried_in_a_long_message_is_found_by_its_passage(
     by the one that answers, above every other candidate of the vector leg."""
     [vector] = await corpus.embedder.embed([BURIED_QUERY])
     async with engine.connect() as conn:
-        whole, parts = await retrieval.vector_legs(
+        whole, parts = await nearest.vector_legs(
             conn,
             tenant_id=corpus.tenant_id,
             conversation_ids=[corpus.conversation_id],
@@ -227,9 +227,9 @@ async def test_an_index_scan_that_reaches_little_of_its_scope_is_run_exactly(
             {"ef": str(2 * LIMIT)},
         )
         by_index = await conn.execute(
-            retrieval._VECTOR,
+            nearest._VECTOR,
             {
-                **retrieval._scope_params(
+                **legs.scope_params(
                     tenant_id=corpus.tenant_id,
                     conversation_ids=[ref.id],
                     levels=[0],
@@ -240,11 +240,11 @@ async def test_an_index_scan_that_reaches_little_of_its_scope_is_run_exactly(
                 "limit": LIMIT,
             },
         )
-        assert len(list(by_index)) < LIMIT // retrieval.UNDERFOUND  # the case under test
+        assert len(list(by_index)) < LIMIT // nearest.UNDERFOUND  # the case under test
         await conn.rollback()
         await conn.execute(text("SET hnsw.max_scan_tuples = 1"))
-        large = await retrieval.vector_legs(conn, **scope, messages=retrieval.EXACT_SCAN_MAX + 1)
-        exact = await retrieval.vector_legs(conn, **scope, messages=len(small))
+        large = await nearest.vector_legs(conn, **scope, messages=nearest.EXACT_SCAN_MAX + 1)
+        exact = await nearest.vector_legs(conn, **scope, messages=len(small))
     assert len(exact[0].ranked) == LIMIT
     assert [p.key for p in large[0].ranked] == [p.key for p in exact[0].ranked]
 

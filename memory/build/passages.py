@@ -4,7 +4,7 @@ A message's vector averages everything it says, so the one sentence that answers
 ("I was in the final of a big Valorant tournament") is diluted by the greeting and small talk
 around it. `split()` cuts a message's text into the sentences worth a vector of their own; the
 summary tree's build embeds them with the message (`memory.build.tree`) into the `passages`
-table, and retrieval's passage leg (`memory.recall.retrieval.vector_legs`) ranks the vector
+table, and retrieval's passage leg (`memory.recall.nearest.vector_legs`) ranks the vector
 leg's candidates again, each by whichever matches the query best, its whole text or one of its
 passages.
 

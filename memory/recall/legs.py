@@ -1,0 +1,82 @@
+"""What every retrieval leg searches, and how a leg's rows become its candidates.
+
+* `SCOPE` is the SQL condition on `nodes n` of every leg (`memory.recall.retrieval`'s full
+  text, `memory.recall.nearest`'s vectors): the tenant's nodes in the searched conversations,
+  never system or developer messages, at the levels asked for, on the current branch unless
+  `abandoned`, without the nodes of one conversation from a seq on (what the prompt holds
+  verbatim). `scope_params` binds it.
+* each leg returns at least `CANDIDATES` candidates, when that many match;
+* `candidates_of` turns a leg's rows (conversation_id, level, seq, span_end, name, created_at,
+  exact, similarity, ...) into `memory.recall.fusion.Candidates`, in their order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Final
+
+from memory.recall.fusion import Candidates, Place
+
+__all__ = ["CANDIDATES", "SCOPE", "candidates_of", "scope_params"]
+
+CANDIDATES: Final = 100
+"""Candidates each leg returns at least, before fusion."""
+
+SCOPE = """
+    n.tenant_id = :tenant_id
+    AND n.conversation_id = ANY(:conversation_ids)
+    AND (n.level > 0 OR n.role IS NULL OR n.role NOT IN ('system', 'developer'))
+    AND (CAST(:levels AS smallint[]) IS NULL OR n.level = ANY(CAST(:levels AS smallint[])))
+    AND (CAST(:abandoned AS boolean) OR n.superseded_at IS NULL)
+    AND (CAST(:exclude_conversation AS bigint) IS NULL
+         OR n.conversation_id <> CAST(:exclude_conversation AS bigint)
+         OR n.span_start < CAST(:exclude_from AS integer))
+"""
+
+
+def scope_params(
+    *,
+    tenant_id: int,
+    conversation_ids: Sequence[int],
+    levels: Sequence[int] | None,
+    exclude_from: tuple[int, int] | None,
+    abandoned: bool,
+) -> dict[str, Any]:
+    """The parameters of `SCOPE`."""
+    return {
+        "tenant_id": tenant_id,
+        "abandoned": abandoned,
+        "conversation_ids": list(conversation_ids),
+        "levels": list(levels) if levels is not None else None,
+        "exclude_conversation": exclude_from[0] if exclude_from else None,
+        "exclude_from": exclude_from[1] if exclude_from else None,
+    }
+
+
+def candidates_of(rows: Any) -> Candidates:
+    """A leg's candidates from rows of (conversation_id, level, seq, span_end, name, created_at,
+    exact, similarity), best first."""
+    # By position: named access to a row's columns costs more than the rest of this loop.
+    return Candidates(
+        [
+            Place(
+                key=(conversation_id, level, seq),
+                span_end=span_end,
+                name=name,
+                exact=bool(exact),
+                similarity=None if similarity is None else float(similarity),
+                created_at=created_at,
+            )
+            for (
+                conversation_id,
+                level,
+                seq,
+                span_end,
+                name,
+                created_at,
+                exact,
+                similarity,
+                *_,
+            ) in rows
+        ]
+    )
