@@ -7,8 +7,9 @@ The local embedder (`memory.embeddings.LocalEmbedder`) runs it in place of `sour
 
 Why: the packaged MiniLM stores int8 weights but decodes them to float32 when loaded, so its
 products ran in float32 (76% of its time). In int8 they take half the CPU time of a message or a
-query (measured: 5.6-6.8 against 11.0-13.4 ms per LoCoMo message, on one thread) for vectors
-at cosine similarity 0.99 (mean; at least 0.98) to the float32 products'.
+query (measured: 4.7-5.6 against 10.9-13.2 ms per LoCoMo message; docs/benchmarks.md, "The local
+model in int8") for vectors at cosine similarity 0.99 (mean; at least 0.98) to the float32
+products'.
 
 A run's activations share one scale, so a text's vector would depend on the texts padded
 beside it: the embedder runs each text alone when it uses this model.
