@@ -705,6 +705,43 @@ async def test_a_prepared_candidate_is_used_and_a_stale_one_ignored(
     assert fresh.why and {leg.leg for one in fresh.why for leg in one.legs} <= set(explain.LEGS)
 
 
+async def test_a_follow_up_on_the_latest_exchange_gets_no_note(
+    engine: AsyncEngine, tenant_id: int
+) -> None:
+    """A message closer to the latest exchange than to anything outside the context gets no
+    note, though an older message bears on it; one that asks about the past, after the same
+    kind of exchange, gets its note."""
+    limit = 2000
+    recall = Recall(embedder=EMBEDDER, policy=Policy(note=0.3))
+    history = synthetic.messages(300, seed=9)
+    history[40] = {"role": "user", "content": FACT}
+    bread = "We baked bread together last spring and the crust came out too hard."
+    history[80] = {"role": "user", "content": bread}
+    conversation = await Conversation.start(engine, tenant_id, history)
+    await conversation.build_tree()
+
+    async def exchange(ask: str, answer: str) -> Assembled:
+        assembled = await conversation.turn(
+            [{"role": "user", "content": ask}], limit=limit, recall=recall, explained=True
+        )
+        await conversation.reply({"role": "assistant", "content": answer}, assembled)
+        await conversation.build_tree()  # embeds the exchange, as the worker does
+        return assembled
+
+    await exchange(
+        "My sourdough starter doubles in six hours now. When should I feed it?",
+        "Feed the sourdough starter right after it peaks, about every six hours.",
+    )
+    follow = await exchange(
+        "How long should the sourdough proof before I bake it?",
+        "Let the sourdough proof until it has grown by half, three to five hours.",
+    )
+    check_prompt(follow, limit)
+    assert "note" not in follow.labels
+    asked = await exchange(FACT_QUESTION, "It is 5821-KESTREL.")
+    assert asked.labels[-2:] == ["note", "new"] and FACT in asked.messages[-2]["content"]
+
+
 def test_usable_needs_the_exchange_just_before_and_a_close_message() -> None:
     vector = [1.0, 0.0, 0.0]
     state = wc.State(

@@ -20,7 +20,9 @@ that does not fit its budget, in the caller's transaction:
    `Policy.note` gives a message that asks something, never more than the budget leaves; a
    statement gets no note (measured on LoCoMo: a quarter of that room for statements cost 6
    points of cacheable share for 1 point of recall), nor does a turn whose new messages are
-   tool results (a note between a call and its results is not allowed);
+   tool results (a note between a call and its results is not allowed), nor a message that
+   follows the latest exchange of the verbatim turns more closely than anything outside the
+   context (`recall_note`);
 4. with `persist`, the context is saved as this turn leaves it (the note kept with
    `Policy.keep_notes`); with `explained` (a dry run), the prompt says why each message of
    the note was picked.
@@ -182,6 +184,7 @@ async def build(
                 fulltext=fulltext,
                 aside=aside,
                 explained=explained,
+                latest=_latest_exchange(items),
             )
     finally:
         for task in (vector_task, fulltext):
@@ -287,6 +290,15 @@ async def _advance(
         wc.render(compacted, items, policy=policy, model=turn.model),
         "compacted",
     )
+
+
+def _latest_exchange(items: list[wc.Item]) -> list[int]:
+    """The node ids of the latest exchange among the verbatim turns: the last user message and
+    what followed it (none without a user message)."""
+    for index in range(len(items) - 1, -1, -1):
+        if items[index].role == "user":
+            return [item.node_id for item in items[index:]]
+    return []
 
 
 def _branched(state: wc.State, turn: StoredTurn) -> bool:

@@ -8,6 +8,12 @@
   found that they cover the new message, scored by their similarity to it, with the messages
   holding an identifier the new message names (the full-text leg on those words alone); or
   hybrid retrieval for it (`memory.recall.retrieval`: full text, vectors, passages, fused);
+* a message that follows the latest exchange (the last user message of the verbatim turns and
+  what followed it) more closely than it bears on anything outside the context gets no note:
+  when a message of the exchange, or one of its passages, is at least as similar to it as the
+  best candidate (a message holding an identifier it names counts as a perfect match), the past
+  has nothing to add that the prompt does not hold, and a note would only cost the cacheable
+  share (measured: docs/benchmarks.md, "Follow-ups get no note");
 * a message is recalled only if it bears on the new message: its text or one of its sentences
   is within `RELEVANCE` of it by cosine similarity, it holds a rare identifier the message
   names, it is among the full-text leg's first `FULLTEXT_FIRST` and has no vector yet (nothing
@@ -189,6 +195,7 @@ async def recall(
     fulltext: Awaitable[Candidates] | None = None,
     aside: AsyncConnection | None = None,
     explained: bool = False,
+    latest: Sequence[int] = (),
 ) -> Recalled | None:
     """The note for `query` in `room` tokens, or None (see the module docstring).
 
@@ -198,7 +205,8 @@ async def recall(
     `abandoned` lets messages off their conversation's current branch be recalled. `fulltext`
     is the full-text leg already started (`fulltext_leg`) for the same turn; `aside`, a spare
     connection (`memory.db.spare`) in which the vector legs run beside it (see `search_legs`);
-    `explained` adds why each quoted message was picked."""
+    `explained` adds why each quoted message was picked; `latest` are the node ids of the
+    latest exchange, in the prompt verbatim (a message that follows it gets no note)."""
     if room < MIN_ROOM or not query:
         return None
     conversation_id = conversation_ids[0]
@@ -237,6 +245,10 @@ async def recall(
             fulltext=fulltext,
             aside=aside,
         )
+    if vector is not None and latest:
+        followed = await _exchange_similarity(conn, tenant_id, latest, vector)
+        if followed is not None and followed >= _best(legs):
+            return None
     # With what each message scores by itself, without contiguity (the rest was lent to it).
     own: dict[Key, float] = {}
     fused = fusion.fuse(
@@ -320,6 +332,25 @@ async def _prepared_leg(
         },
     )
     return retrieval.candidates_of(rows)
+
+
+async def _exchange_similarity(
+    conn: AsyncConnection, tenant_id: int, latest: Sequence[int], vector: Sequence[float]
+) -> float | None:
+    """The query's similarity to the closest message of the latest exchange or one of its
+    passages (None: none embedded yet)."""
+    exchange = await _prepared_leg(
+        conn, tenant_id=tenant_id, ids=latest, vector=vector, abandoned=False
+    )
+    return exchange.ranked[0].similarity if exchange.ranked else None
+
+
+def _best(legs: Sequence[Candidates]) -> float:
+    """The best candidate's similarity to the query; an exact identifier match counts as 1."""
+    return max(
+        (1.0 if place.exact else place.similarity or 0.0 for leg in legs for place in leg.ranked),
+        default=0.0,
+    )
 
 
 async def search_legs(
