@@ -9,6 +9,7 @@ gateway drives it (store the turn, assemble under the conversation's lock, recor
 * masked tool results expand back to the original;
 * a branch inside the context rebuilds it;
 * a prepared recall candidate is used, a stale one ignored;
+* a follow-up on the latest exchange gets no note;
 * the dry run (what the recall benchmarks and the admin context endpoint measure) is the prompt
   the next turn sends, and saves nothing.
 """
@@ -23,6 +24,7 @@ from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from typing import Any, cast
 
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -38,7 +40,7 @@ from memory.build import tree
 from memory.build.segments import SegmentPolicy
 from memory.build.summarize import ExtractiveSummarizer
 from memory.embeddings import LocalEmbedder
-from memory.recall import anticipation, browsing, explain, tools
+from memory.recall import anticipation, browsing, explain, recall_note, tools
 from memory.recall import working_context as wc
 from memory.recall.assemble import Assembled, Budget, Recall, StoredTurn, assemble
 from memory.recall.working_context import Policy
@@ -738,6 +740,9 @@ async def test_a_follow_up_on_the_latest_exchange_gets_no_note(
     )
     check_prompt(follow, limit)
     assert "note" not in follow.labels
+    # The older message bears on it all the same: a note could have quoted it.
+    asked_vector, bread_vector = await EMBEDDER.embed([follow.messages[-1]["content"], bread])
+    assert float(np.dot(asked_vector, bread_vector)) >= recall_note.RELEVANCE
     asked = await exchange(FACT_QUESTION, "It is 5821-KESTREL.")
     assert asked.labels[-2:] == ["note", "new"] and FACT in asked.messages[-2]["content"]
 
