@@ -17,6 +17,7 @@ gateway drives it (store the turn, assemble under the conversation's lock, recor
 from __future__ import annotations
 
 import json
+import logging
 import re
 import uuid
 from collections.abc import Sequence
@@ -708,11 +709,12 @@ async def test_a_prepared_candidate_is_used_and_a_stale_one_ignored(
 
 
 async def test_a_follow_up_on_the_latest_exchange_gets_no_note(
-    engine: AsyncEngine, tenant_id: int
+    engine: AsyncEngine, tenant_id: int, caplog: pytest.LogCaptureFixture
 ) -> None:
     """A message closer to the latest exchange than to anything outside the context gets no
-    note, though an older message bears on it; one that asks about the past, after the same
-    kind of exchange, gets its note."""
+    note, though an older message bears on it, and the log says why; one that asks about the
+    past, after the same kind of exchange, gets its note."""
+    caplog.set_level(logging.DEBUG, logger=recall_note.__name__)
     limit = 2000
     recall = Recall(embedder=EMBEDDER, policy=Policy(note=0.3))
     history = synthetic.messages(300, seed=9)
@@ -740,6 +742,7 @@ async def test_a_follow_up_on_the_latest_exchange_gets_no_note(
     )
     check_prompt(follow, limit)
     assert "note" not in follow.labels
+    assert any(r.getMessage().startswith("no recall note") for r in caplog.records)
     # The older message bears on it all the same: a note could have quoted it.
     asked_vector, bread_vector = await EMBEDDER.embed([follow.messages[-1]["content"], bread])
     assert float(np.dot(asked_vector, bread_vector)) >= recall_note.RELEVANCE

@@ -247,7 +247,14 @@ async def recall(
         )
     if vector is not None and latest:
         followed = await _exchange_similarity(conn, tenant_id, latest, vector)
-        if followed is not None and followed >= _best(legs):
+        best = _best(legs)
+        if followed is not None and followed >= best:
+            log.debug(
+                "no recall note: the latest exchange is as close to the new message as "
+                "anything outside the context (similarity %.3f, best candidate %.3f)",
+                followed,
+                best,
+            )
             return None
     # With what each message scores by itself, without contiguity (the rest was lent to it).
     own: dict[Key, float] = {}
