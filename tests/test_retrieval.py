@@ -608,8 +608,8 @@ def test_a_long_neighbour_keeps_little_of_what_contiguity_lent_it() -> None:
     long_answer, short_answer, match = hit(11, 600), hit(12, 80), hit(50, 600)
     assert long_answer.score > match.score  # lent the best match's score, it outranked it
     worth = recall_note._worth([long_answer, short_answer, match], own=own)
-    assert [one.seq for one in worth] == [50, 12, 11]
-    by_seq = {one.seq: one.score for one in worth}
+    assert [one.seq for _, one in worth] == [50, 12, 11]
+    by_seq = {one.seq: value for value, one in worth}
     assert by_seq[50] == pytest.approx(own[(1, 0, 50)])  # its own score, whatever its length
     assert by_seq[11] == pytest.approx(fused[(1, 0, 11)] * recall_note.LENT_TOKENS / 600)
     assert by_seq[12] == pytest.approx(fused[(1, 0, 12)])  # short: lent in full

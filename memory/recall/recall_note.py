@@ -280,11 +280,13 @@ async def recall(
     enc = tokens.get_encoding(tokens.encoding_name_for_model(model))
     block = MemoryBlock(enc=enc, primary=conversation_id)
     left = room - tokens.count_message({"role": "system", "content": HEADER}, model=model)
-    for hit in _worth(hits, own=own):
+    for worth, hit in _worth(hits, own=own):
         if hit.level == 0 and hit.node_id not in present:
             cost = block.cost_of_message(hit)
             if cost <= left:
-                block.add_message(hit)
+                # Rebuilt with its worth only when taken: a note takes a few dozen of the ~200
+                # hits loaded, and `replace` costs microseconds a hit on the request path.
+                block.add_message(replace(hit, score=worth))
                 left -= cost
     while block.messages:
         note = HEADER + block.render()
@@ -416,16 +418,17 @@ async def search_legs(
     return [found, *vectors]
 
 
-def _worth(hits: Sequence[Hit], *, own: Mapping[Key, float]) -> list[Hit]:
-    """`hits` scored by what they are worth in a note, best first: their fused score, with
-    what their neighbours lent them (the fused score less their `own`) scaled down for a
-    message longer than `LENT_TOKENS`."""
+def _worth(hits: Sequence[Hit], *, own: Mapping[Key, float]) -> list[tuple[float, Hit]]:
+    """`hits` with what each is worth in a note, best first: its fused score, with what its
+    neighbours lent it (the fused score less its `own`) scaled down for a message longer than
+    `LENT_TOKENS`."""
     worth = []
     for hit in hits:
         mine = own.get((hit.conversation_id, hit.level, hit.seq), 0.0)
         lent = (hit.score - mine) * min(1.0, LENT_TOKENS / max(hit.token_count, 1))
-        worth.append(replace(hit, score=mine + lent))
-    return sorted(worth, key=lambda hit: (-hit.score, -hit.seq, hit.node_id))
+        worth.append((mine + lent, hit))
+    worth.sort(key=lambda pair: (-pair[0], -pair[1].seq, pair[1].node_id))
+    return worth
 
 
 def _unjudged(legs: Sequence[Candidates], *, searched: bool) -> list[Key]:

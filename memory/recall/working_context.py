@@ -462,18 +462,34 @@ async def advance(conn: AsyncConnection, state: State) -> None:
     the conversation's row lock): its counts, `upto`, model, budget and notes; the stable
     memory, the compaction point and what the background prepared stay as stored."""
     await conn.execute(
-        update(working_contexts)
-        .where(
-            working_contexts.c.conversation_id == state.conversation_id,
-            working_contexts.c.version == state.version,
-        )
-        .values(
-            model=state.model,
-            budget=state.budget,
-            tokens=state.tokens,
-            system_tokens=state.system_tokens,
-            upto=state.upto,
-            notes=_notes_json(state.notes),
-            updated_at=func.now(),
-        )
+        _ADVANCE,
+        {
+            "the_conversation_id": state.conversation_id,
+            "the_version": state.version,
+            "new_model": state.model,
+            "new_budget": state.budget,
+            "new_tokens": state.tokens,
+            "new_system_tokens": state.system_tokens,
+            "new_upto": state.upto,
+            "new_notes": _notes_json(state.notes),
+        },
     )
+
+
+# Built once: every turn that keeps the prefix runs it.
+_ADVANCE = (
+    update(working_contexts)
+    .where(
+        working_contexts.c.conversation_id == bindparam("the_conversation_id"),
+        working_contexts.c.version == bindparam("the_version"),
+    )
+    .values(
+        model=bindparam("new_model"),
+        budget=bindparam("new_budget"),
+        tokens=bindparam("new_tokens"),
+        system_tokens=bindparam("new_system_tokens"),
+        upto=bindparam("new_upto"),
+        notes=bindparam("new_notes", type_=working_contexts.c.notes.type),
+        updated_at=func.now(),
+    )
+)
