@@ -42,6 +42,41 @@ TARGET_RETRIEVAL_P95 = 10.0
 # Written by hand from the profile of the run it names; `make bench` keeps it and redraws the
 # rest. Update it when the profile changes.
 CLOSING_NOTE = """\
+**2026-11-26, evening** (commit `7405a95`; measured side by side on this machine while it ran
+about 2.2x slower than for the tables above: `bench.load`'s upstream alone served 900 requests/s
+against 2,050, the relay 531 against 1,327).
+
+1. **Statements built on every call.** SQLAlchemy builds a statement's object and its cache key
+   before it can look the compiled form up; for the conversation's lock-or-create (an upsert
+   returning the row and its head's request and kind) that took 0.6 ms of CPU a turn, three
+   times its execution: 1.8-2.0 ms a call against 0.5-0.6 ms built once (300 calls each, on a
+   copy of the 10k conversation). It is built once now, as the history lookups already were,
+   and so is the working context's per-turn update (0.15 ms). The recall note no longer copies
+   every loaded hit to give it its worth (`dataclasses.replace`, ~5 us a hit, ~200 hits a
+   turn): only the hits it takes. Base and head alternating on one database (the dev harness:
+   `bench.overhead`'s questions on the 10k conversations, default `serve`, 80 turns a run):
+   varied text, three runs each, the store stage 13.4 / 10.4 / 9.6 -> 8.2 / 8.3 / 8.0 ms, the
+   working context's save 1.7 / 1.7 / 1.5 -> 0.8 / 1.0 / 0.9 ms, added p50 66.7 / 64.7 / 63.3
+   -> 58.2 / 59.3 / 63.1 ms; repetitive text, two runs each, store 8.4 / 7.6 -> 7.1 / 5.3 ms,
+   added p50 35.6 / 31.5 -> 30.7 / 27.2 ms, p95 62.3 / 44.3 -> 44.9 / 46.9 ms.
+2. **Where a turn's time goes now.** Timed inside `complete` (repetitive text, 10k, default
+   `serve`, p50 over 60 turns): parsing the body 0.5 ms, the pool and `BEGIN` 0.6, identifying
+   and storing the turn 5.1, assembling the prompt 7.2, `COMMIT` (fsync'd) 1.1: 14.7 ms before
+   forwarding, against 26.7 ms added as the client sees it (the rest: the HTTP layers, the
+   forward, and recording the reply before a non-stream answer returns). With the varied
+   questions most turns retrieve and assembling takes 34 ms, the vector legs' HNSW scan being
+   the longest part (14-25 ms for 400 rows on this database). The event-loop thread spends
+   38 ms of CPU a turn on that mix (`py-spy`, workers off): 17 ms in the chat handler (12 ms
+   assembling, of which the note 8: fusion 2.3, the vector legs' rows 3.5, loading hits 1.6),
+   the rest in the HTTP stack, the SQL driver layers and the event loop, and the query's
+   embedding 5.6 ms on its own thread. Issue #13's 15 ms at p50 is below what one turn's
+   Python costs here; the remaining cuts are work removed, a few tenths of a millisecond each.
+3. **Tried and left out:** an HNSW index over the vectors as `halfvec` (half the size: 59 MB
+   against 96 MB for 100k nodes) answered the note's 400-row vector scan no faster (13.0-23.1
+   against 14.1-25.3 ms over three questions) and with only 229-354 of the same 400 rows;
+   `synchronous_commit = off` would save 0.2 ms a commit (0.43 against 0.23 ms p50) and lose
+   acknowledged turns in a crash.
+
 **2026-11-26, later** (commits `ac21450`..`ed05e71`; the tables above are still `806a475`'s:
 the machine ran 1.5-2x slower in the hours after, on the same code: the relay alone added 2.6
 ms at c=1 against 1.3, so these changes were measured side by side instead, base and head
