@@ -59,6 +59,40 @@ async def stage_sums(client: httpx.AsyncClient, root_url: str) -> dict[str, floa
     return found
 
 
+async def measured_turn(
+    client: httpx.AsyncClient,
+    *,
+    upstream_url: str,
+    gateway_root: str,
+    body: bytes,
+    headers: dict[str, str],
+) -> tuple[h.Sample, h.Sample, dict[str, float]]:
+    """One turn's body sent to the upstream directly, then through the gateway: both samples,
+    and the milliseconds each request-path stage that ran took (from `/metrics` around it)."""
+    upstream = await h.send(
+        client,
+        h.Call(f"{upstream_url}/chat/completions", body, h.json_headers()),
+        worker=0,
+        origin=0.0,
+    )
+    before = await stage_sums(client, gateway_root)
+    sample = await h.send(
+        client,
+        h.Call(f"{gateway_root}/v1/chat/completions", body, headers),
+        worker=0,
+        origin=0.0,
+    )
+    if not sample.ok:
+        raise RuntimeError(f"HTTP {sample.status} {sample.error}")
+    after = await stage_sums(client, gateway_root)
+    stages = {
+        name: round((seconds - before.get(name, 0.0)) * 1000, 3)
+        for name, seconds in after.items()
+        if seconds > before.get(name, 0.0)
+    }
+    return upstream, sample, stages
+
+
 async def compactions(dsn: str, external_id: str) -> int | None:
     """The conversation's working-context compactions so far (None: no context yet)."""
     async with h.database(dsn) as db:
@@ -118,30 +152,15 @@ async def turns(
     headers = h.json_headers({h.CONVERSATION_HEADER: conversation_id})
     found = []
     for number in range(offset, offset + count):
-        body = _body(number, stream=stream)
-        upstream = await h.send(
-            client,
-            h.Call(f"{stack.upstream.url}/chat/completions", body, h.json_headers()),
-            worker=0,
-            origin=0.0,
-        )
         before = await compactions(stack.dsn, conversation_id)
-        stages_before = await stage_sums(client, gateway_url)
-        sample = await h.send(
+        upstream, sample, stages_ms = await measured_turn(
             client,
-            h.Call(f"{gateway_url}/v1/chat/completions", body, headers),
-            worker=0,
-            origin=0.0,
+            upstream_url=stack.upstream.url,
+            gateway_root=gateway_url,
+            body=_body(number, stream=stream),
+            headers=headers,
         )
-        if not sample.ok:
-            raise RuntimeError(f"turn {number}: HTTP {sample.status} {sample.error}")
-        stages_after = await stage_sums(client, gateway_url)
         after = await compactions(stack.dsn, conversation_id)
-        stages_ms = {
-            name: round((seconds - stages_before.get(name, 0.0)) * 1000, 3)
-            for name, seconds in stages_after.items()
-            if seconds > stages_before.get(name, 0.0)
-        }
         record: dict[str, Any] = {
             "turn": number,
             "mode": mode,

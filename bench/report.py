@@ -53,17 +53,22 @@ against 2,050, the relay 531 against 1,327).
    copy of the 10k conversation). It is built once now, as the history lookups already were,
    and so is the working context's per-turn update (0.15 ms). The recall note no longer copies
    every loaded hit to give it its worth (`dataclasses.replace`, ~5 us a hit, ~200 hits a
-   turn): only the hits it takes. Base and head alternating on one database (the dev harness:
-   `bench.overhead`'s questions on the 10k conversations, default `serve`, 80 turns a run):
-   varied text, three runs each, the store stage 13.4 / 10.4 / 9.6 -> 8.2 / 8.3 / 8.0 ms, the
-   working context's save 1.7 / 1.7 / 1.5 -> 0.8 / 1.0 / 0.9 ms, added p50 66.7 / 64.7 / 63.3
-   -> 58.2 / 59.3 / 63.1 ms; repetitive text, two runs each, store 8.4 / 7.6 -> 7.1 / 5.3 ms,
-   added p50 35.6 / 31.5 -> 30.7 / 27.2 ms, p95 62.3 / 44.3 -> 44.9 / 46.9 ms.
-2. **Where a turn's time goes now.** Timed inside `complete` (repetitive text, 10k, default
-   `serve`, p50 over 60 turns): parsing the body 0.5 ms, the pool and `BEGIN` 0.6, identifying
-   and storing the turn 5.1, assembling the prompt 7.2, `COMMIT` (fsync'd) 1.1: 14.7 ms before
-   forwarding, against 26.7 ms added as the client sees it (the rest: the HTTP layers, the
-   forward, and recording the reply before a non-stream answer returns). With the varied
+   turn): only the hits it takes. `python -m bench.side_by_side --base 8087d09` (new: the two
+   revisions take turns on one kept database, `bench.overhead`'s questions on a 10k
+   conversation, default `serve`, four rounds of 80 turns each; per round, base -> head):
+   varied text, the store stage 8.7 / 7.5 / 10.1 / 18.4 -> 7.3 / 7.6 / 10.3 / 7.6 ms, the
+   working context's save 1.5 / 1.4 / 1.7 / 2.5 -> 0.8 / 1.1 / 1.0 / 0.9 ms, added p50 61.9 /
+   53.0 / 72.5 / 103.7 -> 58.8 / 56.5 / 74.3 / 63.2 ms; repetitive text, store 8.3 / 8.4 / 8.4
+   / 11.2 -> 6.1 / 5.7 / 8.0 / 8.7 ms, save 1.4 / 1.6 / 1.8 / 1.7 -> 0.9 / 0.7 / 1.1 / 1.1 ms,
+   added p50 30.1 / 35.3 / 34.7 / 40.8 -> 29.5 / 26.0 / 38.8 / 36.8 ms. The save stage falls
+   in every round and the store stage in six of eight; the added latency moves with the machine
+   from one minute to the next by more than the change (`bench/results/side-by-side/`).
+2. **Where a turn's time goes now.** Timed inside `complete` (timers patched in for the
+   measurement, not kept; repetitive text, 10k, default `serve`, p50 over 60 turns): parsing
+   the body 0.5 ms, the pool and `BEGIN` 0.6, identifying and storing the turn 5.1, assembling
+   the prompt 7.2, `COMMIT` (fsync'd) 1.1: 14.7 ms before forwarding, against 26.7 ms added
+   as the client sees it (the rest: the HTTP layers, the forward, and recording the reply
+   before a non-stream answer returns). With the varied
    questions most turns retrieve and assembling takes 34 ms, the vector legs' HNSW scan being
    the longest part (14-25 ms for 400 rows on this database). The event-loop thread spends
    38 ms of CPU a turn on that mix (`py-spy`, workers off): 17 ms in the chat handler (12 ms

@@ -5,7 +5,8 @@ serve` on a free loopback port (or one of `host`, an address of this machine) wi
 `MEMSTRATA_*` settings (keyword names without the
 prefix; `log_level` is `info` unless given), waits until `/healthz` answers, and offers `.url`
 (ending `/v1`), `.root_url`, `.stop()` and `.logs()`. `argv` runs another command configured
-the same way (a benchmark's instrumented gateway); `name` names it in errors.
+the same way (a benchmark's instrumented gateway); `name` names it in errors; `cwd`, another
+checkout of the repository, runs that checkout's gateway (`python -m` imports from it first).
 
 `WorkerProcess(database_url, **settings)` starts `python -m gateway worker`, which serves no
 HTTP: it returns at once. `.owns(locked_by)` says whether a job's lock names it; `.kill()` sends
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from devkit.service import Service, child_env, free_port
 
@@ -35,6 +37,7 @@ class GatewayProcess(Service):
         argv: Sequence[str] | None = None,
         startup_timeout: float = 60.0,
         host: str = "127.0.0.1",
+        cwd: Path | None = None,
         **settings: object,
     ) -> None:
         self.port = free_port(host)
@@ -54,6 +57,7 @@ class GatewayProcess(Service):
             env=child_env(values),
             ready_url=f"{self.root_url}/healthz",
             startup_timeout=startup_timeout,
+            cwd=cwd,
         )
 
 

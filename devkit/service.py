@@ -1,10 +1,10 @@
 """A subprocess for tests and benchmarks: started, waited for, stopped, its output kept.
 
-`Service(name, argv, env=..., ready_url=...)` starts `argv` in the repository root with stdin
-closed and stdout and stderr together in a temporary file, and returns once a GET of `ready_url`
-answers 200 (at once without `ready_url`). A process that exits first, or is not ready within
-`startup_timeout` seconds, is stopped and `ServiceStartError` raised with what it wrote.
-`stop()` sends SIGTERM, then SIGKILL after `stop_timeout` seconds; it is idempotent, and
+`Service(name, argv, env=..., ready_url=...)` starts `argv` in the repository root (or `cwd`)
+with stdin closed and stdout and stderr together in a temporary file, and returns once a GET of
+`ready_url` answers 200 (at once without `ready_url`). A process that exits first, or is not
+ready within `startup_timeout` seconds, is stopped and `ServiceStartError` raised with what it
+wrote. `stop()` sends SIGTERM, then SIGKILL after `stop_timeout` seconds; it is idempotent, and
 `logs()` still answers afterwards. A `Service` is a context manager that stops it on exit.
 
 `free_port()` finds a port for a server to listen on, `own_address()` an address of this machine
@@ -77,6 +77,7 @@ class Service:
         ready_url: str | None = None,
         startup_timeout: float = 60.0,
         stop_timeout: float = 20.0,
+        cwd: Path | None = None,
     ) -> None:
         self.name = name
         self.stop_timeout = stop_timeout
@@ -85,7 +86,7 @@ class Service:
         started = time.perf_counter()
         self.process = subprocess.Popen(
             list(argv),
-            cwd=REPO_ROOT,
+            cwd=cwd or REPO_ROOT,
             env=dict(env),
             stdin=subprocess.DEVNULL,
             stdout=self._output,
