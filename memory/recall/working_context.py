@@ -457,6 +457,26 @@ async def save(conn: AsyncConnection, state: State) -> None:
     )
 
 
+# Built once: every turn that keeps the prefix runs it. Its parameters are not the columns'
+# names, which an UPDATE keeps for the values of its SET clause.
+_ADVANCE = (
+    update(working_contexts)
+    .where(
+        working_contexts.c.conversation_id == bindparam("the_conversation_id"),
+        working_contexts.c.version == bindparam("the_version"),
+    )
+    .values(
+        model=bindparam("new_model"),
+        budget=bindparam("new_budget"),
+        tokens=bindparam("new_tokens"),
+        system_tokens=bindparam("new_system_tokens"),
+        upto=bindparam("new_upto"),
+        notes=bindparam("new_notes", type_=working_contexts.c.notes.type),
+        updated_at=func.now(),
+    )
+)
+
+
 async def advance(conn: AsyncConnection, state: State) -> None:
     """Write what a turn changed in a state whose prefix it kept (the version loaded, under
     the conversation's row lock): its counts, `upto`, model, budget and notes; the stable
@@ -474,22 +494,3 @@ async def advance(conn: AsyncConnection, state: State) -> None:
             "new_notes": _notes_json(state.notes),
         },
     )
-
-
-# Built once: every turn that keeps the prefix runs it.
-_ADVANCE = (
-    update(working_contexts)
-    .where(
-        working_contexts.c.conversation_id == bindparam("the_conversation_id"),
-        working_contexts.c.version == bindparam("the_version"),
-    )
-    .values(
-        model=bindparam("new_model"),
-        budget=bindparam("new_budget"),
-        tokens=bindparam("new_tokens"),
-        system_tokens=bindparam("new_system_tokens"),
-        upto=bindparam("new_upto"),
-        notes=bindparam("new_notes", type_=working_contexts.c.notes.type),
-        updated_at=func.now(),
-    )
-)
