@@ -81,6 +81,14 @@ against 2,050, the relay 531 against 1,327).
    against 14.1-25.3 ms over three questions) and with only 229-354 of the same 400 rows;
    `synchronous_commit = off` would save 0.2 ms a commit (0.43 against 0.23 ms p50) and lose
    acknowledged turns in a crash.
+4. **Next: one statement per write.** Recording a reply takes five statements (the row lock,
+   two job enqueues, the insert, moving the head), and storing a turn five more. A prototype
+   that records a reply in one (the head moved only if it is still the one the turn stored,
+   then the node inserted and both jobs queued in data-modifying CTEs) took 3.2-3.4 ms a
+   reply, `BEGIN` and `ROLLBACK` included, against 7.0-8.2 ms for `store.append` run beside
+   it, and 1.3-1.4 against 3.7-4.1 ms of CPU (300 calls each on a copy of the 10k
+   conversation). A guard that misses (the head moved: a retry, a concurrent turn) would take
+   today's path.
 
 **2026-11-26, later** (commits `ac21450`..`ed05e71`; the tables above are still `806a475`'s:
 the machine ran 1.5-2x slower in the hours after, on the same code: the relay alone added 2.6
