@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import shutil
 import statistics
 import subprocess
 import tempfile
@@ -55,7 +56,9 @@ def checkout(revision: str) -> Iterator[Path]:
         yield where
     finally:
         subprocess.run([*git, "worktree", "remove", "--force", str(where)], check=False)
-        folder.rmdir()
+        # A worktree git could not remove leaves files behind: gone too, without hiding the
+        # error that ended the run.
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 async def _turns(
