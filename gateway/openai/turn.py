@@ -37,7 +37,7 @@ from gateway.upstream import relayed_headers
 from memory.db import transaction
 from memory.errors import StorageUnavailable
 from memory.recall.assemble import Assembled
-from memory.write import store
+from memory.write import replies, store
 
 log = logging.getLogger(__name__)
 
@@ -208,11 +208,11 @@ class Turn:
         stats = self.stats()
         async with transaction(state.engine) as conn:
             if reply is not None:
-                await store.append(
+                await replies.record(
                     conn,
                     tenant_id=self.tenant_id,
                     conversation_id=self.conversation_id,
-                    messages=[reply],
+                    reply=reply,
                     model=self.model,
                     status="complete" if complete else "incomplete",
                     request=stats,

@@ -102,8 +102,13 @@ async def enqueue(
         tenant_id=tenant_id,
         conversation_id=conversation_id,
         payload={"final": True} if final else None,
-        dedupe_key=f"{JOB_KIND}:{conversation_id}:{'final' if final else 'build'}",
+        dedupe_key=dedupe_key(conversation_id, final=final),
     )
+
+
+def dedupe_key(conversation_id: int, *, final: bool = False) -> str:
+    """The key that keeps one build of the conversation queued at a time (one final one)."""
+    return f"{JOB_KIND}:{conversation_id}:{'final' if final else 'build'}"
 
 
 async def summary_counts(conn: AsyncConnection) -> dict[tuple[int, str], int]:

@@ -37,13 +37,19 @@ from memory.write.branches import ReplyTo
 
 MESSAGE_FIELDS = ("role", "name", "content", "tool_calls", "tool_call_id")
 """Fields of an OpenAI message stored in columns; the rest are kept in `meta`."""
-_SYSTEM_ROLES = ("system", "developer")
+SYSTEM_ROLES = ("system", "developer")
+"""Roles whose message is a system prompt (the conversation keeps the newest one's hash)."""
 
 __all__ = ["ReplyTo"]  # re-exported: a turn keeps where its reply goes
 
 CONTEXT_JOB = "context"
 """The job that prepares a conversation's next turn after a reply: its likely recall, and its
 next compaction when one nears (run by the read path; queued here, with the reply)."""
+
+
+def context_key(conversation_id: int) -> str:
+    """The key that keeps one `CONTEXT_JOB` of the conversation queued at a time."""
+    return f"{CONTEXT_JOB}:{conversation_id}"
 
 
 @dataclass(frozen=True)
@@ -174,7 +180,7 @@ async def store_new(
     )
     head = inserted.head or (found.parent, found.parent_seq)
     if inserted.node_ids or (found.branch is not None and not found.retry):
-        systems = [m for m in messages[start:] if m.get("role") in _SYSTEM_ROLES]
+        systems = [m for m in messages[start:] if m.get("role") in SYSTEM_ROLES]
         await _move_head(
             conn,
             conv=conv,
@@ -229,7 +235,7 @@ async def append(
             kind=CONTEXT_JOB,
             tenant_id=tenant_id,
             conversation_id=conv.id,
-            dedupe_key=f"{CONTEXT_JOB}:{conv.id}",
+            dedupe_key=context_key(conv.id),
         )
     if not messages and request is None:
         return Appended(
@@ -257,7 +263,7 @@ async def append(
         current=place.current,
     )
     added = inserted.tokens if place.current else 0
-    systems = [m for m in messages if m.get("role") in _SYSTEM_ROLES]
+    systems = [m for m in messages if m.get("role") in SYSTEM_ROLES]
     await _move_head(
         conn,
         conv=conv,
@@ -397,8 +403,9 @@ _LOCK_BY_ID = (
     )
     .with_for_update()
 )
-# Moves the head (a NULL hash keeps the stored one), counts what was stored and a request.
-_MOVE_HEAD = (
+# Moves the head (a NULL hash keeps the stored one), counts what was stored and a request
+# (`head_values`; `memory.write.replies` guards it to record a reply in one statement).
+MOVE_HEAD = (
     update(conversations)
     .where(conversations.c.id == bindparam("conversation"))
     .values(
@@ -442,26 +449,35 @@ async def _move_head(
     """Count `stored` messages and `added` tokens of the current branch on the locked `conv`,
     move its head to `head` (None: where it is), note its newest system prompt, count a
     request's figures."""
+    values = head_values(stored=stored, added=added, head=head, system=system, request=request)
+    await conn.execute(MOVE_HEAD, {"conversation": conv.id, **values})
+
+
+def head_values(
+    *,
+    stored: int,
+    added: int,
+    head: tuple[str, int | None] | None,
+    system: Any = None,
+    request: RequestStats | None = None,
+) -> dict[str, Any]:
+    """`MOVE_HEAD`'s parameters but the conversation (see `_move_head`)."""
     stats = request or _NO_REQUEST
-    await conn.execute(
-        _MOVE_HEAD,
-        {
-            "conversation": conv.id,
-            "stored": stored,
-            "added": added,
-            "new_head": head[0] if head is not None else None,
-            "new_head_seq": head[1] if head is not None else None,
-            "new_system": chains.content_hash(system) if system is not None else None,
-            "requests": 0 if request is None else 1,
-            "sent": stats.sent,
-            "full": stats.full,
-            "reused": stats.reused,
-            "upstream_prompt": stats.upstream_prompt,
-            "upstream_cached": stats.upstream_cached,
-            "upstream_completion": stats.upstream_completion,
-            "fingerprint": stats.fingerprint,
-        },
-    )
+    return {
+        "stored": stored,
+        "added": added,
+        "new_head": head[0] if head is not None else None,
+        "new_head_seq": head[1] if head is not None else None,
+        "new_system": chains.content_hash(system) if system is not None else None,
+        "requests": 0 if request is None else 1,
+        "sent": stats.sent,
+        "full": stats.full,
+        "reused": stats.reused,
+        "upstream_prompt": stats.upstream_prompt,
+        "upstream_cached": stats.upstream_cached,
+        "upstream_completion": stats.upstream_completion,
+        "fingerprint": stats.fingerprint,
+    }
 
 
 @dataclass(frozen=True)
@@ -495,29 +511,21 @@ async def _insert(
     now = datetime.now(UTC)
     rows = []
     for offset, (original, digest) in enumerate(zip(messages, hashes, strict=True)):
-        # The hash is the original's, so that a client resending it still matches.
-        message, escaped = escape_unstorable(dict(original))
         seq = conv.next_seq + offset
         follows = offset == 0 and parent_seq != seq - 1
-        row: dict[str, Any] = {
-            "tenant_id": tenant_id,
-            "conversation_id": conv.id,
-            "level": 0,
-            "seq": seq,
-            "span_start": seq,
-            "span_end": seq,
-            **{field: message.get(field) for field in MESSAGE_FIELDS},
-            "chain_hash": digest,
-            "text": tokens.message_text(message),
-            "token_count": tokens.count_message(message, model=model),
-            "status": status,
-            "escaped": escaped,
-            "meta": {k: v for k, v in message.items() if k not in MESSAGE_FIELDS},
-            "follows_seq": (-1 if parent_seq is None else parent_seq) if follows else None,
-            "request_key": request_key,
-            "model": replied_by,
-            "superseded_at": None if current else now,
-        }
+        row = node_row(
+            original,
+            tenant_id=tenant_id,
+            conversation_id=conv.id,
+            seq=seq,
+            chain_hash=digest,
+            follows_seq=(-1 if parent_seq is None else parent_seq) if follows else None,
+            model=model,
+            status=status,
+            request_key=request_key,
+            replied_by=replied_by,
+        )
+        row["superseded_at"] = None if current else now
         if created_at is not None:
             row["created_at"] = created_at[offset] or now
         rows.append(row)
@@ -529,6 +537,43 @@ async def _insert(
         tokens=sum(row["token_count"] for row in rows),
         head=(hashes[-1], conv.next_seq + len(rows) - 1),
     )
+
+
+def node_row(
+    message: Mapping[str, Any],
+    *,
+    tenant_id: int,
+    conversation_id: int,
+    seq: int,
+    chain_hash: str,
+    follows_seq: int | None,
+    model: str,
+    status: str,
+    request_key: str | None,
+    replied_by: str | None,
+) -> dict[str, Any]:
+    """The `nodes` row that stores `message` at `seq` (its columns but `superseded_at` and
+    `created_at`): escaped where Postgres cannot hold it, counted with `model`'s tokenizer.
+    `chain_hash` is the original's, so that a client resending it still matches."""
+    stored, escaped = escape_unstorable(dict(message))
+    return {
+        "tenant_id": tenant_id,
+        "conversation_id": conversation_id,
+        "level": 0,
+        "seq": seq,
+        "span_start": seq,
+        "span_end": seq,
+        **{field: stored.get(field) for field in MESSAGE_FIELDS},
+        "chain_hash": chain_hash,
+        "text": tokens.message_text(stored),
+        "token_count": tokens.count_message(stored, model=model),
+        "status": status,
+        "escaped": escaped,
+        "meta": {k: v for k, v in stored.items() if k not in MESSAGE_FIELDS},
+        "follows_seq": follows_seq,
+        "request_key": request_key,
+        "model": replied_by,
+    }
 
 
 def _after(seq: int | None) -> int:
