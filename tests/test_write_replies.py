@@ -9,6 +9,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import asyncpg
+import pytest
 from sqlalchemy import event, select
 from sqlalchemy.ext.asyncio import AsyncEngine
 
@@ -16,6 +17,7 @@ from memory.build import jobs
 from memory.schema import conversations, nodes
 from memory.schema import jobs as jobs_table
 from memory.write import identity, replies, store
+from tests.inprocess import App
 
 MODEL = "gpt-4o"
 Message = dict[str, Any]
@@ -217,3 +219,46 @@ async def test_the_jobs_it_queues_wake_workers_at_commit(
     finally:
         await listener.close()
     assert kinds == {"conversation", store.CONTEXT_JOB}
+
+
+async def test_a_gateways_turns_take_the_one_statement(app: App, fresh_upstream: None) -> None:
+    # Whole histories resent, a named conversation, a stream: none of them needs the fallback.
+    fallbacks: list[int] = []
+    append = store.append
+
+    async def counted(*args: Any, **kwargs: Any) -> store.Appended:
+        fallbacks.append(kwargs["conversation_id"])
+        return await append(*args, **kwargs)
+
+    history: list[Message] = [{"role": "system", "content": "Be brief."}]
+    headers = {"X-Memstrata-Conversation": f"reply-{uuid.uuid4().hex}"}
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(store, "append", counted)
+        async with app.client() as client:
+            for index, stream in enumerate((False, False, True)):
+                history.append({"role": "user", "content": f"Question {index}?"})
+                answer = await client.post(
+                    "/v1/chat/completions",
+                    json={"model": MODEL, "messages": history, "stream": stream},
+                    headers=headers,
+                )
+                assert answer.status_code == 200, answer.text
+                reply = await stored_reply(app, headers["X-Memstrata-Conversation"])
+                history.append({"role": "assistant", "content": reply})
+    assert fallbacks == []
+
+
+async def stored_reply(app: App, external_id: str) -> Any:
+    """The content of the conversation's newest message, which must be a reply."""
+    async with app.state.engine.connect() as conn:
+        role, content = (
+            await conn.execute(
+                select(nodes.c.role, nodes.c.content)
+                .join(conversations, conversations.c.id == nodes.c.conversation_id)
+                .where(conversations.c.external_id == external_id, nodes.c.level == 0)
+                .order_by(nodes.c.seq.desc())
+                .limit(1)
+            )
+        ).one()
+    assert role == "assistant"
+    return content
