@@ -200,9 +200,9 @@ async def test_summaries_by_level_and_method(
 
 
 async def test_request_path_stages_are_timed(client: httpx.AsyncClient) -> None:
-    """Every chat request's stages land in a histogram per stage; one whose history does not
-    fit its budget also times the compaction that built its working context, its question's
-    embedding, its recall note and the retrieval legs under it."""
+    """Every chat request's stages land in a histogram per stage (its reply's record too); one
+    whose history does not fit its budget also times the compaction that built its working
+    context, its question's embedding, its recall note and the retrieval legs under it."""
     before = await scrape(client)
     conversation = {"X-Memstrata-Conversation": f"stages-{uuid.uuid4().hex}"}
     history = [{"role": "user", "content": f"note {n}: " + "words " * 60} for n in range(12)]
@@ -222,7 +222,7 @@ async def test_request_path_stages_are_timed(client: httpx.AsyncClient) -> None:
         name = "memstrata_request_stage_seconds_count"
         return value(after, name, stage=stage) - value(before, name, stage=stage)
 
-    assert count("store") == count("assemble") == len(history) + 1
+    assert count("store") == count("assemble") == count("record") == len(history) + 1
     assert count("fulltext") >= 1 and count("tokens") >= 1  # the rebuilt prompt's legs
     # Its working context was built (a compaction) and its question embedded for a note.
     assert count("compaction") >= 1 and count("embed") >= 1 and count("note") >= 1

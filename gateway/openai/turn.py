@@ -192,7 +192,9 @@ class Turn:
             # logged loudly rather than turned into an error the client would see instead.
             log.exception("could not store the reply", extra={"conversation": self.external_id})
         finally:
-            self.overhead += time.perf_counter() - began
+            spent = time.perf_counter() - began
+            self.overhead += spent
+            state.metrics.observe_stages({"record": spent})
 
     # A turn whose answer is worth keeping even without a reply message (a response object).
     records_without_reply: ClassVar[bool] = False
