@@ -29,7 +29,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from sqlalchemy import update
+from sqlalchemy import func, update
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from devkit import synthetic
@@ -588,8 +588,9 @@ async def test_verbatim_turns_read_again_are_the_stored_ones(
     engine: AsyncEngine, tenant_id: int
 ) -> None:
     """`read_items` keeps what it read of a conversation and reads only the rest next time:
-    the turns come out as a fresh read gives them, and a node found under a known id but
-    stored at another time (a recreated database) is read again, not taken for the known one."""
+    the turns come out as a fresh read gives them, a node found under a known id but stored
+    at another time (a recreated database) is read again, not taken for the known one, and a
+    known node that left the current branch is left out."""
     conversation = await Conversation.start(engine, tenant_id, synthetic.messages(40, seed=11))
     span = {"tenant_id": tenant_id, "conversation_id": conversation.id, "model": MODEL}
 
@@ -614,6 +615,17 @@ async def test_verbatim_turns_read_again_are_the_stored_ones(
     again = await read(10, 41)
     assert again[10].message["content"] == "stored again"
     assert again == await read(10, 41, fresh=True)
+
+    # A known turn that left the current branch is no longer read.
+    async with engine.begin() as conn:
+        await conn.execute(
+            update(nodes)
+            .where(nodes.c.conversation_id == conversation.id, nodes.c.seq == 25)
+            .values(superseded_at=func.now())
+        )
+    moved = await read(10, 41)
+    assert [item.seq for item in moved] == [seq for seq in range(10, 41) if seq != 25]
+    assert moved == await read(10, 41, fresh=True)
 
 
 def test_what_is_kept_of_read_turns_stays_within_its_tokens() -> None:

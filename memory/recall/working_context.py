@@ -32,7 +32,7 @@ counts, how far it reaches, its notes) without rewriting the stable memory.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from datetime import datetime
 from typing import Any, Final
@@ -43,6 +43,7 @@ from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from memory import tokens
+from memory.db import AnyRow
 from memory.schema import working_contexts
 from memory.write import store
 
@@ -300,18 +301,25 @@ def render(state: State, items: Sequence[Item], *, policy: Policy, model: str) -
     return Rendered(messages=messages, labels=labels, counts=counts)
 
 
-# The rows of seq `start` to `end - 1`; the stored message of those in `known` (already decoded
-# and counted) is left out. A known row whose time differs is not the one known: see `_read`.
+# The current branch's messages of seq `start` to `end - 1`: first one row of their ids and
+# stored times in seq order (all NULL when there are none), then a row for each not in `known`
+# (not yet decoded and counted) with its stored message. Most of the range is known on every
+# turn but the first, and two arrays cost a fraction of a row per message to send and decode.
 _ITEMS = text(
     """
-SELECT n.id, n.seq, n.role, n.created_at, n.id = ANY(:known) AS known, m.name, m.content,
-       m.tool_calls, m.tool_call_id, m.meta
+SELECT NULL::bigint AS id, NULL::integer AS seq, NULL::text AS role, NULL::text AS name,
+       NULL::jsonb AS content, NULL::jsonb AS tool_calls, NULL::text AS tool_call_id,
+       NULL::jsonb AS meta,
+       array_agg(n.id ORDER BY n.seq) AS ids, array_agg(n.created_at ORDER BY n.seq) AS times
 FROM nodes n
-LEFT JOIN LATERAL (SELECT n.name, n.content, n.tool_calls, n.tool_call_id, n.meta
-                   WHERE NOT n.id = ANY(:known)) m ON true
 WHERE n.tenant_id = :tenant_id AND n.conversation_id = :conversation_id AND n.level = 0
   AND n.seq >= :start AND n.seq < :end AND n.superseded_at IS NULL
-ORDER BY n.seq
+UNION ALL
+SELECT n.id, n.seq, n.role, n.name, n.content, n.tool_calls, n.tool_call_id, n.meta, NULL, NULL
+FROM nodes n
+WHERE n.tenant_id = :tenant_id AND n.conversation_id = :conversation_id AND n.level = 0
+  AND n.seq >= :start AND n.seq < :end AND n.superseded_at IS NULL
+  AND NOT n.id = ANY(:known)
 """
 ).bindparams(bindparam("known", type_=ARRAY(BigInteger)))
 
@@ -335,29 +343,41 @@ async def read_items(
         "end": end,
         "known": list(known),
     }
-    rows = list(await conn.execute(_ITEMS, params))
-    if any(row.known and known[row.id][0] != row.created_at for row in rows):
+    ids, times, fresh = _split(await conn.execute(_ITEMS, params))
+    if any(known[i][0] != at for i, at in zip(ids, times, strict=True) if i in known):
         known = {}  # another database under the same ids: read them all
-        rows = list(await conn.execute(_ITEMS, {**params, "known": []}))
+        ids, times, fresh = _split(await conn.execute(_ITEMS, {**params, "known": []}))
     read: Read = {}
-    for row in rows:
-        if row.role in SYSTEM_ROLES:
-            continue
-        if row.known:
-            read[row.id] = known[row.id]
-            continue
-        message = canonical(store.prompt_message(row))
-        item = Item(
-            node_id=row.id,
-            seq=row.seq,
-            role=row.role,
-            name=row.name,
-            message=message,
-            tokens=tokens.count_message(message, model=model),
-        )
-        read[row.id] = (row.created_at, item)
+    for node_id, stored_at in zip(ids, times, strict=True):
+        row = fresh.get(node_id)
+        if row is None:
+            read[node_id] = known[node_id]
+        elif row.role not in SYSTEM_ROLES:
+            message = canonical(store.prompt_message(row))
+            item = Item(
+                node_id=row.id,
+                seq=row.seq,
+                role=row.role,
+                name=row.name,
+                message=message,
+                tokens=tokens.count_message(message, model=model),
+            )
+            read[node_id] = (stored_at, item)
     _read.put(key, read)
     return [item for _, item in read.values()]
+
+
+def _split(rows: Iterable[AnyRow]) -> tuple[list[int], list[datetime], dict[int, AnyRow]]:
+    """`_ITEMS`'s rows as the range's ids and stored times, and the rows read whole by id."""
+    ids: list[int] = []
+    times: list[datetime] = []
+    fresh: dict[int, AnyRow] = {}
+    for row in rows:
+        if row.id is None:
+            ids, times = row.ids or [], row.times or []
+        else:
+            fresh[row.id] = row
+    return ids, times, fresh
 
 
 # -- persistence -------------------------------------------------------------------------------
