@@ -383,15 +383,17 @@ def _split(rows: Iterable[AnyRow]) -> tuple[list[int], list[datetime], dict[int,
 # -- persistence -------------------------------------------------------------------------------
 
 
+# Read on every turn of a conversation past its budget: built once, as `_ADVANCE` is.
+_LOAD = select(working_contexts).where(
+    working_contexts.c.conversation_id == bindparam("conversation_id"),
+    working_contexts.c.tenant_id == bindparam("tenant_id"),
+)
+
+
 async def load(conn: AsyncConnection, *, tenant_id: int, conversation_id: int) -> State | None:
     """The conversation's working context, or None when it has none."""
     row = (
-        await conn.execute(
-            select(working_contexts).where(
-                working_contexts.c.conversation_id == conversation_id,
-                working_contexts.c.tenant_id == tenant_id,
-            )
-        )
+        await conn.execute(_LOAD, {"conversation_id": conversation_id, "tenant_id": tenant_id})
     ).one_or_none()
     if row is None:
         return None
