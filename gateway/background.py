@@ -24,7 +24,7 @@ from memory.provider import Provider
 from memory.recall import anticipation, compaction
 from memory.recall.prompt import TOOLS_GUIDE
 from memory.recall.working_context import Policy
-from memory.write.store import CONTEXT_JOB
+from memory.write.appends import CONTEXT_JOB
 
 log = logging.getLogger(__name__)
 

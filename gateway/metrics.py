@@ -46,7 +46,7 @@ from gateway.logs import route_template
 from memory.build import backlog, tree
 from memory.db import transaction
 from memory.errors import StorageUnavailable
-from memory.write.store import RequestStats
+from memory.write.appends import RequestStats
 
 log = logging.getLogger(__name__)
 

@@ -46,7 +46,7 @@ from memory.recall import working_context as wc
 from memory.recall.assemble import Assembled, Budget, Recall, StoredTurn, assemble
 from memory.recall.working_context import Policy
 from memory.schema import nodes, working_contexts
-from memory.write import store, tree_nodes
+from memory.write import appends, store, tree_nodes
 
 MODEL = "gpt-4o"
 SYSTEM = {"role": "system", "content": "You are a careful assistant."}
@@ -139,7 +139,7 @@ class Conversation:
                 conversation_id=self.id,
                 messages=[message],
                 model=MODEL,
-                request=store.RequestStats(
+                request=appends.RequestStats(
                     sent=assembled.tokens,
                     full=assembled.full_tokens,
                     reused=assembled.reused,

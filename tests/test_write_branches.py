@@ -15,7 +15,7 @@ from memory.build.summarize import ExtractiveSummarizer
 from memory.embeddings import LocalEmbedder
 from memory.recall import retrieval
 from memory.schema import nodes
-from memory.write import identity, store
+from memory.write import appends, identity, store
 
 MODEL = "gpt-4o"
 # Segments of two messages, so that a short conversation has a tree.
@@ -48,7 +48,7 @@ async def turn(
             conversation_id=stored.conversation.id,
             messages=[{"role": "assistant", "content": answer}],
             model=MODEL,
-            request=store.RequestStats(sent=0, full=0),
+            request=appends.RequestStats(sent=0, full=0),
             reply_to=stored.reply_to,
         )
     return stored

@@ -37,7 +37,7 @@ from gateway.upstream import relayed_headers
 from memory.db import transaction
 from memory.errors import StorageUnavailable
 from memory.recall.assemble import Assembled
-from memory.write import replies, store
+from memory.write import appends, replies, store
 
 log = logging.getLogger(__name__)
 
@@ -224,12 +224,12 @@ class Turn:
         if reply is not None:
             state.metrics.observe_request(stats)
 
-    def stats(self) -> store.RequestStats:
+    def stats(self) -> appends.RequestStats:
         """What the request cost, as the conversation's statistics count it."""
         usage = self.usage or {}
         details = usage.get("prompt_tokens_details")
         cached = details.get("cached_tokens") if isinstance(details, dict) else None
-        return store.RequestStats(
+        return appends.RequestStats(
             sent=self.context_tokens or 0,
             full=self.full_tokens or 0,
             reused=self.reused,

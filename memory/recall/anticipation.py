@@ -2,7 +2,7 @@
 reply, before the turn comes.
 
 `prepare()` runs in the background after a reply to a prompt built from the working context
-(`memory.write.store.CONTEXT_JOB`): it embeds the latest exchange (the last user message and
+(`memory.write.appends.CONTEXT_JOB`): it embeds the latest exchange (the last user message and
 what followed it) and retrieves the messages it calls for, outside the working context's
 verbatim turns, by hybrid retrieval; it stores their ids, the exchange's vector and the seq of
 its last message beside the working context (`working_contexts.recall_*`).

@@ -45,7 +45,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 from memory import tokens
 from memory.db import AnyRow
 from memory.schema import working_contexts
-from memory.write import store
+from memory.write import appends, store
 
 __all__ = [
     "MASK_MIN_TOKENS",
@@ -234,7 +234,7 @@ def canonical(message: Mapping[str, Any]) -> dict[str, Any]:
     for key in ("name", "tool_calls", "tool_call_id"):
         if message.get(key) is not None:
             out[key] = _sorted(message[key])
-    for key in sorted(k for k in message if k not in out and k not in store.MESSAGE_FIELDS):
+    for key in sorted(k for k in message if k not in out and k not in appends.MESSAGE_FIELDS):
         out[key] = _sorted(message[key])
     return out
 

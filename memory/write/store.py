@@ -6,15 +6,18 @@ lock its row first (`FOR UPDATE`), so concurrent requests on one conversation ge
 never duplicated, sequence numbers and a consistent hash chain. Callers own the transaction:
 `store_new` and `append` do their work inside the caller's transaction, and queue the build of
 the conversation's tree there (`memory.build.tree.enqueue`, deduplicated), so that the
-background work commits or rolls back with the messages it concerns. They are the only place a
-write queues its build: no caller can store messages and forget them. A reply to a prompt built
-from the working context also queues `CONTEXT_JOB` (deduplicated, behind the build): the read
-path's preparation of the next turn (`memory.recall.anticipation`, `memory.recall.compaction`),
-whose handler `gateway.background` composes.
+background work commits or rolls back with the messages it concerns. They (and
+`memory.write.appends.at_head`, which both use) are the only places a write queues its build:
+no caller can store messages and forget them. A reply to a prompt built from the working
+context also queues `CONTEXT_JOB` (deduplicated, behind the build): the read path's
+preparation of the next turn (`memory.recall.anticipation`, `memory.recall.compaction`), whose
+handler `gateway.background` composes.
 
-The request path runs `store_new` and `append` on every chat request, so each keeps its round
-trips to the database few: the conversation is found and locked in one statement, and what
-the request path needs next (the conversation's token count and user) comes back in `Appended`.
+The request path runs `store_new` and `append` (through `memory.write.replies`) on every chat
+request, so each keeps its round trips to the database few: the conversation is found and
+locked in one statement, a turn that adds one message after the head stores it, moves the head
+and queues the build in one more (`appends.at_head`), and what the request path needs next
+(the conversation's token count and user) comes back in `Appended`.
 """
 
 from collections.abc import Mapping, Sequence
@@ -22,34 +25,26 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from sqlalchemy import Integer, Text, bindparam, case, func, insert, select, update
-from sqlalchemy.dialects.postgresql import JSONB
+from sqlalchemy import bindparam, insert, select
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from memory import tokens
 from memory.build import jobs, tree
 from memory.db import AnyRow
 from memory.errors import NotFound
 from memory.schema import DEFAULT_TENANT, conversations, nodes, tenants
-from memory.text import escape_unstorable
-from memory.write import branches, chains, identity
+from memory.write import appends, branches, chains, identity
+from memory.write.appends import (
+    CONTEXT_JOB,
+    MOVE_HEAD,
+    SYSTEM_ROLES,
+    RequestStats,
+    context_key,
+    head_values,
+    node_row,
+)
 from memory.write.branches import ReplyTo
 
-MESSAGE_FIELDS = ("role", "name", "content", "tool_calls", "tool_call_id")
-"""Fields of an OpenAI message stored in columns; the rest are kept in `meta`."""
-SYSTEM_ROLES = ("system", "developer")
-"""Roles whose message is a system prompt (the conversation keeps the newest one's hash)."""
-
 __all__ = ["ReplyTo"]  # re-exported: a turn keeps where its reply goes
-
-CONTEXT_JOB = "context"
-"""The job that prepares a conversation's next turn after a reply: its likely recall, and its
-next compaction when one nears (run by the read path; queued here, with the reply)."""
-
-
-def context_key(conversation_id: int) -> str:
-    """The key that keeps one `CONTEXT_JOB` of the conversation queued at a time."""
-    return f"{CONTEXT_JOB}:{conversation_id}"
 
 
 @dataclass(frozen=True)
@@ -83,26 +78,6 @@ class Appended:
     """Where this turn's reply goes (`store_new` only)."""
     prompt_fingerprint: Any = None
     """The fingerprint of the conversation's last prompt (`RequestStats.fingerprint`)."""
-
-
-@dataclass(frozen=True)
-class RequestStats:
-    """What one answered request cost, counted on the conversation with its reply."""
-
-    sent: int
-    """Prompt tokens sent upstream, as the gateway counted them."""
-    full: int
-    """Tokens the whole history would have cost."""
-    reused: int = 0
-    """Prompt tokens that repeated the previous prompt's prefix."""
-    upstream_prompt: int = 0
-    upstream_cached: int = 0
-    upstream_completion: int = 0
-    """What the upstream reported in `usage` (summed over hidden tool rounds)."""
-    fingerprint: Any = None
-    """The prompt's fingerprint, kept for the next request's reuse figure (None: unchanged)."""
-    prepare_context: bool = False
-    """The prompt came from the working context: queue the preparation of the next turn."""
 
 
 @dataclass(frozen=True)
@@ -158,8 +133,28 @@ async def store_new(
     None: now) per message of `messages`; `request_key` is recorded with what is stored."""
     conv = found.row
     ref = ConversationRef(id=conv.id, external_id=conv.external_id, created=found.created)
-    await tree.enqueue(conn, tenant_id=tenant_id, conversation_id=conv.id)
     start = len(messages) if found.retry else found.start
+    one = await _one_after_head(
+        conn,
+        tenant_id=tenant_id,
+        found=found,
+        messages=messages[start:],
+        model=model,
+        created_at=created_at[start:] if created_at is not None else None,
+        request_key=request_key,
+    )
+    if one is not None:
+        return Appended(
+            conversation=ref,
+            node_ids=[one.node_id],
+            first_seq=one.seq,
+            token_count=conv.token_count + one.tokens,
+            user_id=conv.user_id,
+            whole=found.whole,
+            reply_to=ReplyTo(parent=one.chain_hash, parent_seq=one.seq, request_key=request_key),
+            prompt_fingerprint=conv.prompt_fingerprint,
+        )
+    await tree.enqueue(conn, tenant_id=tenant_id, conversation_id=conv.id)
     moved = branches.Moved(branched_at=None, tokens=0)
     if found.branch is not None and not found.retry:
         moved = await branches.move(
@@ -199,6 +194,38 @@ async def store_new(
         branched_at=moved.branched_at,
         reply_to=ReplyTo(parent=head[0], parent_seq=head[1], request_key=request_key),
         prompt_fingerprint=conv.prompt_fingerprint,
+    )
+
+
+async def _one_after_head(
+    conn: AsyncConnection,
+    *,
+    tenant_id: int,
+    found: identity.Found,
+    messages: Sequence[Mapping[str, Any]],
+    model: str,
+    created_at: Sequence[datetime | None] | None,
+    request_key: str | None,
+) -> appends.Stored | None:
+    """The most common turn, one new message right after the head, stored in one statement
+    (`appends.at_head`); None when the turn is another kind, or the head is elsewhere."""
+    conv = found.row
+    if (
+        len(messages) != 1
+        or found.branch is not None
+        or found.parent_seq is None
+        or found.parent_seq != conv.next_seq - 1
+        or (created_at is not None and any(created_at))
+    ):
+        return None
+    return await appends.at_head(
+        conn,
+        tenant_id=tenant_id,
+        conversation_id=conv.id,
+        message=messages[0],
+        after=(found.parent, found.parent_seq),
+        model=model,
+        request_key=request_key,
     )
 
 
@@ -403,37 +430,6 @@ _LOCK_BY_ID = (
     )
     .with_for_update()
 )
-# Moves the head (a NULL hash keeps the stored one), counts what was stored and a request
-# (`head_values`; `memory.write.replies` guards it to record a reply in one statement).
-MOVE_HEAD = (
-    update(conversations)
-    .where(conversations.c.id == bindparam("conversation"))
-    .values(
-        next_seq=conversations.c.next_seq + bindparam("stored"),
-        token_count=conversations.c.token_count + bindparam("added"),
-        head_hash=func.coalesce(bindparam("new_head", type_=Text), conversations.c.head_hash),
-        head_seq=case(
-            (bindparam("new_head", type_=Text).is_(None), conversations.c.head_seq),
-            else_=bindparam("new_head_seq", type_=Integer),
-        ),
-        system_hash=func.coalesce(bindparam("new_system", type_=Text), conversations.c.system_hash),
-        requests=conversations.c.requests + bindparam("requests"),
-        tokens_sent=conversations.c.tokens_sent + bindparam("sent"),
-        tokens_full=conversations.c.tokens_full + bindparam("full"),
-        tokens_reused=conversations.c.tokens_reused + bindparam("reused"),
-        usage_prompt_tokens=conversations.c.usage_prompt_tokens + bindparam("upstream_prompt"),
-        usage_cached_tokens=conversations.c.usage_cached_tokens + bindparam("upstream_cached"),
-        usage_completion_tokens=(
-            conversations.c.usage_completion_tokens + bindparam("upstream_completion")
-        ),
-        prompt_fingerprint=func.coalesce(
-            bindparam("fingerprint", type_=JSONB(none_as_null=True)),
-            conversations.c.prompt_fingerprint,
-        ),
-        updated_at=func.now(),
-    )
-)
-_NO_REQUEST = RequestStats(sent=0, full=0)
 
 
 async def _move_head(
@@ -451,33 +447,6 @@ async def _move_head(
     request's figures."""
     values = head_values(stored=stored, added=added, head=head, system=system, request=request)
     await conn.execute(MOVE_HEAD, {"conversation": conv.id, **values})
-
-
-def head_values(
-    *,
-    stored: int,
-    added: int,
-    head: tuple[str, int | None] | None,
-    system: Any = None,
-    request: RequestStats | None = None,
-) -> dict[str, Any]:
-    """`MOVE_HEAD`'s parameters but the conversation (see `_move_head`)."""
-    stats = request or _NO_REQUEST
-    return {
-        "stored": stored,
-        "added": added,
-        "new_head": head[0] if head is not None else None,
-        "new_head_seq": head[1] if head is not None else None,
-        "new_system": chains.content_hash(system) if system is not None else None,
-        "requests": 0 if request is None else 1,
-        "sent": stats.sent,
-        "full": stats.full,
-        "reused": stats.reused,
-        "upstream_prompt": stats.upstream_prompt,
-        "upstream_cached": stats.upstream_cached,
-        "upstream_completion": stats.upstream_completion,
-        "fingerprint": stats.fingerprint,
-    }
 
 
 @dataclass(frozen=True)
@@ -537,43 +506,6 @@ async def _insert(
         tokens=sum(row["token_count"] for row in rows),
         head=(hashes[-1], conv.next_seq + len(rows) - 1),
     )
-
-
-def node_row(
-    message: Mapping[str, Any],
-    *,
-    tenant_id: int,
-    conversation_id: int,
-    seq: int,
-    chain_hash: str,
-    follows_seq: int | None,
-    model: str,
-    status: str,
-    request_key: str | None,
-    replied_by: str | None,
-) -> dict[str, Any]:
-    """The `nodes` row that stores `message` at `seq` (its columns but `superseded_at` and
-    `created_at`): escaped where Postgres cannot hold it, counted with `model`'s tokenizer.
-    `chain_hash` is the original's, so that a client resending it still matches."""
-    stored, escaped = escape_unstorable(dict(message))
-    return {
-        "tenant_id": tenant_id,
-        "conversation_id": conversation_id,
-        "level": 0,
-        "seq": seq,
-        "span_start": seq,
-        "span_end": seq,
-        **{field: stored.get(field) for field in MESSAGE_FIELDS},
-        "chain_hash": chain_hash,
-        "text": tokens.message_text(stored),
-        "token_count": tokens.count_message(stored, model=model),
-        "status": status,
-        "escaped": escaped,
-        "meta": {k: v for k, v in stored.items() if k not in MESSAGE_FIELDS},
-        "follows_seq": follows_seq,
-        "request_key": request_key,
-        "model": replied_by,
-    }
 
 
 def _after(seq: int | None) -> int:

@@ -1,6 +1,7 @@
-"""Recording a reply (`memory.write.replies`) against a real Postgres: in one statement while
-the conversation is as its turn left it, through `store.append` when it is not, and the same
-rows, figures and jobs either way."""
+"""Appending at the head in one statement (`memory.write.appends`), against a real Postgres: a
+reply (`memory.write.replies`) while the conversation is as its turn left it, and a turn of one
+new message after the head; the long way (`store.append`, `store.store_new`'s statements)
+otherwise, and the same rows, figures and jobs either way."""
 
 import asyncio
 import uuid
@@ -16,12 +17,12 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from memory.build import jobs
 from memory.schema import conversations, nodes
 from memory.schema import jobs as jobs_table
-from memory.write import identity, replies, store
+from memory.write import appends, identity, replies, store
 from tests.inprocess import App
 
 MODEL = "gpt-4o"
 Message = dict[str, Any]
-STATS = store.RequestStats(
+STATS = appends.RequestStats(
     sent=120,
     full=900,
     reused=64,
@@ -161,7 +162,39 @@ async def test_a_reply_to_the_head_is_one_statement_that_stores_what_append_does
     reply = one["nodes"][-1]
     assert (reply["seq"], reply["model"], reply["escaped"]) == (2, MODEL, True)
     assert one["conversation"]["requests"] == 1
-    assert [kind for kind, *_ in one["jobs"]] == ["conversation", store.CONTEXT_JOB]
+    assert [kind for kind, *_ in one["jobs"]] == ["conversation", appends.CONTEXT_JOB]
+
+
+async def test_a_turn_of_one_message_after_the_head_is_one_statement_as_well(
+    engine: AsyncEngine, tenant_id: int
+) -> None:
+    opening = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "When?"}]
+    asked = [{"role": "user", "content": "And the way back?"}]  # sent alone, conversation named
+    fast, slow = await twins(engine, tenant_id, [opening])
+    turns: list[store.Appended] = []
+    for first, the_long_way in ((fast[0], False), (slow[0], True)):
+        await record(engine, tenant_id, first, fast=True)
+        external_id = first.conversation.external_id
+        with statements(engine) as sent, pytest.MonkeyPatch.context() as patch:
+            if the_long_way:
+                patch.setattr(store, "_one_after_head", none)
+            turns.append(await stored_turn(engine, tenant_id, external_id, asked, "second"))
+        stores = [s for s in sent if "INSERT INTO nodes" in s]
+        assert len(stores) == 1
+        assert ("UPDATE conversations" in stores[0]) is not the_long_way
+
+    one, other = (
+        await state(engine, fast[0].conversation.id),
+        await state(engine, slow[0].conversation.id),
+    )
+    assert one == other
+    assert [row["seq"] for row in one["nodes"]] == [0, 1, 2, 3]
+    same = ("first_seq", "token_count", "whole", "branched_at", "reply_to", "prompt_fingerprint")
+    assert [getattr(turns[0], name) for name in same] == [getattr(turns[1], name) for name in same]
+
+
+async def none(*args: Any, **kwargs: Any) -> None:
+    """Stands for `store._one_after_head` finding the turn of another kind."""
 
 
 async def test_a_reply_after_the_head_moved_is_placed_as_append_places_it(
@@ -218,7 +251,7 @@ async def test_the_jobs_it_queues_wake_workers_at_commit(
         kinds = {await asyncio.wait_for(woken.get(), timeout=5) for _ in range(2)}
     finally:
         await listener.close()
-    assert kinds == {"conversation", store.CONTEXT_JOB}
+    assert kinds == {"conversation", appends.CONTEXT_JOB}
 
 
 async def test_a_gateways_turns_take_the_one_statement(app: App, fresh_upstream: None) -> None:
