@@ -42,6 +42,41 @@ TARGET_RETRIEVAL_P95 = 10.0
 # Written by hand from the profile of the run it names; `make bench` keeps it and redraws the
 # rest. Update it when the profile changes.
 CLOSING_NOTE = """\
+**2026-11-26, night** (commits `bc165a7`..`b1d9dcb`; side by side against `6d8cca5`, the
+evening's tip, on the same kept 10k conversation, default `serve`: `python -m bench.side_by_side
+--base 6d8cca5`, results in `bench/results/side-by-side/2026-11-26-night-*.json`).
+
+1. **One statement per write.** A reply that goes right after its turn's last message, still the
+   head, and a turn that adds one message right after the head (a named conversation's usual
+   turn, and a whole-history resend's) are each stored in one statement now
+   (`memory.write.appends.at_head`), where `store.append` took five and `store.store_new` three
+   after identifying the turn: the head moves only if it is where the caller expects (Postgres
+   re-checks that under the row's lock), and the insert and the queued jobs come from the moved
+   row. A miss changes nothing, and the write takes the long way in the same transaction (a
+   retry's reply, a concurrent turn, a branch); the rows, figures and jobs are the same either
+   way (`tests/test_write_appends.py`). On a copy of the 10k conversation, 300 calls each: a
+   reply 1.9-2.0 ms against 3.7-4.0 for `store.append` (CPU 0.9 against 2.3-2.4). The reply's
+   record is a request-path stage of its own now (`record`: the transaction, the statement,
+   the commit): 3.8-4.7 ms a turn.
+2. **The verbatim turns' known messages came back a row each.** `read_items` reads the
+   working context's verbatim range on every turn (302 messages here) to learn which of the
+   messages it already holds are still on the current branch; it got one row per message to do
+   so. Now one row carries the range's ids and stored times as two arrays, and only the messages
+   not yet held come back whole: 4.0-4.8 ms a call before, 1.9-2.0 after (CPU 3.0-3.3 against
+   1.0). The working context's load is built once, as its per-turn update is.
+3. **Side by side.** Repetitive text (no note: what the store and the context cost), six rounds
+   of 80 turns, base -> head: added p50 28.2 / 26.6 / 29.5 / 32.0 / 29.4 / 30.1 -> 23.7 / 24.6 /
+   24.7 / 23.5 / 24.1 / 23.0 ms, p95 39.5-50.0 -> 32.8-41.1, `X-Memstrata-Overhead-Ms` p50
+   20.1-24.4 -> 15.6-17.4; the `context` stage 5.2-6.9 -> 3.6-4.0 ms, `store` 5.5-6.5 -> 4.5-5.4.
+   The head is faster in every round. Varied text, four rounds: added p50 68.5 / 61.7 / 57.9 /
+   66.8 -> 53.1 / 61.1 / 61.6 / 60.2 ms, `store` 6.9-9.6 -> 6.2-7.1, `context` 4.9-5.6 ->
+   3.4-4.2; there the note's retrieval (full text 14-18 ms beside the vectors' 11-14) is most
+   of the turn, and unchanged.
+4. **Where that leaves issue #13's 15 / 30 ms.** A turn that keeps its prefix and recalls
+   nothing now spends 15.6-17.4 ms in the gateway at p50 by its own clock, and 23-25 ms as the
+   client sees it: the HTTP layers, the forward and the response are the rest. Turns that
+   retrieve stay near 60 ms on this machine. Not met.
+
 **2026-11-26, evening** (commit `7405a95`; measured side by side on this machine while it ran
 about 2.2x slower than for the tables above: `bench.load`'s upstream alone served 900 requests/s
 against 2,050, the relay 531 against 1,327).

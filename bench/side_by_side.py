@@ -61,6 +61,17 @@ def checkout(revision: str) -> Iterator[Path]:
         shutil.rmtree(folder, ignore_errors=True)
 
 
+def _working_tree() -> str:
+    """The working tree as `git describe` names it: its commit, `-dirty` when changed."""
+    described = subprocess.run(
+        ["git", "-C", str(h.REPO_ROOT), "describe", "--always", "--dirty"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return f"working tree ({described.stdout.strip()})"
+
+
 async def _turns(
     client: httpx.AsyncClient,
     gateway: GatewayProcess,
@@ -170,7 +181,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "machine": h.machine_info(),
         "settings": {
             "base": args.base,
-            "head": args.head or "working tree",
+            "head": args.head or _working_tree(),
             "text": args.text,
             "size": args.size,
             "turns": args.turns,
