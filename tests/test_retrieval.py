@@ -219,13 +219,7 @@ async def test_an_index_scan_that_reaches_little_of_its_scope_is_run_exactly(
     async with engine.connect() as conn:
         await conn.execute(text("SET hnsw.max_scan_tuples = 1"))
         # What the index alone gives, asked for as `vector_legs` asks.
-        await conn.execute(
-            text(
-                "SELECT set_config('hnsw.iterative_scan', 'relaxed_order', true), "
-                "set_config('hnsw.ef_search', :ef, true), set_config('enable_sort', 'off', true)"
-            ),
-            {"ef": str(2 * LIMIT)},
-        )
+        await conn.execute(nearest._INDEX_SETTINGS, {"ef": str(2 * LIMIT)})
         by_index = await conn.execute(
             nearest._VECTOR,
             {
@@ -244,6 +238,8 @@ async def test_an_index_scan_that_reaches_little_of_its_scope_is_run_exactly(
         await conn.rollback()
         await conn.execute(text("SET hnsw.max_scan_tuples = 1"))
         large = await nearest.vector_legs(conn, **scope, messages=nearest.EXACT_SCAN_MAX + 1)
+        # The index scan's settings: sorting, off while it was planned, is back on.
+        assert await conn.scalar(text("SELECT current_setting('enable_sort')")) == "on"
         exact = await nearest.vector_legs(conn, **scope, messages=len(small))
     assert len(exact[0].ranked) == LIMIT
     assert [p.key for p in large[0].ranked] == [p.key for p in exact[0].ranked]

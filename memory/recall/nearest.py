@@ -48,7 +48,7 @@ returns a few dozen of its nearest rows and is kept."""
 # keeps the planner off that index: the scope's rows are read through the (conversation_id,
 # level, seq) index and every distance is computed (`vector_legs` says when).
 _NEAREST = """
-WITH q AS MATERIALIZED (SELECT CAST(CAST(:vector AS real[]) AS vector) AS v),
+WITH q AS MATERIALIZED (SELECT CAST(CAST(:vector AS real[]) AS vector) AS v{settle}),
 nearest AS MATERIALIZED (
     SELECT n.id, n.conversation_id, n.level, n.seq, n.span_end, n.name, n.created_at,
            1 - (n.embedding <=> (SELECT v FROM q)) AS similarity
@@ -63,11 +63,22 @@ SELECT m.conversation_id, m.level, m.seq, m.span_end, m.name, m.created_at, fals
         WHERE m.level = 0 AND p.node_id = m.id AND p.tenant_id = :tenant_id) AS passage
 FROM nearest m
 """
-_VECTOR = text(_NEAREST.format(scope=SCOPE, order="n.embedding <=> (SELECT v FROM q)")).bindparams(
-    bindparam("vector", type_=FLOATS)
+# Before an index scan: iterative, `ef_search` from the limit, and sorting off while it is
+# planned (see `vector_legs`). `_VECTOR` turns sorting back on once it runs, planned by then:
+# the transaction's later statements are planned as usual without another round trip.
+_INDEX_SETTINGS = text(
+    "SELECT set_config('hnsw.iterative_scan', 'relaxed_order', true), "
+    "set_config('hnsw.ef_search', :ef, true), set_config('enable_sort', 'off', true)"
 )
+_VECTOR = text(
+    _NEAREST.format(
+        scope=SCOPE,
+        order="n.embedding <=> (SELECT v FROM q)",
+        settle=", set_config('enable_sort', 'on', true) AS sorting",
+    )
+).bindparams(bindparam("vector", type_=FLOATS))
 _VECTOR_EXACT = text(
-    _NEAREST.format(scope=SCOPE, order="(n.embedding <=> (SELECT v FROM q)) + 0")
+    _NEAREST.format(scope=SCOPE, order="(n.embedding <=> (SELECT v FROM q)) + 0", settle="")
 ).bindparams(bindparam("vector", type_=FLOATS))
 
 
@@ -135,15 +146,8 @@ async def vector_legs(
     else:
         # Without `enable_sort = off` the planner, misjudging how many rows the filter keeps,
         # prefers reading the whole conversation and sorting: the exact scan this path avoids.
-        await conn.execute(
-            text(
-                "SELECT set_config('hnsw.iterative_scan', 'relaxed_order', true), "
-                "set_config('hnsw.ef_search', :ef, true), set_config('enable_sort', 'off', true)"
-            ),
-            {"ef": str(max(40, min(1000, 2 * limit)))},
-        )
+        await conn.execute(_INDEX_SETTINGS, {"ef": str(max(40, min(1000, 2 * limit)))})
         rows = list(await conn.execute(_VECTOR, params))
-        await conn.execute(text("SELECT set_config('enable_sort', 'on', true)"))
         if len(rows) < limit // UNDERFOUND and messages is not None and messages > len(rows):
             # The graph did not reach the scope's messages (see `UNDERFOUND`): every distance.
             rows = list(await conn.execute(_VECTOR_EXACT, params))
