@@ -28,14 +28,12 @@ from typing import Any
 
 from sqlalchemy import (
     Boolean,
-    ColumnElement,
     Integer,
     Text,
     bindparam,
     case,
     func,
     insert,
-    literal_column,
     select,
     text,
     union_all,
@@ -186,10 +184,6 @@ def node_row(
     }
 
 
-def _text(value: str) -> ColumnElement[str]:
-    return literal_column(f"'{value}'", Text)
-
-
 # Parameters are not named after a column of `conversations`: an UPDATE would take them for
 # values to SET.
 _MOVED = (
@@ -234,10 +228,10 @@ _INSERTED = (
 )
 # The build first, then the preparation behind it: jobs of one conversation run in id order.
 _WANTED = union_all(
-    select(_MOVED.c.tenant_id, _MOVED.c.id, _text(tree.JOB_KIND), bindparam("build_key")),
-    select(_MOVED.c.tenant_id, _MOVED.c.id, _text(CONTEXT_JOB), bindparam("context_key")).where(
-        bindparam("prepare", type_=Boolean)
-    ),
+    select(_MOVED.c.tenant_id, _MOVED.c.id, bindparam("build_kind"), bindparam("build_key")),
+    select(
+        _MOVED.c.tenant_id, _MOVED.c.id, bindparam("context_kind"), bindparam("context_key")
+    ).where(bindparam("prepare", type_=Boolean)),
 )
 _QUEUED = (
     pg_insert(jobs_table)
@@ -248,6 +242,7 @@ _QUEUED = (
     .returning(jobs_table.c.kind)
     .cte("queued")
 )
+# The node's id (no row: the guard missed), workers woken once per job queued (at commit).
 _AT_HEAD = select(
     _INSERTED.c.id,
     select(func.count(func.pg_notify(jobs.CHANNEL, _QUEUED.c.kind))).scalar_subquery(),
@@ -313,7 +308,9 @@ async def at_head(
                 request=request,
             ),
             **{f"node_{name}": row[name] for name in _NODE_COLUMNS},
+            "build_kind": tree.JOB_KIND,
             "build_key": tree.dedupe_key(conversation_id),
+            "context_kind": CONTEXT_JOB,
             "context_key": context_key(conversation_id),
             "prepare": request is not None and request.prepare_context,
         },

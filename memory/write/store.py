@@ -7,11 +7,11 @@ never duplicated, sequence numbers and a consistent hash chain. Callers own the 
 `store_new` and `append` do their work inside the caller's transaction, and queue the build of
 the conversation's tree there (`memory.build.tree.enqueue`, deduplicated), so that the
 background work commits or rolls back with the messages it concerns. They (and
-`memory.write.appends.at_head`, which both use) are the only places a write queues its build:
-no caller can store messages and forget them. A reply to a prompt built from the working
-context also queues `CONTEXT_JOB` (deduplicated, behind the build): the read path's
-preparation of the next turn (`memory.recall.anticipation`, `memory.recall.compaction`), whose
-handler `gateway.background` composes.
+`memory.write.appends.at_head`, which `store_new` and `memory.write.replies` try first) are the
+only places a write queues its build: no caller can store messages and forget them. A reply to
+a prompt built from the working context also queues `appends.CONTEXT_JOB` (deduplicated,
+behind the build): the read path's preparation of the next turn (`memory.recall.anticipation`,
+`memory.recall.compaction`), whose handler `gateway.background` composes.
 
 The request path runs `store_new` and `append` (through `memory.write.replies`) on every chat
 request, so each keeps its round trips to the database few: the conversation is found and
@@ -33,15 +33,6 @@ from memory.db import AnyRow
 from memory.errors import NotFound
 from memory.schema import DEFAULT_TENANT, conversations, nodes, tenants
 from memory.write import appends, branches, chains, identity
-from memory.write.appends import (
-    CONTEXT_JOB,
-    MOVE_HEAD,
-    SYSTEM_ROLES,
-    RequestStats,
-    context_key,
-    head_values,
-    node_row,
-)
 from memory.write.branches import ReplyTo
 
 __all__ = ["ReplyTo"]  # re-exported: a turn keeps where its reply goes
@@ -175,7 +166,7 @@ async def store_new(
     )
     head = inserted.head or (found.parent, found.parent_seq)
     if inserted.node_ids or (found.branch is not None and not found.retry):
-        systems = [m for m in messages[start:] if m.get("role") in SYSTEM_ROLES]
+        systems = [m for m in messages[start:] if m.get("role") in appends.SYSTEM_ROLES]
         await _move_head(
             conn,
             conv=conv,
@@ -238,7 +229,7 @@ async def append(
     model: str,
     status: str = "complete",
     created_at: Sequence[datetime | None] | None = None,
-    request: RequestStats | None = None,
+    request: appends.RequestStats | None = None,
     reply_to: ReplyTo | None = None,
 ) -> Appended:
     """Append `messages` to a stored conversation's current branch (a reply, or a bulk import).
@@ -259,10 +250,10 @@ async def append(
         # Behind the build just queued: jobs of one conversation run in order.
         await jobs.enqueue(
             conn,
-            kind=CONTEXT_JOB,
+            kind=appends.CONTEXT_JOB,
             tenant_id=tenant_id,
             conversation_id=conv.id,
-            dedupe_key=context_key(conv.id),
+            dedupe_key=appends.context_key(conv.id),
         )
     if not messages and request is None:
         return Appended(
@@ -290,7 +281,7 @@ async def append(
         current=place.current,
     )
     added = inserted.tokens if place.current else 0
-    systems = [m for m in messages if m.get("role") in SYSTEM_ROLES]
+    systems = [m for m in messages if m.get("role") in appends.SYSTEM_ROLES]
     await _move_head(
         conn,
         conv=conv,
@@ -440,13 +431,15 @@ async def _move_head(
     added: int,
     head: tuple[str, int | None] | None,
     system: Any = None,
-    request: RequestStats | None = None,
+    request: appends.RequestStats | None = None,
 ) -> None:
     """Count `stored` messages and `added` tokens of the current branch on the locked `conv`,
     move its head to `head` (None: where it is), note its newest system prompt, count a
     request's figures."""
-    values = head_values(stored=stored, added=added, head=head, system=system, request=request)
-    await conn.execute(MOVE_HEAD, {"conversation": conv.id, **values})
+    values = appends.head_values(
+        stored=stored, added=added, head=head, system=system, request=request
+    )
+    await conn.execute(appends.MOVE_HEAD, {"conversation": conv.id, **values})
 
 
 @dataclass(frozen=True)
@@ -482,7 +475,7 @@ async def _insert(
     for offset, (original, digest) in enumerate(zip(messages, hashes, strict=True)):
         seq = conv.next_seq + offset
         follows = offset == 0 and parent_seq != seq - 1
-        row = node_row(
+        row = appends.node_row(
             original,
             tenant_id=tenant_id,
             conversation_id=conv.id,
