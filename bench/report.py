@@ -42,7 +42,7 @@ TARGET_RETRIEVAL_P95 = 10.0
 # Written by hand from the profile of the run it names; `make bench` keeps it and redraws the
 # rest. Update it when the profile changes.
 CLOSING_NOTE = """\
-**2026-11-26, night** (commits `bc165a7`..`b1d9dcb`; side by side against `6d8cca5`, the
+**2026-11-26, night** (commits `bc165a7`..`3a82c1a`; side by side against `6d8cca5`, the
 evening's tip, on the same kept 10k conversation, default `serve`: `python -m bench.side_by_side
 --base 6d8cca5`, results in `bench/results/side-by-side/2026-11-26-night-*.json`).
 
@@ -63,7 +63,11 @@ evening's tip, on the same kept 10k conversation, default `serve`: `python -m be
    messages it already holds are still on the current branch; it got one row per message to do
    so. Now one row carries the range's ids and stored times as two arrays, and only the messages
    not yet held come back whole: 4.0-4.8 ms a call before, 1.9-2.0 after (CPU 3.0-3.3 against
-   1.0). The working context's load is built once, as its per-turn update is.
+   1.0). The working context's load is built once, as its per-turn update is. And the vector
+   legs' index scan no longer spends a round trip turning sorting back on after it: the scan
+   statement does it as it starts running, planned by then (`memory.recall.nearest`;
+   `vector_legs` 8.6 -> 7.7 ms median over `bench.overhead`'s eight questions, three times
+   each, on the 10k conversation).
 3. **Side by side.** Repetitive text (no note: what the store and the context cost), six rounds
    of 80 turns, base -> head: added p50 28.2 / 26.6 / 29.5 / 32.0 / 29.4 / 30.1 -> 23.7 / 24.6 /
    24.7 / 23.5 / 24.1 / 23.0 ms, p95 39.5-50.0 -> 32.8-41.1, `X-Memstrata-Overhead-Ms` p50
@@ -72,7 +76,18 @@ evening's tip, on the same kept 10k conversation, default `serve`: `python -m be
    66.8 -> 53.1 / 61.1 / 61.6 / 60.2 ms, `store` 6.9-9.6 -> 6.2-7.1, `context` 4.9-5.6 ->
    3.4-4.2; there the note's retrieval (full text 14-18 ms beside the vectors' 11-14) is most
    of the turn, and unchanged.
-4. **Where that leaves issue #13's 15 / 30 ms.** A turn that keeps its prefix and recalls
+4. **Throughput** (`python -m bench.load`, base and head alternating, two runs each; this
+   machine was then 2.4x slower than for the published table: the gateway needed 7.4-8.0 ms of
+   CPU a request at base against 3.2 there). `MEMSTRATA_WORKERS=0`: 106.9 / 115.7 req/s at
+   base, 141.2 / 107.6 at head, gateway CPU 8.0 / 7.4 against 5.9 / 6.8 ms a request (the
+   second head run had the slowest machine of the four: its upstream alone served 833 req/s
+   against 995-1,062); per request, in units of the relay's own CPU cost in the same run, 5.5 /
+   5.9 against 4.5 / 4.4. The default `serve` (in-process worker): 96.6 / 84.9 against 113.2 /
+   89.9 req/s. Issue #18's 200 req/s cannot be judged on this machine now.
+5. **Recall unchanged.** LongMemEval's 60 questions give 0.8836 / 0.9758 / 0.9958 at 2k / 4k /
+   8k, every question type as before; LoCoMo 0.7739 / 0.8674 / 0.9244
+   / 0.9617 at 1k / 2k / 4k / 8k (cited evidence), every category as before.
+6. **Where that leaves issue #13's 15 / 30 ms.** A turn that keeps its prefix and recalls
    nothing now spends 15.6-17.4 ms in the gateway at p50 by its own clock, and 23-25 ms as the
    client sees it: the HTTP layers, the forward and the response are the rest. Turns that
    retrieve stay near 60 ms on this machine. Not met.
