@@ -234,7 +234,7 @@ async def test_an_index_scan_that_reaches_little_of_its_scope_is_run_exactly(
                 "limit": LIMIT,
             },
         )
-        assert len(list(by_index)) < LIMIT // nearest.UNDERFOUND  # the case under test
+        assert len(legs.rows_of(by_index)) < LIMIT // nearest.UNDERFOUND  # the case under test
         await conn.rollback()
         await conn.execute(text("SET hnsw.max_scan_tuples = 1"))
         large = await nearest.vector_legs(conn, **scope, messages=nearest.EXACT_SCAN_MAX + 1)

@@ -17,7 +17,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 
 from memory.db import FLOATS
 from memory.recall.fusion import Candidates, Place
-from memory.recall.legs import CANDIDATES, SCOPE, candidates_of, scope_params
+from memory.recall.legs import ARRAYS, CANDIDATES, SCOPE, candidates_of, rows_of, scope_params
 from memory.stages import staged
 
 __all__ = ["EXACT_SCAN_MAX", "UNDERFOUND", "vector_legs"]
@@ -57,11 +57,10 @@ nearest AS MATERIALIZED (
     ORDER BY {order}
     LIMIT :limit
 )
-SELECT m.conversation_id, m.level, m.seq, m.span_end, m.name, m.created_at, false AS exact,
-       m.similarity,
-       (SELECT max(1 - (p.embedding <=> (SELECT v FROM q))) FROM passages p
-        WHERE m.level = 0 AND p.node_id = m.id AND p.tenant_id = :tenant_id) AS passage
-FROM nearest m
+SELECT {arrays},
+       array_agg((SELECT max(1 - (p.embedding <=> (SELECT v FROM q))) FROM passages p
+                  WHERE m.level = 0 AND p.node_id = m.id AND p.tenant_id = :tenant_id))
+FROM (SELECT *, false AS exact FROM nearest) AS m
 """
 # Before an index scan: iterative, `ef_search` from the limit, and sorting off while it is
 # planned (see `vector_legs`). `_VECTOR` turns sorting back on once it runs, planned by then:
@@ -75,10 +74,16 @@ _VECTOR = text(
         scope=SCOPE,
         order="n.embedding <=> (SELECT v FROM q)",
         settle=", set_config('enable_sort', 'on', true) AS sorting",
+        arrays=ARRAYS.format(order=""),
     )
 ).bindparams(bindparam("vector", type_=FLOATS))
 _VECTOR_EXACT = text(
-    _NEAREST.format(scope=SCOPE, order="(n.embedding <=> (SELECT v FROM q)) + 0", settle="")
+    _NEAREST.format(
+        scope=SCOPE,
+        order="(n.embedding <=> (SELECT v FROM q)) + 0",
+        settle="",
+        arrays=ARRAYS.format(order=""),
+    )
 ).bindparams(bindparam("vector", type_=FLOATS))
 
 
@@ -142,15 +147,15 @@ async def vector_legs(
     if (messages is None and len(conversation_ids) == 1) or (
         messages is not None and messages <= EXACT_SCAN_MAX
     ):
-        rows = list(await conn.execute(_VECTOR_EXACT, params))
+        rows = rows_of(await conn.execute(_VECTOR_EXACT, params))
     else:
         # Without `enable_sort = off` the planner, misjudging how many rows the filter keeps,
         # prefers reading the whole conversation and sorting: the exact scan this path avoids.
         await conn.execute(_INDEX_SETTINGS, {"ef": str(max(40, min(1000, 2 * limit)))})
-        rows = list(await conn.execute(_VECTOR, params))
+        rows = rows_of(await conn.execute(_VECTOR, params))
         if len(rows) < limit // UNDERFOUND and messages is not None and messages > len(rows):
             # The graph did not reach the scope's messages (see `UNDERFOUND`): every distance.
-            rows = list(await conn.execute(_VECTOR_EXACT, params))
+            rows = rows_of(await conn.execute(_VECTOR_EXACT, params))
     # A relaxed-order scan returns its rows only nearly sorted; fusion goes by rank.
     whole = candidates_of(rows)
     whole.ranked.sort(key=_similarity, reverse=True)

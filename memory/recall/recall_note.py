@@ -44,6 +44,7 @@ from memory.embeddings import Embedder
 from memory.errors import ProviderError
 from memory.recall import explain, fusion, retrieval
 from memory.recall.fusion import Candidates, Key
+from memory.recall.legs import ARRAYS, candidates_of, rows_of
 from memory.recall.memory_block import MemoryBlock
 from memory.recall.retrieval import Hit
 from memory.schema import conversations
@@ -115,15 +116,17 @@ WHERE n.tenant_id = :tenant_id AND (CAST(:abandoned AS boolean) OR n.superseded_
 # The prepared candidates, scored by their similarity to the new message: the better of the
 # whole message's and its best passage's.
 _PREPARED = text(
-    """
-SELECT n.conversation_id, n.level, n.seq, n.span_end, n.name, n.created_at, false AS exact,
-       greatest(1 - (n.embedding <=> CAST(:vector AS vector)),
-                coalesce((SELECT max(1 - (p.embedding <=> CAST(:vector AS vector)))
-                          FROM passages p WHERE p.node_id = n.id), 0)) AS similarity
-FROM nodes n
-WHERE n.tenant_id = :tenant_id AND n.id = ANY(:ids) AND n.embedding IS NOT NULL
-  AND (CAST(:abandoned AS boolean) OR n.superseded_at IS NULL)
-ORDER BY similarity DESC
+    f"""
+SELECT {ARRAYS.format(order=" ORDER BY similarity DESC")}
+FROM (
+    SELECT n.conversation_id, n.level, n.seq, n.span_end, n.name, n.created_at, false AS exact,
+           greatest(1 - (n.embedding <=> CAST(:vector AS vector)),
+                    coalesce((SELECT max(1 - (p.embedding <=> CAST(:vector AS vector)))
+                              FROM passages p WHERE p.node_id = n.id), 0)) AS similarity
+    FROM nodes n
+    WHERE n.tenant_id = :tenant_id AND n.id = ANY(:ids) AND n.embedding IS NOT NULL
+      AND (CAST(:abandoned AS boolean) OR n.superseded_at IS NULL)
+) AS prepared
 """
 ).bindparams(bindparam("vector", type_=FLOATS))
 
@@ -340,7 +343,7 @@ async def _prepared_leg(
             "abandoned": abandoned,
         },
     )
-    return retrieval.candidates_of(rows)
+    return candidates_of(rows_of(rows))
 
 
 async def _exchange_similarity(

@@ -47,7 +47,7 @@ from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from memory.recall.fusion import CONTIGUITY, Candidates, Key, fuse, ranked
-from memory.recall.legs import CANDIDATES, SCOPE, candidates_of, scope_params
+from memory.recall.legs import ARRAYS, CANDIDATES, SCOPE, candidates_of, rows_of, scope_params
 from memory.recall.nearest import vector_legs
 from memory.recall.query import (
     Route,
@@ -208,17 +208,20 @@ df AS MATERIALIZED (
           GROUP BY t.term, t.lexeme, t.read) AS d
     CROSS JOIN stats s
 )
-SELECT p.conversation_id, p.level, p.seq, p.span_end, p.name, p.created_at,
-       bool_or(df.df <= 3 AND df.lexeme ~ '[0-9]' AND length(df.lexeme) >= 4) AS exact,
-       NULL::float AS similarity,
-       sum(df.idf) * 2.2 / (1 + 1.2 * (0.25 + 0.75 * p.token_count / s.avg_tokens)) AS score
-FROM pairs p
-JOIN df ON df.term = p.term
-CROSS JOIN stats s
-GROUP BY p.id, p.conversation_id, p.level, p.seq, p.span_end, p.name, p.created_at,
-         p.token_count, s.total, s.avg_tokens
-ORDER BY score DESC, p.id DESC
-LIMIT :limit
+SELECT {ARRAYS.format(order=" ORDER BY score DESC, id DESC")}
+FROM (
+    SELECT p.id, p.conversation_id, p.level, p.seq, p.span_end, p.name, p.created_at,
+           bool_or(df.df <= 3 AND df.lexeme ~ '[0-9]' AND length(df.lexeme) >= 4) AS exact,
+           NULL::float AS similarity,
+           sum(df.idf) * 2.2 / (1 + 1.2 * (0.25 + 0.75 * p.token_count / s.avg_tokens)) AS score
+    FROM pairs p
+    JOIN df ON df.term = p.term
+    CROSS JOIN stats s
+    GROUP BY p.id, p.conversation_id, p.level, p.seq, p.span_end, p.name, p.created_at,
+             p.token_count, s.total, s.avg_tokens
+    ORDER BY score DESC, p.id DESC
+    LIMIT :limit
+) AS best
 """
 )
 
@@ -272,7 +275,7 @@ async def fulltext_candidates(
             "reads": reads,
         },
     )
-    return candidates_of(rows)
+    return candidates_of(rows_of(rows))
 
 
 # -- the entry point -----------------------------------------------------------------------
