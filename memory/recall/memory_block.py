@@ -48,6 +48,7 @@ class MemoryBlock:
         self.messages: list[Hit] = []
         self.lines: dict[int, str] = {}
         self.costs: dict[int, int] = {}
+        self.scores: dict[int, float] = {}  # what `drop_weakest` goes by, per message
         self.summary_ids: set[int] = set()
         self.message_ids: set[int] = set()
         self.days: set[tuple[int, date, int]] = set()  # sittings with a heading
@@ -128,12 +129,15 @@ class MemoryBlock:
         self.message_ids.add(hit.node_id)
         self.days.add(_sitting(hit))
 
-    def add_message(self, hit: Hit) -> None:
-        cost = self.cost_of_message(hit)
+    def add_message(self, hit: Hit, *, cost: int, score: float | None = None) -> None:
+        """Add a retrieved message whose `cost_of_message` was just asked (`cost`: a few hundred
+        candidates a prompt are costed, and each estimate encodes its tag); `drop_weakest` goes
+        by `score`, the hit's own when None."""
         self.messages.append(hit)
         self.message_ids.add(hit.node_id)
         self.days.add(_sitting(hit))
         self.costs[hit.node_id] = cost
+        self.scores[hit.node_id] = hit.score if score is None else score
         self.message_cost += cost
 
     def drop_weakest(self, over: int = 1) -> bool:
@@ -142,7 +146,10 @@ class MemoryBlock:
         nothing left to remove."""
         if self.messages:
             freed = 0
-            for weakest in sorted(self.messages, key=lambda hit: (hit.score, hit.node_id)):
+            scores = self.scores
+            for weakest in sorted(
+                self.messages, key=lambda hit: (scores[hit.node_id], hit.node_id)
+            ):
                 self.messages.remove(weakest)
                 self.message_ids.discard(weakest.node_id)
                 cost = self.costs.get(weakest.node_id, 0)

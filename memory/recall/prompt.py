@@ -389,7 +389,7 @@ def _fill(
             continue
         cost = block.cost_of_message(hit)
         if cost <= room:
-            block.add_message(hit)
+            block.add_message(hit, cost=cost)
             room -= cost
     return found
 

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Awaitable, Collection, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, Final
 
 from sqlalchemy import bindparam, select, text
@@ -287,9 +287,9 @@ async def recall(
         if hit.level == 0 and hit.node_id not in present:
             cost = block.cost_of_message(hit)
             if cost <= left:
-                # Rebuilt with its worth only when taken: a note takes a few dozen of the ~200
-                # hits loaded, and `replace` costs microseconds a hit on the request path.
-                block.add_message(replace(hit, score=worth))
+                # Its worth goes beside it: rebuilding a hit (`dataclasses.replace`) costs
+                # microseconds, and a note of short messages takes a few hundred.
+                block.add_message(hit, cost=cost, score=worth)
                 left -= cost
     while block.messages:
         note = HEADER + block.render()
