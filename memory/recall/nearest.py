@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Final
 
-from sqlalchemy import bindparam, text
+from sqlalchemy import TextClause, bindparam, text
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from memory.db import FLOATS
@@ -69,22 +69,19 @@ _INDEX_SETTINGS = text(
     "SELECT set_config('hnsw.iterative_scan', 'relaxed_order', true), "
     "set_config('hnsw.ef_search', :ef, true), set_config('enable_sort', 'off', true)"
 )
-_VECTOR = text(
-    _NEAREST.format(
-        scope=SCOPE,
-        order="n.embedding <=> (SELECT v FROM q)",
-        settle=", set_config('enable_sort', 'on', true) AS sorting",
-        arrays=ARRAYS.format(order=""),
-    )
-).bindparams(bindparam("vector", type_=FLOATS))
-_VECTOR_EXACT = text(
-    _NEAREST.format(
-        scope=SCOPE,
-        order="(n.embedding <=> (SELECT v FROM q)) + 0",
-        settle="",
-        arrays=ARRAYS.format(order=""),
-    )
-).bindparams(bindparam("vector", type_=FLOATS))
+
+
+def _nearest(*, order: str, settle: str) -> TextClause:
+    return text(
+        _NEAREST.format(scope=SCOPE, order=order, settle=settle, arrays=ARRAYS.format(order=""))
+    ).bindparams(bindparam("vector", type_=FLOATS))
+
+
+_VECTOR = _nearest(
+    order="n.embedding <=> (SELECT v FROM q)",
+    settle=", set_config('enable_sort', 'on', true) AS sorting",
+)
+_VECTOR_EXACT = _nearest(order="(n.embedding <=> (SELECT v FROM q)) + 0", settle="")
 
 
 def _similarity(place: Place) -> float:
