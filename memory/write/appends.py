@@ -19,7 +19,7 @@ and row beforehand. `at_head` then sends one statement, whose parts are data-mod
 
 When the guard misses nothing has changed, and the caller stores the message its usual way in
 the same transaction. Either way the rows, the conversation's figures and the jobs are the same
-(`tests/test_write_replies.py`).
+(`tests/test_write_appends.py`).
 """
 
 from collections.abc import Mapping
