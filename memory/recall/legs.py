@@ -67,9 +67,10 @@ the same candidates)."""
 
 
 def rows_of(result: Any) -> list[tuple[Any, ...]]:
-    """A leg's rows from its statement's one row of arrays (`ARRAYS`, and any columns after)."""
+    """The rows of a statement that returns one row of arrays, a column each (a leg's `ARRAYS`
+    and any columns after, or `memory.recall.retrieval.load`'s hits)."""
     columns = result.one()
-    # No candidates: every array_agg is NULL.
+    # No rows: every array_agg is NULL.
     return [] if columns[0] is None else list(zip(*columns, strict=True))
 
 
