@@ -42,7 +42,7 @@ TARGET_RETRIEVAL_P95 = 10.0
 # Written by hand from the profile of the run it names; `make bench` keeps it and redraws the
 # rest. Update it when the profile changes.
 CLOSING_NOTE = """\
-**2026-11-26, late** (commits `4e4c0fd`..`ae6248f`; side by side against `4e4c0fd` on a kept 10k
+**2026-11-26, late** (commits `4e4c0fd`..`7d07a1a`; side by side against `4e4c0fd` on a kept 10k
 conversation of varied text, default `serve`: `python -m bench.side_by_side --base 4e4c0fd`,
 results in `bench/results/side-by-side/2026-11-26-late-varied-*.json`. This session's machine is
 an AMD EPYC whose CPU offers AVX but not AVX2, and whose speed drifted by a third within
@@ -65,6 +65,10 @@ minutes: the same code's `fuse` stage read 4.5-5.2 ms in one run and 2.6-3.5 in 
    with `dataclasses.replace` (a note of short messages takes a few hundred). The dry-run
    prompts are the same, byte for byte, at `4e4c0fd` and `ae6248f` (44 prompts: 11 questions
    at 2k, 4k, 8k and 16k, 38 with a note).
+   Loading a note's hits (`retrieval.load`, a few hundred with their text) likewise comes back
+   as one row of arrays, and a message without tool calls (stored as JSON null) with SQL NULL,
+   which the driver does not decode: 3.6-4.1 -> 1.5-2.4 ms of CPU for 260 hits (`7d07a1a`;
+   the same hits over 55 loads and 34,780 hits, the dry-run prompts the same as at `a2b0884`).
 3. **Side by side**, varied text (most turns retrieve for their note), four rounds of 80 turns
    a run, base -> head. With the legs and fusion (`c8b9f37`): added p50 78.8 / 74.5 / 78.1 /
    75.2 -> 72.7 / 69.2 / 78.7 / 59.6 ms, the `fuse` stage 4.5-5.2 -> 2.4-3.8, `fulltext`
@@ -74,12 +78,12 @@ minutes: the same code's `fuse` stage read 4.5-5.2 ms in one run and 2.6-3.5 in 
    76.7 -> 70.0 and 66.1 -> 65.0 ms. A few milliseconds of CPU a retrieving turn, within what
    this machine drifts by from one round to the next. Repetitive text asks for no note, runs
    none of this, and was not re-measured.
-4. **Recall unchanged.** LoCoMo on this machine, at `4e4c0fd`, `c8b9f37` and `ae6248f` on one
-   kept database: the same in every variant, budget and category; cited evidence 0.7672 /
-   0.8652 / 0.9253 / 0.9635 at 1k / 2k / 4k / 8k (4k: multi-hop 0.7898, temporal 0.9520,
-   open-domain 0.7012, single-hop 0.9851). LongMemEval was not re-run (replaying its haystacks
-   on a fresh machine takes 1-2 hours); it goes through the same legs, fusion and note, shown
-   equal above.
+4. **Recall unchanged.** LoCoMo on this machine, at `4e4c0fd`, `c8b9f37`, `ae6248f` and
+   `7d07a1a` on one kept database: the same in every variant, budget and category; cited
+   evidence 0.7672 / 0.8652 / 0.9253 / 0.9635 at 1k / 2k / 4k / 8k (4k: multi-hop 0.7898,
+   temporal 0.9520, open-domain 0.7012, single-hop 0.9851). LongMemEval was not re-run
+   (replaying its haystacks on a fresh machine takes 1-2 hours); it goes through the same legs,
+   fusion and note, shown equal above.
 5. **The local model's int8 copy depends on the CPU.** `tests/test_quantization.py` held every
    test sentence's int8 vector at cosine 0.97 or more to the float32 one; here "ok" read 0.9685
    (the others 0.991-0.994; 0.959-0.995 over nine sentences), and the suite failed. ONNX
