@@ -1,4 +1,5 @@
-"""memory.tokens: offline encoding files, model routing, chat-format token arithmetic."""
+"""memory.tokens: offline encoding files, model routing, chat-format token arithmetic, and what
+a recalled message's tag costs in the note (`MemoryBlock`)."""
 
 from __future__ import annotations
 
@@ -7,8 +8,10 @@ import hashlib
 import io
 import json
 import os
+import random
 import wave
 from collections.abc import Iterator
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -18,6 +21,8 @@ import tiktoken.load
 from tiktoken_ext import openai_public
 
 from memory import tokens
+from memory.recall.memory_block import MemoryBlock
+from memory.recall.retrieval import Hit
 from memory.tokens import (
     AUDIO_BYTES_PER_SECOND,
     AUDIO_TOKENS_PER_SECOND,
@@ -365,3 +370,40 @@ def test_message_text() -> None:
         {"type": "text", "text": "second"},
     ]
     assert message_text({"role": "user", "content": parts}) == "first\nsecond"
+
+
+# --- a recalled message's tag ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ENCODINGS)
+def test_a_recalled_message_tag_costs_what_it_encodes_to(name: str) -> None:
+    """The note costs each candidate's `[#id speaker]` from its parts (the id by its digits); the
+    cost must be the tag's own encoding, whatever the id's length and the speaker."""
+    enc = get_encoding(name)
+    rng = random.Random(13)
+    speakers = ["Caroline", "Jean-Luc", "O'Brien", "bob_2", "9lives", "李雷", "José", "[x]", " a"]
+    for _ in range(400):
+        node_id = rng.choice([rng.randint(1, 999), rng.randint(1, 10**7), rng.randint(1, 10**15)])
+        speaker = rng.choice(speakers)
+        conversation_id = rng.choice([1, 2])
+        hit = Hit(
+            node_id=node_id,
+            conversation_id=conversation_id,
+            level=0,
+            seq=0,
+            span_start=0,
+            span_end=0,
+            role="user",
+            name=speaker,
+            text="hello",
+            created_at=datetime(2026, 11, 27, tzinfo=UTC),
+            score=1.0,
+            token_count=40,
+        )
+        where = "" if conversation_id == 1 else ", other conversation"
+        tag = len(enc.encode_ordinary(f"[#{node_id} {speaker}{where}]"))
+        framing = tokens.TOKENS_PER_MESSAGE + len(enc.encode_ordinary("user"))
+        framing += tokens.TOKENS_PER_NAME + len(enc.encode_ordinary(speaker))
+        heading = 13  # the first message of its sitting brings the sitting's heading
+        block = MemoryBlock(enc=enc, primary=1)
+        assert block.cost_of_message(hit) == 40 - framing + tag + 1 + heading, (node_id, speaker)

@@ -77,7 +77,11 @@ class MemoryBlock:
         if hit.name:
             framing += tokens.TOKENS_PER_NAME + self._cached(hit.name)
         where = "" if hit.conversation_id == self.primary else ", other conversation"
-        tag = self._cached(f"[#{hit.node_id} {speaker}{where}]")
+        # The tag `[#id speaker]` costs its opening, its id's digits and the rest, each counted
+        # once per prompt: both encodings the gateway uses (o200k_base, cl100k_base) split digits
+        # into runs of at most three, each one token, so only the id's length varies.
+        digits = -(-len(str(hit.node_id)) // 3)
+        tag = self._cached("[#") + digits + self._cached(f" {speaker}{where}]")
         return max(1, hit.token_count - framing) + tag + 1
 
     def _cached(self, piece: str) -> int:
