@@ -43,7 +43,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 import tiktoken
 
@@ -59,6 +59,7 @@ __all__ = [
     "TOKENS_PER_MESSAGE",
     "TOKENS_PER_NAME",
     "TOKENS_PER_TOOL_CALL",
+    "compact_json",
     "count_each",
     "count_message",
     "count_messages",
@@ -303,8 +304,11 @@ def count_text(text: str, *, model: str) -> int:
     return _count(_encoding_for_model(model), text)
 
 
-def _json(value: Any) -> str:
-    return json.dumps(value, ensure_ascii=False, separators=(",", ":"), default=str)
+compact_json: Final = json.JSONEncoder(
+    ensure_ascii=False, separators=(",", ":"), default=str
+).encode
+"""A value as compact JSON, non-ASCII as is, what JSON cannot hold as its `str` (one encoder for
+every call: `json.dumps` with these arguments builds one per call)."""
 
 
 def _count_content(enc: tiktoken.Encoding, content: Any) -> int:
@@ -322,9 +326,9 @@ def _count_content(enc: tiktoken.Encoding, content: Any) -> int:
             elif isinstance(part, Mapping):
                 total += _count_part(enc, part)
             else:
-                total += _count(enc, _json(part))
+                total += _count(enc, compact_json(part))
         return total
-    return _count(enc, _json(content))
+    return _count(enc, compact_json(content))
 
 
 def _count_part(enc: tiktoken.Encoding, part: Mapping[str, Any]) -> int:
@@ -341,7 +345,7 @@ def _count_part(enc: tiktoken.Encoding, part: Mapping[str, Any]) -> int:
         file = part.get("file")
         file = file if isinstance(file, Mapping) else part
         return FILE_PAGE_TOKENS * _pdf_pages(file.get("file_data"))
-    return _count(enc, _json(part))
+    return _count(enc, compact_json(part))
 
 
 def _decoded(data: Any) -> bytes:
@@ -396,7 +400,7 @@ def _count_call(enc: tiktoken.Encoding, function: Any) -> int:
     name = function.get("name")
     arguments = function.get("arguments")
     if arguments is not None and not isinstance(arguments, str):
-        arguments = _json(arguments)
+        arguments = compact_json(arguments)
     return (
         TOKENS_PER_TOOL_CALL
         + _count(enc, name if isinstance(name, str) else "")

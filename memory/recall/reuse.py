@@ -19,10 +19,11 @@ a compaction keeps.
 from __future__ import annotations
 
 import hashlib
-import json
 from collections.abc import Iterable, Mapping, Sequence
 from itertools import accumulate
 from typing import Any
+
+from memory.tokens import compact_json
 
 __all__ = ["Checkpoint", "measure"]
 
@@ -34,7 +35,7 @@ def _chain(messages: Sequence[Mapping[str, Any]]) -> list[str]:
     hashes: list[str] = []
     parent = b""
     for message in messages:
-        raw = json.dumps(message, ensure_ascii=False, separators=(",", ":"), default=str)
+        raw = compact_json(message)
         parent = hashlib.blake2b(parent + raw.encode(), digest_size=12).digest()
         hashes.append(parent.hex())
     return hashes
