@@ -22,6 +22,10 @@ audio would "cost" some 10^5 tokens). Each has its own rule:
   so each page costs ``FILE_PAGE_TOKENS`` (an 85-token image plus some 500 tokens of text);
   pages are counted in inline PDF data (its ``/Type /Page`` objects); a file named by id, or
   data that is not a PDF, counts as one page.
+
+What is neither text nor one of these (tool-call arguments given as an object, a part of an
+unknown type) is counted as its compact JSON, ``compact_json``, which memory reuse's
+fingerprints of a prompt share.
 """
 
 from __future__ import annotations
