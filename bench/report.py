@@ -2,12 +2,13 @@
 
     python -m bench.report [--quick]
 
-Reads `bench/results/{overhead,costs,load,scale,profile}.json` (whichever exist) and writes the
-section between the markers `<!-- performance:begin -->` and `<!-- performance:end -->` of
-`docs/benchmarks.md`, leaving every other section of the file as it is (a file without the
-markers gets the section appended), and PNG plots (matplotlib, Agg) into `docs/img/`. With
-`--quick` it reads `bench/results/quick/` and writes `bench/results/quick/benchmarks.md` and its
-plots there instead, so a quick run never replaces the published figures.
+Reads `bench/results/{overhead,costs,load,scale,profile}.json` (whichever exist) and
+`bench/closing_note.md` (written by hand), and writes the section between the markers
+`<!-- performance:begin -->` and `<!-- performance:end -->` of `docs/benchmarks.md`, leaving
+every other section of the file as it is (a file without the markers gets the section
+appended), and PNG plots (matplotlib, Agg) into `docs/img/`. With `--quick` it reads
+`bench/results/quick/` and writes `bench/results/quick/benchmarks.md` and its plots there
+instead, so a quick run never replaces the published figures.
 """
 
 from __future__ import annotations
@@ -39,287 +40,9 @@ TARGET_RELAY_FACTOR = 3.0
 TARGET_RPS = 200.0
 TARGET_RETRIEVAL_P95 = 10.0
 
-# Written by hand from the profile of the run it names; `make bench` keeps it and redraws the
-# rest. Update it when the profile changes.
-CLOSING_NOTE = """\
-**2026-11-27** (commits `07499e9`, `034e32f`; 1 and 2 in-process, base and head interleaved in
-one process, seven rounds, on the late entry's 10k conversation of varied text at 8k.)
-
-1. **A note's candidates are costed without encoding their tags.** The note estimates each
-   candidate's tokens before it picks (about 190 a prompt); the estimate encoded its tag
-   `[#id speaker]` whole, and a tag is new with every id. Both encodings the gateway uses
-   (o200k_base, cl100k_base) split digits into runs of at most three, each one token, so the
-   tag now costs its opening, its id's runs and the rest, each encoded once a prompt: 0.57 ->
-   0.19 ms of CPU (median) for 190 candidates. The same counts (a test compares them with the
-   tag's own encoding over 400 ids of 1-16 digits and odd speakers, in both encodings), and the
-   44 dry-run prompts are the same byte for byte.
-2. **One JSON encoder for every call** (`tokens.compact_json`). Memory reuse fingerprints every
-   prompt message by message (`reuse._chain`), and `json.dumps` with its arguments built an
-   encoder for each message: 1.51 -> 1.18 ms of CPU (median) for a 263-message prompt, the
-   same fingerprints (the 44 prompts' 6,286 messages). It runs on every turn, retrieving or not.
-3. **The cache replay, end to end** (`python -m bench.cache`, defaults, `--output` outside the
-   tree; 178 turns of LoCoMo and LongMemEval, each drained of background work before the
-   next). `fb0d009`, the published run's commit, and the head (`f4bc53f`) on this machine
-   replay every turn alike: prompt tokens, cacheable prefix, note, stable memory and
-   compactions the same on all 178 turns, in two runs of the head and one of `fb0d009`. A
-   second run of `fb0d009` differed on 2 turns (one LongMemEval compaction took one message
-   more), so the replay carries a little run-to-run variation of its own. The mean share per
-   turn reads 0.8408 here (LoCoMo 0.890, LongMemEval 0.740) against 0.8447 published (0.892,
-   0.748): this machine's int8 vectors pick other notes (LongMemEval 747 note tokens a turn
-   against 693, 12.3 compactions per 100 turns against 10.5), as the same code shows.
-
-**2026-11-26, late** (commits `4e4c0fd`..`7d07a1a`; side by side against `4e4c0fd` on a kept 10k
-conversation of varied text, default `serve`: `python -m bench.side_by_side --base 4e4c0fd`,
-results in `bench/results/side-by-side/2026-11-26-late-varied-*.json`. This session's machine is
-an AMD EPYC whose CPU offers AVX but not AVX2, and whose speed drifted by a third within
-minutes: the same code's `fuse` stage read 4.5-5.2 ms in one run and 2.6-3.5 in the next.)
-
-1. **A leg's candidates come back as one row of arrays.** The retrieval legs (full text, the
-   vectors and their passages, the prepared recall) returned up to 400 candidates a row each,
-   and decoding and unpacking a row (the driver's and SQLAlchemy's work per row) cost more than
-   arrays of them all (`memory.recall.legs.ARRAYS`, `rows_of`). In-process on the 10k
-   conversation, `bench.overhead`'s questions, CPU a call (the lowest median of four rounds,
-   base and head alternating three times): full text 2.24-2.56 -> 1.51-1.95 ms, the vector
-   legs 2.13-2.68 -> 1.74-2.63 ms (in a slower spell of the machine, 4.9-5.4 -> 3.6-4.5). The
-   candidates are the same (18 of 18 calls, with and without the note's scope).
-2. **Fusion and the note's block.** `fusion.fuse` built a speaker map and a day map for calls
-   that use neither, and called `max` and built a tuple per neighbour of every candidate:
-   2.66-3.06 -> 1.95-2.70 ms of CPU for three legs of 400 the same way (4.6-5.2 -> 2.4-2.7 in
-   the slower spell), the same floats (72 of 72 calls: both scopes, a named speaker or none,
-   periods or none, another conversation). A note's messages are added with the cost just
-   asked for them and the score they are dropped by; each was costed a second time and rebuilt
-   with `dataclasses.replace` (a note of short messages takes a few hundred). The dry-run
-   prompts are the same, byte for byte, at `4e4c0fd` and `ae6248f` (44 prompts: 11 questions
-   at 2k, 4k, 8k and 16k, 38 with a note).
-   Loading a note's hits (`retrieval.load`, a few hundred with their text) likewise comes back
-   as one row of arrays, and a message without tool calls (stored as JSON null) with SQL NULL,
-   which the driver does not decode: 3.6-4.1 -> 1.5-2.4 ms of CPU for 260 hits (`7d07a1a`;
-   the same hits over 55 loads and 34,780 hits, the dry-run prompts the same as at `a2b0884`).
-3. **Side by side**, varied text (most turns retrieve for their note), four rounds of 80 turns
-   a run, base -> head. With the legs and fusion (`c8b9f37`): added p50 78.8 / 74.5 / 78.1 /
-   75.2 -> 72.7 / 69.2 / 78.7 / 59.6 ms, the `fuse` stage 4.5-5.2 -> 2.4-3.8, `fulltext`
-   19.1-20.8 -> 16.3-19.4, `note` 40.0-43.2 -> 28.8-41.5. With the block too (`ae6248f`), in a
-   faster and more erratic spell: added p50 64.5 / 56.8 / 74.7 / 68.3 -> 53.2 / 64.1 / 66.9 /
-   75.9 ms, `fuse` 2.6-3.5 -> 2.0-3.0. The head is faster in five rounds of eight; its means
-   76.7 -> 70.0 and 66.1 -> 65.0 ms. A few milliseconds of CPU a retrieving turn, within what
-   this machine drifts by from one round to the next. Repetitive text asks for no note, runs
-   none of this, and was not re-measured.
-4. **Recall unchanged.** LoCoMo on this machine, at `4e4c0fd`, `c8b9f37`, `ae6248f` and
-   `7d07a1a` on one kept database: the same in every variant, budget and category; cited
-   evidence 0.7672 / 0.8652 / 0.9253 / 0.9635 at 1k / 2k / 4k / 8k (4k: multi-hop 0.7898,
-   temporal 0.9520, open-domain 0.7012, single-hop 0.9851). LongMemEval was not re-run
-   (replaying its haystacks on a fresh machine takes 1-2 hours); it goes through the same legs,
-   fusion and note, shown equal above.
-5. **The local model's int8 copy depends on the CPU.** `tests/test_quantization.py` held every
-   test sentence's int8 vector at cosine 0.97 or more to the float32 one; here "ok" read 0.9685
-   (the others 0.991-0.994; 0.959-0.995 over nine sentences), and the suite failed. ONNX
-   Runtime's int8 kernels differ with the CPU's instructions. The test now holds the mean above
-   0.98 and each sentence above 0.95. Recall moves with the vectors: the code that reads the
-   LoCoMo figures above read 0.7739 / 0.8674 / 0.9244 / 0.9617 where the tables of this page
-   were measured (LoCoMo's conversations are scanned exactly, so the vectors and what is built
-   from them are the difference).
-
-**2026-11-26, night** (commits `bc165a7`..`3a82c1a`; side by side against `6d8cca5`, the
-evening's tip, on the same kept 10k conversation, default `serve`: `python -m bench.side_by_side
---base 6d8cca5`, results in `bench/results/side-by-side/2026-11-26-night-*.json`).
-
-1. **One statement per write.** A reply that goes right after its turn's last message, still the
-   head, and a turn that adds one message right after the head (a named conversation's usual
-   turn, and a whole-history resend's) are each stored in one statement now
-   (`memory.write.appends.at_head`), where `store.append` took five and `store.store_new` three
-   after identifying the turn: the head moves only if it is where the caller expects (Postgres
-   re-checks that under the row's lock), and the insert and the queued jobs come from the moved
-   row. A miss changes nothing, and the write takes the long way in the same transaction (a
-   retry's reply, a concurrent turn, a branch); the rows, figures and jobs are the same either
-   way (`tests/test_write_appends.py`). On a copy of the 10k conversation, 300 calls each: a
-   reply 1.9-2.0 ms against 3.7-4.0 for `store.append` (CPU 0.9 against 2.3-2.4). The reply's
-   record is a request-path stage of its own now (`record`: the transaction, the statement,
-   the commit): 3.8-4.7 ms a turn.
-2. **The verbatim turns' known messages came back a row each.** `read_items` reads the
-   working context's verbatim range on every turn (302 messages here) to learn which of the
-   messages it already holds are still on the current branch; it got one row per message to do
-   so. Now one row carries the range's ids and stored times as two arrays, and only the messages
-   not yet held come back whole: 4.0-4.8 ms a call before, 1.9-2.0 after (CPU 3.0-3.3 against
-   1.0). The working context's load is built once, as its per-turn update is. And the vector
-   legs' index scan no longer spends a round trip turning sorting back on after it: the scan
-   statement does it as it starts running, planned by then (`memory.recall.nearest`;
-   `vector_legs` 8.6 -> 7.7 ms median over `bench.overhead`'s eight questions, three times
-   each, on the 10k conversation).
-3. **Side by side.** Repetitive text (no note: what the store and the context cost), six rounds
-   of 80 turns, base -> head: added p50 28.2 / 26.6 / 29.5 / 32.0 / 29.4 / 30.1 -> 23.7 / 24.6 /
-   24.7 / 23.5 / 24.1 / 23.0 ms, p95 39.5-50.0 -> 32.8-41.1, `X-Memstrata-Overhead-Ms` p50
-   20.1-24.4 -> 15.6-17.4; the `context` stage 5.2-6.9 -> 3.6-4.0 ms, `store` 5.5-6.5 -> 4.5-5.4.
-   The head is faster in every round. Varied text, four rounds: added p50 68.5 / 61.7 / 57.9 /
-   66.8 -> 53.1 / 61.1 / 61.6 / 60.2 ms, `store` 6.9-9.6 -> 6.2-7.1, `context` 4.9-5.6 ->
-   3.4-4.2; there the note's retrieval (full text 14-18 ms beside the vectors' 11-14) is most
-   of the turn, and unchanged.
-4. **Throughput** (`python -m bench.load`, base and head alternating, two runs each; this
-   machine was then 2.4x slower than for the published table: the gateway needed 7.4-8.0 ms of
-   CPU a request at base against 3.2 there). `MEMSTRATA_WORKERS=0`: 106.9 / 115.7 req/s at
-   base, 141.2 / 107.6 at head, gateway CPU 8.0 / 7.4 against 5.9 / 6.8 ms a request (the
-   second head run had the slowest machine of the four: its upstream alone served 833 req/s
-   against 995-1,062); per request, in units of the relay's own CPU cost in the same run, 5.5 /
-   5.9 against 4.5 / 4.4. The default `serve` (in-process worker): 96.6 / 84.9 against 113.2 /
-   89.9 req/s. Issue #18's 200 req/s cannot be judged on this machine now.
-5. **Recall unchanged.** LongMemEval's 60 questions give 0.8836 / 0.9758 / 0.9958 at 2k / 4k /
-   8k, every question type as before; LoCoMo 0.7739 / 0.8674 / 0.9244
-   / 0.9617 at 1k / 2k / 4k / 8k (cited evidence), every category as before.
-6. **Where that leaves issue #13's 15 / 30 ms.** A turn that keeps its prefix and recalls
-   nothing now spends 15.6-17.4 ms in the gateway at p50 by its own clock, and 23-25 ms as the
-   client sees it: the HTTP layers, the forward and the response are the rest. Turns that
-   retrieve stay near 60 ms on this machine. Not met.
-
-**2026-11-26, evening** (commit `7405a95`; measured side by side on this machine while it ran
-about 2.2x slower than for the tables above: `bench.load`'s upstream alone served 900 requests/s
-against 2,050, the relay 531 against 1,327).
-
-1. **Statements built on every call.** SQLAlchemy builds a statement's object and its cache key
-   before it can look the compiled form up; for the conversation's lock-or-create (an upsert
-   returning the row and its head's request and kind) that took 0.6 ms of CPU a turn, three
-   times its execution: 1.8-2.0 ms a call against 0.5-0.6 ms built once (300 calls each, on a
-   copy of the 10k conversation). It is built once now, as the history lookups already were,
-   and so is the working context's per-turn update (0.15 ms). The recall note no longer copies
-   every loaded hit to give it its worth (`dataclasses.replace`, ~5 us a hit, ~200 hits a
-   turn): only the hits it takes. `python -m bench.side_by_side --base 8087d09` (new: the two
-   revisions take turns on one kept database, `bench.overhead`'s questions on a 10k
-   conversation, default `serve`, four rounds of 80 turns each; per round, base -> head):
-   varied text, the store stage 8.7 / 7.5 / 10.1 / 18.4 -> 7.3 / 7.6 / 10.3 / 7.6 ms, the
-   working context's save 1.5 / 1.4 / 1.7 / 2.5 -> 0.8 / 1.1 / 1.0 / 0.9 ms, added p50 61.9 /
-   53.0 / 72.5 / 103.7 -> 58.8 / 56.5 / 74.3 / 63.2 ms; repetitive text, store 8.3 / 8.4 / 8.4
-   / 11.2 -> 6.1 / 5.7 / 8.0 / 8.7 ms, save 1.4 / 1.6 / 1.8 / 1.7 -> 0.9 / 0.7 / 1.1 / 1.1 ms,
-   added p50 30.1 / 35.3 / 34.7 / 40.8 -> 29.5 / 26.0 / 38.8 / 36.8 ms. The save stage falls
-   in every round and the store stage in six of eight; the added latency moves with the machine
-   from one minute to the next by more than the change (`bench/results/side-by-side/`).
-2. **Where a turn's time goes now.** Timed inside `complete` (timers patched in for the
-   measurement, not kept; repetitive text, 10k, default `serve`, p50 over 60 turns): parsing
-   the body 0.5 ms, the pool and `BEGIN` 0.6, identifying and storing the turn 5.1, assembling
-   the prompt 7.2, `COMMIT` (fsync'd) 1.1: 14.7 ms before forwarding, against 26.7 ms added
-   as the client sees it (the rest: the HTTP layers, the forward, and recording the reply
-   before a non-stream answer returns). With the varied
-   questions most turns retrieve and assembling takes 34 ms, the vector legs' HNSW scan being
-   the longest part (14-25 ms for 400 rows on this database). The event-loop thread spends
-   38 ms of CPU a turn on that mix (`py-spy`, workers off): 17 ms in the chat handler (12 ms
-   assembling, of which the note 8: fusion 2.3, the vector legs' rows 3.5, loading hits 1.6),
-   the rest in the HTTP stack, the SQL driver layers and the event loop, and the query's
-   embedding 5.6 ms on its own thread. Issue #13's 15 ms at p50 is below what one turn's
-   Python costs here; the remaining cuts are work removed, a few tenths of a millisecond each.
-3. **Tried and left out:** an HNSW index over the vectors as `halfvec` (half the size: 59 MB
-   against 96 MB for 100k nodes) answered the note's 400-row vector scan no faster (13.0-23.1
-   against 14.1-25.3 ms over three questions) and with only 229-354 of the same 400 rows;
-   `synchronous_commit = off` would save 0.2 ms a commit (0.43 against 0.23 ms p50) and lose
-   acknowledged turns in a crash.
-4. **Next: one statement per write.** Recording a reply takes five statements (the row lock,
-   two job enqueues, the insert, moving the head), and storing a turn five more. A prototype
-   that records a reply in one (the head moved only if it is still the one the turn stored,
-   then the node inserted and both jobs queued in data-modifying CTEs) took 3.2-3.4 ms a
-   reply, `BEGIN` and `ROLLBACK` included, against 7.0-8.2 ms for `store.append` run beside
-   it, and 1.3-1.4 against 3.7-4.1 ms of CPU (300 calls each on a copy of the 10k
-   conversation). A guard that misses (the head moved: a retry, a concurrent turn) would take
-   today's path.
-
-**2026-11-26, later** (commits `ac21450`..`ed05e71`; the tables above are still `806a475`'s:
-the machine ran 1.5-2x slower in the hours after, on the same code: the relay alone added 2.6
-ms at c=1 against 1.3, so these changes were measured side by side instead, base and head
-alternating on identical databases, 100-120 turns a run, 10k messages, default `serve`).
-
-1. **The history lookup read whole conversations.** Identifying a turn looks its chain hashes up
-   among the conversation's messages, on the request and again on the reply. The query wrote
-   `level = 0` as a parameter, so once a prepared statement settled on its generic plan (after
-   five runs) Postgres could not use the partial chain indexes and read the conversation
-   through its (conversation, level, seq) index: 4-6 ms a lookup at 10,000 messages, 31-72 ms
-   cold. The level is a constant now; migration 0013 adds a (conversation_id, chain_hash) index
-   (the opening system prompt's hash is every conversation's that opens with it: 1.3-2.5 ms
-   with 5,000 of them through the tenant's index, 0.06 ms through this one) and analyzes
-   `nodes` after 1% of its rows change (statistics that predate a conversation's growth took it
-   for a few rows). Repetitive text, 10k: the store stage 14.8 -> 5.6 ms, added p50 36.7 ->
-   24.2 ms. Still open: a generic plan is built for the average conversation, so in a database
-   of many small conversations and a few large ones it may still read a large one whole (the
-   test suite's database chose so); per-statement custom plans or a lookup whose index cannot
-   lose on cost would close it.
-2. **The verbatim turns are read once per process.** The working context's messages were read,
-   decoded and counted on every turn; a process now keeps what it read last time for each
-   conversation (by node id and the time it was stored) and reads only the rest: added p50
-   47.7 -> 44.2 ms, p95 59.3 -> 54.2 (varied).
-3. **The query's embedding starts as the request arrives** for a named conversation the process
-   last found past its budget (a guess from the request's trailing user messages, which
-   identifying confirms or replaces): the wait for the vector 6.8 -> 3.7 ms, added p50 39.1 ->
-   38.1 ms, p95 51.4 -> 45.7.
-
-Tried and left out: the worker child's CPU (33-50 ms a turn at c=1, mostly embedding the new
-messages' sentences) costs the request path ~8 ms at p50 (`MEMSTRATA_WORKERS=0`: 33.7 against
-41.7 ms added), and a busy loop at nice 19 alone added 4.5 ms: niceness does not help (nice
-19, renicing its Postgres backends: no change), nor does holding its jobs back while a request
-is being built (the jobs are longer than the gaps between requests), fewer ONNX threads or a
-shorter switch interval.
-
-**2026-11-26, the profile above** (commit `806a475`; "local changes" were result files only).
-At 10,000 stored messages, c=1, workers off, a turn spends 53 ms in
-`gateway.openai.chat.complete`, 34 ms of it building the working-context prompt; the recall
-note's retrieval (`recall_note.search_legs`, 14.6 ms) runs its two legs side by side, and the
-vector legs (HNSW, 400 candidates and their passages: 10.9 ms of SQL) are now the longer of the
-two. Found and fixed this day:
-
-1. **The full-text index's pending list.** A GIN index takes new entries into an unsorted
-   pending list of up to 4 MB, and every lookup reads all of it; a freshly imported conversation
-   left it full. Migration 0012 keeps it at 128 kB: the full-text statement went from 13.6 to
-   7.5 ms per request in this profile (29.0 ms of SQL wait against 33.8), and from 11.6 to 5.4
-   ms on a 10k conversation after 7,500 messages were stored elsewhere (same rows).
-2. **Garbage collection in `serve`.** Over 100 turns of the 10k varied conversation, Python's
-   collector ran 375 young and 34 middle collections (66 ms) and one full collection of 130 ms
-   (all of it inside one request). `serve` now freezes the heap built at start and collects the
-   young generation every 20,000 net allocations: 2 collections, 12 ms, over the same 100 turns.
-3. **`memory_search` and admin search** run their vector legs in a spare pooled connection
-   beside the full-text leg, as the recall note's retrieval already did.
-
-What the request path still costs, c=1 (the dev harness's per-thread CPU, 10k varied, default
-`serve`): the event-loop thread 32 ms of CPU per turn, the query's embedding 8 ms (two ONNX
-threads), Postgres 21 ms, the worker child 45 ms (niced), on 2 cores shared with the load
-generator and the fake upstream. The added latency follows the CPU the machine has left, not
-one slow step; the next cuts have to remove work (rows decoded, statements per turn), not move
-it.
-
-Earlier, written by hand from the full run of 2026-11-21 10:26-10:38 UTC (commit `08bcef936d`,
-machine otherwise idle: load average 1.5-2.4) and the profile re-run at 10:43-10:46 (`--only
-profile`, after a fix to the Postgres CPU count); the tables above are redrawn by every run,
-this note is not: update it when the profile changes. At 10,000 stored messages a request spent
-78.6 ms in `gateway.openai.chat.complete` (stage timers, c=1), 62.4 ms of it building the
-prompt; it ran 17 SQL statements (46 ms waiting). In the full run, where the profile came after
-minutes of other traffic on the same tables, the same figures were 57.5, 41.8 and 28 ms, with
-the full-text leg at 19.3 ms and the vector leg at 1.0 ms: planner statistics and index state
-move them. The three biggest costs, and what was done about them:
-
-1. **The full-text leg of retrieval: 31.7 ms of SQL per request (19.3 ms in the full run).**
-   Every node holding any word of the question is read and scored, and at 10,000 messages
-   common words are held by thousands of nodes. Done: the nodes are now read once per term
-   through the GIN index and each term's idf is computed once (35 ms of wall time before, in a
-   loaded run), which kept the ranking identical. Not done: searching only the rarer terms on
-   large scopes (a patch that did so cut the leg to 1-40 ms at 100,000 messages, but lowered
-   LoCoMo recall at 4k on two conversations from 0.946 to 0.937 when forced on); a per-tenant
-   lexeme statistics table would let the leg skip common terms without reading them.
-2. **The query embedding: 8.2 ms per request** (local MiniLM int8 on 2 threads), started
-   before the recent turns are read so that it overlaps the SQL; it still takes CPU from
-   everything else at concurrency, where the gateway is CPU-bound (16-68 ms of CPU per
-   request at this size). `MEMSTRATA_EMBEDDING_PROVIDER=upstream` moves it off the machine.
-3. **Assembling in Python and the bookkeeping around it: ~15 ms.** Fusing and ranking ~1,000
-   places (2 ms), loading ~330 hit rows (2.9 ms), sizing and rendering lines (`_fill`, 2.8
-   ms; `datetime.strftime` for the
-   sitting headings is half of rendering), exact token counts
-   of the prompt (2.7 ms), storing the turn and recording the reply (ingest 2.1 ms, record
-   3.4 ms, two job enqueues 1.4 ms). Done: rows read by position, only the places above the
-   cut-off sorted, summary lines tokenized once, the pinned-message index (5.5 ms scan ->
-   0.03 ms), the stored system prompt's fingerprint kept on the conversation row (the
-   backwards scan that cost 8 ms at 10,000 messages is gone), no pool pre-ping, 11.4 -> 8.4
-   statements on the short-conversation path.
-
-Also found and fixed since the previous run: the single `httpx.AsyncClient` to the upstream
-slowed down with many requests in flight (requests now rotate over 8 clients) and a few
-requests got 502 `ReadError` on connections uvicorn was closing (idle connections are now
-closed after 4 s, below uvicorn's 5 s): the load test ran at 206 requests/s with 0 errors,
-4.8 ms of gateway CPU per request (was 58 requests/s and 9.4 ms). Summary vectors are the
-centroids of their children's instead of MiniLM runs over summary text, and each message is
-written once: the 10,000-message tree is built in 61 s (was 358 s) and the gateway's RSS after
-building it is 663 MiB (was 3.6 GB, the ONNX arena grown by 256-token summary batches).
-"""
+# Written by hand from the profile of the run it names, in Markdown; `make bench` copies it in
+# and redraws the rest. Update it when the profile changes.
+CLOSING_NOTE = Path(__file__).with_name("closing_note.md")
 
 
 def _load(directory: Path, name: str) -> dict[str, Any] | None:
@@ -952,7 +675,7 @@ def section(directory: Path, images: Path, rel: str, results_rel: str) -> str:
     if "profile" in results:
         lines += ["", "### Performance: profile of the request path", ""]
         lines += _profile(results["profile"], images, rel, results_rel)
-    lines += ["", "### Performance: closing note", "", CLOSING_NOTE.rstrip(), END]
+    lines += ["", "### Performance: closing note", "", CLOSING_NOTE.read_text().rstrip(), END]
     return "\n".join(lines) + "\n"
 
 
