@@ -443,7 +443,7 @@ def scenarios(args: argparse.Namespace) -> list[Scenario]:
     return found
 
 
-def settings(pairs: Sequence[str]) -> dict[str, str]:
+def settings(pairs: Sequence[str]) -> dict[str, Any]:
     """`["name=value", …]` as gateway settings."""
     found = {}
     for pair in pairs:

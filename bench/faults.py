@@ -242,7 +242,7 @@ def fuzz(*, examples: int) -> dict[str, Any]:
         def one(payload: bytes, extra: dict[str, str], stream: bool) -> None:
             before = rows()
             headers = {
-                k: v.encode("latin-1")
+                k.encode("latin-1"): v.encode("latin-1")
                 for k, v in {"content-type": "application/json", **extra}.items()
             }
             with client.stream(

@@ -372,7 +372,7 @@ def latency_figures(samples: Sequence[Sample]) -> dict[str, Any]:
     """Latency, time to first byte and the gateway's own overhead header, in milliseconds."""
     good = [s for s in samples if s.ok]
     errors = len(samples) - len(good)
-    figures = {
+    figures: dict[str, Any] = {
         "latency_ms": summarize([s.latency * 1000 for s in good], errors=errors),
         "ttfb_ms": summarize([s.ttfb * 1000 for s in good if s.ttfb is not None], errors=errors),
     }
@@ -441,7 +441,7 @@ class Stack:
     ) -> GatewayProcess:
         """Start `memstrata serve` (or `argv`) on the stack's upstream and database (or
         `database_url`); `settings` are MEMSTRATA_* settings by their lower-case names."""
-        values: dict[str, object] = {
+        values: dict[str, Any] = {
             "log_level": "warning",
             "summary_mode": "extractive",
             "data_dir": str(self.gateway_data),
@@ -471,7 +471,7 @@ class Stack:
                 with contextlib.suppress(psutil.Error):
                     times = process.cpu_times()
                     total += times.user + times.system
-            return total
+            return float(total)
         except (OSError, ValueError, psutil.Error):
             return None
 

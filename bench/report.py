@@ -326,8 +326,8 @@ def _plot_overhead(cells: Sequence[Mapping[str, Any]], path: Path) -> None:
             ax.set_title(f"{mode}, concurrency {concurrency}: added {what}")
             if concurrency == 1:
                 targets = [TARGET_TTFB] if mode == "stream" else [TARGET_P50, TARGET_P95]
-                for target in targets:
-                    ax.axhline(target, color="grey", linestyle="--", linewidth=0.8)
+                for level in targets:
+                    ax.axhline(level, color="grey", linestyle="--", linewidth=0.8)
             ax.grid(axis="y", alpha=0.3)
     axes[0][0].legend(fontsize=8)
     fig.tight_layout()

@@ -126,7 +126,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             throwaway_postgres(prefix="memstrata-side-", durable=True, folder=args.data_dir)
         )
         upstream = stack.enter_context(UpstreamServer(latency=args.latency))
-        values: dict[str, object] = {
+        values: dict[str, Any] = {
             "log_level": "warning",
             "summary_mode": "extractive",
             "data_dir": str(postgres.data_dir.parent / "gateway-data"),

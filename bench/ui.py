@@ -29,7 +29,7 @@ import time
 from typing import Any
 
 import httpx
-from playwright.async_api import Page, async_playwright, expect
+from playwright.async_api import Page, ViewportSize, async_playwright, expect
 
 from bench import harness as h
 from devkit import synthetic
@@ -45,7 +45,7 @@ SMALL = "weekend-trip"
 IMAGES = h.REPO_ROOT / "docs" / "img"
 RESULTS = h.REPO_ROOT / "bench" / "results" / "ui.json"
 WIDE = {"width": 1280, "height": 900}
-NARROW = {"width": 390, "height": 844}
+NARROW: ViewportSize = {"width": 390, "height": 844}
 SYSTEM = "You are the support desk's assistant: answer briefly, and name the ticket."
 BUDGET = 4000
 TURNS = (
@@ -230,7 +230,7 @@ async def main() -> None:
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--screenshots", action="store_true", help="write docs/img/ui-*.png")
     args = parser.parse_args()
-    settings = {"summary_mode": "extractive", "log_level": "warning", "workers": 2}
+    settings: dict[str, Any] = {"summary_mode": "extractive", "log_level": "warning", "workers": 2}
     with (
         throwaway_postgres(prefix="memstrata-bench-ui-") as postgres,
         UpstreamServer() as upstream,

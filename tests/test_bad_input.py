@@ -488,7 +488,7 @@ async def test_budget_header_of_other_digits_is_400(
     client: httpx.AsyncClient, refused: _Refused, budget: bytes
 ) -> None:
     body = {"model": "m", "messages": _user()}
-    headers = {"X-Memstrata-Budget": budget}
+    headers = {b"X-Memstrata-Budget": budget}
     error = await refused(400, lambda: client.post(CHAT, json=body, headers=headers))
     assert error["param"] == "X-Memstrata-Budget"
 

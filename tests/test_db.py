@@ -15,7 +15,7 @@ import asyncpg
 import pytest
 from alembic import command
 from alembic.config import Config
-from sqlalchemy import select, text
+from sqlalchemy import Index, Table, select, text
 from sqlalchemy.engine import Connection
 from sqlalchemy.ext.asyncio import AsyncEngine
 
@@ -98,7 +98,7 @@ async def test_the_migrated_tables_and_indexes_have_the_schemas_options(
             )
         )
         migrated = {name: set(options) for name, options in rows}
-    declared = [
+    declared: list[Table | Index] = [
         *metadata.tables.values(),
         *(index for table in metadata.tables.values() for index in table.indexes),
     ]
@@ -202,7 +202,7 @@ async def test_migration_0009_rehashes_chains_so_old_conversations_keep_matching
     hashes back."""
     old = _migration_0009()
     call = {"id": "c1", "type": "function", "function": {"name": "add", "arguments": '{"x":1}'}}
-    messages = [
+    messages: list[dict[str, Any]] = [
         {"role": "user", "content": [{"type": "text", "text": "add"}]},
         {"role": "assistant", "content": None, "tool_calls": [call]},
         {"role": "tool", "tool_call_id": "c1", "content": "2"},

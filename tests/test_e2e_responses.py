@@ -14,13 +14,14 @@ from typing import Any
 import httpx
 import openai
 import pytest
+from openai.types.responses import FunctionToolParam, Response
 
 from devkit.gateway import GatewayProcess
 from devkit.upstream import UpstreamServer
 
 CLIENT_KEY = "sk-client-responses-0123456789"
 HEADER = "X-Memstrata-Conversation"
-TOOLS = [
+TOOLS: list[FunctionToolParam] = [
     {
         "type": "function",
         "name": "get_weather",
@@ -142,6 +143,7 @@ def test_five_turns_through_previous_response_id(
             response_id = final.id
         else:
             parsed = raw.parse()
+            assert isinstance(parsed, Response)
             answer, response_id = parsed.output_text, parsed.id
         assert answer == f"echo: {text}"
         ids.append(response_id)
@@ -215,7 +217,7 @@ def test_function_call_round_trip(
         model="gpt-4o-mini",
         input=question,
         tools=TOOLS,
-        stream=stream,  # type: ignore[arg-type]
+        stream=stream,
     )
     conversation = raw.headers[HEADER]
     if stream:
@@ -234,7 +236,7 @@ def test_function_call_round_trip(
         model="gpt-4o-mini",
         previous_response_id=first.id,
         input=[{"type": "function_call_output", "call_id": "call_7", "output": "sunny"}],
-        tools=TOOLS,  # type: ignore[arg-type]
+        tools=TOOLS,
     )
     assert followup.output_text == "echo: " + question
     messages = http.get(f"/admin/conversations/{conversation}/messages").json()["messages"]

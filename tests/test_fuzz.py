@@ -56,7 +56,7 @@ async def test_no_body_or_header_gets_a_5xx_and_a_refusal_writes_nothing(
     tenant = app.state.default_tenant_id
     before = await counts(engine, tenant)
     sent = {"content-type": "application/json", **extra}
-    wire = {key: value.encode("latin-1") for key, value in sent.items()}
+    wire = {key.encode("latin-1"): value.encode("latin-1") for key, value in sent.items()}
     async with (
         app.client() as client,
         client.stream("POST", CHAT, content=payload, headers=wire) as response,

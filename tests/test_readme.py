@@ -41,10 +41,8 @@ def test_documented_defaults_match_the_code() -> None:
 
 def test_every_command_is_documented() -> None:
     documented = {
-        re.match(r"`memstrata (\w+)", row[0]).group(1)
-        for row in _table_rows(  # type: ignore[union-attr]
-            "Command line"
-        )
+        re.match(r"`memstrata (\w+)", row[0]).group(1)  # type: ignore[union-attr]
+        for row in _table_rows("Command line")
     }
     assert documented == set(main.commands)
 

@@ -21,6 +21,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import httpx
 import pytest
@@ -41,7 +42,7 @@ def server() -> Iterator[EmbeddedPostgres]:
 
 @pytest.fixture(scope="module")
 def gateways(server: EmbeddedPostgres, upstream: UpstreamServer) -> Iterator[list[GatewayProcess]]:
-    common = {
+    common: dict[str, Any] = {
         "database_url": server.url,
         "upstream_url": upstream.url,
         "workers": 0,

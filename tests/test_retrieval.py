@@ -209,7 +209,7 @@ async def test_an_index_scan_that_reaches_little_of_its_scope_is_run_exactly(
                 .where(nodes.c.conversation_id == ref.id, nodes.c.level == 0, nodes.c.seq == seq)
                 .values(embedding=vector)
             )
-    scope = {
+    scope: dict[str, Any] = {
         "tenant_id": corpus.tenant_id,
         "conversation_ids": [ref.id],
         "query_vector": query,

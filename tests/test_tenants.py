@@ -495,7 +495,11 @@ async def test_admin_without_token_needs_a_loopback_host(
 async def test_proxy_headers_count_only_from_trusted_proxies(
     database_url: str, upstream: UpstreamServer
 ) -> None:
-    base = {"database_url": database_url, "upstream_base_url": upstream.url, "workers": 0}
+    base: dict[str, Any] = {
+        "database_url": database_url,
+        "upstream_base_url": upstream.url,
+        "workers": 0,
+    }
     forwarded_remote = [
         {"X-Forwarded-For": "203.0.113.9"},
         {"X-Real-IP": "203.0.113.9"},

@@ -69,7 +69,9 @@ def test_a_reply_and_the_same_items_sent_back_are_one_message() -> None:
 
 
 def test_chat_messages_and_items_round_trip() -> None:
-    messages = [
+    reply = translate.reply_message(OUTPUT)
+    assert reply is not None
+    messages: list[dict[str, Any]] = [
         {"role": "system", "content": "Be brief."},
         {
             "role": "user",
@@ -80,7 +82,7 @@ def test_chat_messages_and_items_round_trip() -> None:
                 {"type": "input_audio", "input_audio": {"data": "AAA", "format": "wav"}},
             ],
         },
-        translate.reply_message(OUTPUT),
+        reply,
         {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
         {"role": "tool", "tool_call_id": "call_2", "content": "noon"},
         {"role": "assistant", "content": "Sunny at noon."},

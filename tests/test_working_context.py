@@ -347,7 +347,7 @@ async def test_compaction_keeps_the_budget_and_loses_nothing(
                 await tree_nodes.get_node(conn, tenant_id=tenant_id, node_id=node)
                 for node in tagged
             ]
-        covered = set()
+        covered: set[int] = set()
         for node in nodes:
             covered.update(range(node.span_start, node.span_end + 1))
         # Every message before the compaction point (the system prompt aside) is under one.
@@ -592,7 +592,11 @@ async def test_verbatim_turns_read_again_are_the_stored_ones(
     at another time (a recreated database) is read again, not taken for the known one, and a
     known node that left the current branch is left out."""
     conversation = await Conversation.start(engine, tenant_id, synthetic.messages(40, seed=11))
-    span = {"tenant_id": tenant_id, "conversation_id": conversation.id, "model": MODEL}
+    span: dict[str, Any] = {
+        "tenant_id": tenant_id,
+        "conversation_id": conversation.id,
+        "model": MODEL,
+    }
 
     async def read(start: int, end: int, *, fresh: bool = False) -> list[wc.Item]:
         if fresh:
