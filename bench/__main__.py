@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench import costs, load, overhead, profile, report, scale
+from bench import costs, load, overhead, profile, report, scale, traffic
 from bench import harness as h
 
 SCENARIOS = ("overhead", "costs", "profile", "load", "scale")
@@ -57,7 +57,7 @@ async def run_all(args: argparse.Namespace, out_dir: Path) -> dict[str, Path]:
     written: dict[str, Path] = {}
     started = time.perf_counter()
     with h.running_stack(stack_config) as stack:
-        async with h.load_client(64) as client:
+        async with traffic.load_client(64) as client:
             scale_single: dict[str, Any] | None = None
             conversation_id = f"bench-{max(ov.sizes)}-0"
             if only & {"overhead", "costs", "profile", "scale"}:

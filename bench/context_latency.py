@@ -39,6 +39,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from bench import harness as h
+from bench import traffic
 from bench.overhead import QUESTIONS
 from devkit.gateway import WorkerProcess
 
@@ -66,19 +67,19 @@ async def measured_turn(
     gateway_root: str,
     body: bytes,
     headers: dict[str, str],
-) -> tuple[h.Sample, h.Sample, dict[str, float]]:
+) -> tuple[traffic.Sample, traffic.Sample, dict[str, float]]:
     """One turn's body sent to the upstream directly, then through the gateway: both samples,
     and the milliseconds each request-path stage that ran took (from `/metrics` around it)."""
-    upstream = await h.send(
+    upstream = await traffic.send(
         client,
-        h.Call(f"{upstream_url}/chat/completions", body, h.json_headers()),
+        traffic.Call(f"{upstream_url}/chat/completions", body, h.json_headers()),
         worker=0,
         origin=0.0,
     )
     before = await stage_sums(client, gateway_root)
-    sample = await h.send(
+    sample = await traffic.send(
         client,
-        h.Call(f"{gateway_root}/v1/chat/completions", body, headers),
+        traffic.Call(f"{gateway_root}/v1/chat/completions", body, headers),
         worker=0,
         origin=0.0,
     )

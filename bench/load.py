@@ -30,6 +30,7 @@ from typing import Any
 import asyncpg
 
 from bench import harness as h
+from bench import traffic
 from devkit.service import Service
 
 TOPICS = (
@@ -74,7 +75,7 @@ class Scripts:
         self.started = [0] * concurrency
         self.conversations = 0
 
-    def next_call(self, index: int, worker: int) -> h.Call:
+    def next_call(self, index: int, worker: int) -> traffic.Call:
         history = self.histories[worker]
         if not history or len(history) >= 1 + 2 * self.turns:
             self.conversations += 1
@@ -90,11 +91,11 @@ class Scripts:
         else:
             history.append({"role": "user", "content": FOLLOW_UPS[index % len(FOLLOW_UPS)]})
         body = h.encode({"model": h.MODEL, "messages": history})
-        return h.Call(
+        return traffic.Call(
             url=f"{self.url}/chat/completions", body=body, headers=h.json_headers(), keep_body=True
         )
 
-    def observe(self, worker: int, sample: h.Sample) -> None:
+    def observe(self, worker: int, sample: traffic.Sample) -> None:
         history = self.histories[worker]
         reply: dict[str, Any] | None = None
         if sample.ok and sample.body:
@@ -108,7 +109,7 @@ class Scripts:
         history.append({"role": "assistant", "content": reply.get("content") or ""})
 
 
-def per_second(samples: Sequence[h.Sample], duration: float) -> list[int]:
+def per_second(samples: Sequence[traffic.Sample], duration: float) -> list[int]:
     """Requests completed in each second of the run."""
     buckets = [0] * (int(duration) + 1)
     for sample in samples:
@@ -119,7 +120,7 @@ def per_second(samples: Sequence[h.Sample], duration: float) -> list[int]:
 
 
 async def run_target(
-    client: h.Client,
+    client: traffic.Client,
     name: str,
     url: str,
     config: LoadConfig,
@@ -130,7 +131,7 @@ async def run_target(
 ) -> dict[str, Any]:
     scripts = Scripts(url, concurrency=config.concurrency, turns=config.turns, tag=name)
     # Warm-up: open the connections, load what loads lazily.
-    await h.run_load(
+    await traffic.run_load(
         client,
         scripts.next_call,
         concurrency=config.concurrency,
@@ -142,7 +143,7 @@ async def run_target(
     cpu_before = h.process_cpu_seconds(service.pid) if service else None
     postgres_before = stack.postgres_cpu_seconds() if stack else None
     started = time.perf_counter()
-    samples = await h.run_load(
+    samples = await traffic.run_load(
         client,
         scripts.next_call,
         concurrency=config.concurrency,
@@ -159,7 +160,7 @@ async def run_target(
         "errors": len(samples) - good,
         "requests_per_second": round(good / wall, 1),
         "conversations_started": scripts.conversations,
-        **h.latency_figures(samples),
+        **traffic.latency_figures(samples),
         "per_second": per_second(samples, wall),
     }
     if service is not None:
@@ -195,7 +196,7 @@ async def fresh_database(stack: h.Stack, name: str) -> str:
 
 
 async def _gateway_target(
-    client: h.Client, stack: h.Stack, config: LoadConfig, *, workers: int
+    client: traffic.Client, stack: h.Stack, config: LoadConfig, *, workers: int
 ) -> dict[str, Any]:
     """One `serve` process on a database of its own, with or without its in-process worker."""
     suffix = "" if workers == 0 else "_workers"
@@ -221,7 +222,7 @@ async def _gateway_target(
     return result
 
 
-async def run(client: h.Client, stack: h.Stack, config: LoadConfig) -> dict[str, Any]:
+async def run(client: traffic.Client, stack: h.Stack, config: LoadConfig) -> dict[str, Any]:
     """Reference runs (upstream, relay), then the gateway (workers off, then on)."""
     targets: list[dict[str, Any]] = []
     targets.append(
@@ -255,7 +256,7 @@ def headline(result: Mapping[str, Any]) -> dict[str, Any] | None:
 async def standalone(args: argparse.Namespace) -> dict[str, Any]:
     config = LoadConfig.quick() if args.quick else LoadConfig()
     with h.running_stack(h.StackConfig(upstream_latency=args.latency)) as stack:
-        async with h.load_client(config.concurrency) as client:
+        async with traffic.load_client(config.concurrency) as client:
             result = await run(client, stack, config)
     return {
         "benchmark": "load",

@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import harness as h
+from bench import traffic
 from devkit.gateway import GatewayProcess
 
 TARGETS = ("upstream", "relay", "gateway")
@@ -121,7 +122,7 @@ class OverheadConfig:
 
 
 async def prepare(
-    client: h.Client,
+    client: traffic.Client,
     builder: GatewayProcess,
     config: OverheadConfig,
     *,
@@ -175,11 +176,11 @@ def _factory(
     concurrency: int,
     offset: int,
     asked: Sequence[str] = QUESTIONS,
-) -> h.Factory:
+) -> traffic.Factory:
     """Requests `offset + index`: the same questions and conversations whatever the target."""
     bodies: dict[int, bytes] = {}
 
-    def make(index: int, worker: int) -> h.Call:
+    def make(index: int, worker: int) -> traffic.Call:
         number = offset + index
         # At concurrency 1 the pool is walked in turn; otherwise each worker keeps to its own
         # conversation, moving on by one pool-width each round.
@@ -200,7 +201,7 @@ def _factory(
                 }
             )
             bodies[number] = body
-        return h.Call(
+        return traffic.Call(
             url=f"{url}/chat/completions",
             body=body,
             headers=h.json_headers({h.CONVERSATION_HEADER: conversation_id}),
@@ -218,7 +219,7 @@ def _added(figures: Mapping[str, Any], baseline: Mapping[str, Any], metric: str)
 
 
 async def measure_cell(
-    client: h.Client,
+    client: traffic.Client,
     urls: Mapping[str, str],
     *,
     size: int,
@@ -236,10 +237,10 @@ async def measure_cell(
     stream = mode == "stream"
     asked = questions(text)
     metric = "ttfb_ms" if stream else "latency_ms"
-    samples: dict[str, list[h.Sample]] = {target: [] for target in urls}
+    samples: dict[str, list[traffic.Sample]] = {target: [] for target in urls}
     names = list(urls)
     for target in names:  # warm connections and caches, not measured
-        await h.run_load(
+        await traffic.run_load(
             client,
             _factory(
                 urls[target],
@@ -259,7 +260,7 @@ async def measure_cell(
     for number in range(rounds):
         order = names[number % len(names) :] + names[: number % len(names)]
         for target in order:
-            samples[target] += await h.run_load(
+            samples[target] += await traffic.run_load(
                 client,
                 _factory(
                     urls[target],
@@ -274,7 +275,7 @@ async def measure_cell(
                 duration=seconds / rounds,
             )
         offset += per_round
-    figures = {target: h.latency_figures(samples[target]) for target in names}
+    figures = {target: traffic.latency_figures(samples[target]) for target in names}
     cell: dict[str, Any] = {
         "size": size,
         "text": text,
@@ -337,7 +338,7 @@ def default_serve_cells(config: OverheadConfig) -> list[Spec]:
 
 
 async def measure(
-    client: h.Client,
+    client: traffic.Client,
     stack: h.Stack,
     gateway: GatewayProcess,
     config: OverheadConfig,
@@ -382,7 +383,7 @@ async def measure(
 
 
 async def search_latency(
-    client: h.Client, gateway: GatewayProcess, config: OverheadConfig
+    client: traffic.Client, gateway: GatewayProcess, config: OverheadConfig
 ) -> list[dict[str, Any]]:
     """`memory_search` (limit 8, the tool's default) called through `/mcp` one at a time on
     each conversation of the repetitive sizes, both texts: latency p50 / p95 (the query's
@@ -438,7 +439,7 @@ async def search_latency(
 
 
 async def default_serve(
-    client: h.Client, stack: h.Stack, config: OverheadConfig
+    client: traffic.Client, stack: h.Stack, config: OverheadConfig
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """The default `serve`'s cells (`default_serve_cells`) and `memory_search` on it, then both
     texts at c=1 with `MEMSTRATA_CONTEXT_MODE=rebuild` (`REBUILD_SERVE`); nothing when
@@ -484,7 +485,7 @@ def config_dict(config: OverheadConfig) -> dict[str, Any]:
     return data
 
 
-async def _drain(client: h.Client, gateway: GatewayProcess, variant: str) -> None:
+async def _drain(client: traffic.Client, gateway: GatewayProcess, variant: str) -> None:
     """Let `gateway`'s worker finish the jobs queued before it started (the messages the
     `MEMSTRATA_WORKERS=0` cells stored, thousands of them, which nothing embedded), so that
     what runs beside its measured requests is what a default `serve` does in steady state:
@@ -496,7 +497,7 @@ async def _drain(client: h.Client, gateway: GatewayProcess, variant: str) -> Non
 async def standalone(args: argparse.Namespace) -> dict[str, Any]:
     config = OverheadConfig.quick() if args.quick else OverheadConfig()
     with h.running_stack(h.StackConfig(upstream_latency=args.latency)) as stack:
-        async with h.load_client(64) as client:
+        async with traffic.load_client(64) as client:
             builder = stack.gateway(name="builder", workers=1, worker_nice=0)
             data = await prepare(client, builder, config)
             builder.stop()

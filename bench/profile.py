@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import harness as h
+from bench import traffic
 
 INSTRUMENTED_MODULES = (
     "gateway.openai.chat",
@@ -399,7 +400,7 @@ def _env(**values: str) -> Iterator[None]:
 
 
 async def run(
-    client: h.Client,
+    client: traffic.Client,
     stack: h.Stack,
     *,
     conversation_id: str,
@@ -430,7 +431,7 @@ async def run(
             factory = _factory(
                 url, stream=False, conversation_ids=ids, concurrency=concurrency, offset=offset
             )
-            await h.run_load(
+            await traffic.run_load(
                 client, factory, concurrency=concurrency, count=32, duration=min(seconds, 20.0)
             )
             offset += 32
@@ -447,7 +448,7 @@ async def run(
                 url, stream=False, conversation_ids=ids, concurrency=concurrency, offset=offset
             )
             started = time.perf_counter()
-            samples = await h.run_load(
+            samples = await traffic.run_load(
                 client, factory, concurrency=concurrency, count=count, duration=seconds
             )
             wall = time.perf_counter() - started
@@ -471,7 +472,7 @@ async def run(
                     "postgres_cpu_ms_per_request": round(
                         postgres_cpu * 1000 / max(len(samples), 1), 3
                     ),
-                    "client_view": h.latency_figures(samples),
+                    "client_view": traffic.latency_figures(samples),
                 }
             )
             if sampler:
@@ -503,7 +504,7 @@ async def run(
 async def standalone(args: argparse.Namespace) -> dict[str, Any]:
     """Import one conversation of `--size` messages, build its tree, profile."""
     with h.running_stack(h.StackConfig()) as stack:
-        async with h.load_client(64) as client:
+        async with traffic.load_client(64) as client:
             builder = stack.gateway(name="builder", workers=1, worker_nice=0)
             conversation_id = f"bench-{args.size}-0"
             await h.import_conversation(

@@ -26,6 +26,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from bench import harness as h
+from bench import traffic
 from devkit import synthetic
 from devkit.gateway import GatewayProcess
 
@@ -86,7 +87,7 @@ def _rate(samples: Sequence[dict[str, float]], key: str) -> float | None:
 
 
 async def single(
-    client: h.Client, stack: h.Stack, builder: GatewayProcess, config: ScaleConfig
+    client: traffic.Client, stack: h.Stack, builder: GatewayProcess, config: ScaleConfig
 ) -> tuple[str, dict[str, Any]]:
     """Import one conversation and wait for its summary tree; its id and the figures."""
     size = config.conversation_size
@@ -120,7 +121,7 @@ async def single(
 
 
 async def tenant(
-    client: h.Client, stack: h.Stack, gateway: GatewayProcess, config: ScaleConfig
+    client: traffic.Client, stack: h.Stack, gateway: GatewayProcess, config: ScaleConfig
 ) -> dict[str, Any]:
     """Fill the tenant up to `tenant_messages`, give the queue `budget` seconds to drain."""
     before = await h.node_progress(stack.dsn)
@@ -327,7 +328,7 @@ def config_dict(config: ScaleConfig) -> dict[str, Any]:
 async def main_async(quick: bool) -> dict[str, Any]:
     config = ScaleConfig.quick() if quick else ScaleConfig()
     with h.running_stack(h.StackConfig()) as stack:
-        async with h.load_client(8) as client:
+        async with traffic.load_client(8) as client:
             builder = stack.gateway(name="scale", workers=1, worker_nice=0)
             conversation_id, one = await single(client, stack, builder, config)
             many = await tenant(client, stack, builder, config)
