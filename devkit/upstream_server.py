@@ -48,8 +48,8 @@ Behaviours (what a scripted answer can be, and how the queue is consumed) are de
 
 Each recorded request is ``{"method", "path", "query", "headers" (lowercased names),
 "body" (parsed JSON or null), "raw_body" (only when the body is not JSON), "received_at"
-(``time.time()``), "behaviour" (the behaviour applied), "request_id" (the
-``x-request-id`` answered)}``.
+(``time.time()``), "peer" (the client's ``host:port``: requests over one connection share it),
+"behaviour" (the behaviour applied), "request_id" (the ``x-request-id`` answered)}``.
 """
 
 from __future__ import annotations
@@ -170,6 +170,7 @@ def create_upstream_app(
             "headers": {},
             "body": None,
             "received_at": time.time(),
+            "peer": f"{request.client.host}:{request.client.port}" if request.client else None,
         }
         for name, value in request.headers.items():
             key = name.lower()

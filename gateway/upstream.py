@@ -2,7 +2,13 @@
 
 One client shared by many concurrent requests does not scale: its connection pool does work
 proportional to the requests waiting on it for each one it serves (encode/httpx#3215), so a
-process keeps `CLIENTS` of them (`make_clients`) and sends each request through the next.
+process keeps `CLIENTS` of them (`make_clients`) and sends each request through the first of
+those with the fewest requests in flight (until their responses are closed). Under load the
+requests spread over all of them; at a few requests a second they all go through the first,
+whose idle connections then stay alive between them. (Taken in turn, each client saw one request
+in `CLIENTS`, so below about two requests a second every request waited longer than the
+keep-alive and opened a new connection: a TCP and a TLS handshake before each prompt, where a
+client talking to the upstream directly reused its one.)
 
 `Upstream.open(method, path, ...)` sends a request (a JSON body, or raw bytes as they come, and
 the client's query string, such as Azure's `api-version`) and returns the response with its
@@ -14,9 +20,9 @@ metrics). The upstream gets our `api_key` if set, else the client's own `Authori
 never while gateway keys are in use (`forward_client_auth=False`): that header is a gateway key.
 """
 
-import itertools
+import functools
 import time
-from collections.abc import AsyncIterable, Callable, Mapping, Sequence
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Mapping, Sequence
 from typing import Any, Final
 
 import httpx
@@ -44,7 +50,7 @@ CLIENTS: Final = 8
 # Idle upstream connections are closed by us before the server may close them: uvicorn (and
 # many servers) drop idle connections after 5 s, and a request sent on a connection the server
 # is closing at that moment fails (ReadError, a 502 for the client).
-_KEEPALIVE_SECONDS: Final = 4.0
+KEEPALIVE_SECONDS: Final = 4.0
 # Client headers worth passing on besides the body: auth is decided separately.
 _FORWARDED_REQUEST_HEADERS = ("openai-organization", "openai-project", "openai-beta")
 # What describes a body relayed as raw bytes (a multipart upload's boundary, its size).
@@ -76,7 +82,8 @@ class Upstream:
     ) -> None:
         if not clients:
             raise ValueError("Upstream needs at least one client")
-        self._clients = itertools.cycle(clients)
+        self._clients = list(clients)
+        self._in_flight = [0] * len(self._clients)
         self._base_url = base_url.rstrip("/")
         self._api_key = api_key
         self._forward_client_auth = forward_client_auth
@@ -112,7 +119,9 @@ class Upstream:
         """Send a request (`json`, or the raw `content`, with the client's `query` string);
         the caller must `aclose()` the response (its body is unread). `observed_as`: the path
         the call is reported as (a relayed path is the client's, of any number of values)."""
-        client = next(self._clients)
+        counts = self._in_flight
+        index = counts.index(min(counts))
+        client = self._clients[index]
         request = client.build_request(
             method,
             f"{self._base_url}{path}?{query}" if query else f"{self._base_url}{path}",
@@ -121,8 +130,23 @@ class Upstream:
             # SSE must arrive as written, not gzip-buffered.
             headers={**headers, "accept-encoding": "identity"} if stream else dict(headers),
         )
-        started = time.perf_counter()
         path = observed_as or path
+        counts[index] += 1
+        try:
+            response = await self._send(client, request, path)
+        except BaseException:
+            self._release(index)
+            raise
+        response.stream = _Counted(response.stream, functools.partial(self._release, index))
+        return response
+
+    def _release(self, index: int) -> None:
+        self._in_flight[index] -= 1
+
+    async def _send(
+        self, client: httpx.AsyncClient, request: httpx.Request, path: str
+    ) -> httpx.Response:
+        started = time.perf_counter()
         try:
             response = await client.send(request, stream=True)
         except httpx.TimeoutException as exc:
@@ -150,6 +174,29 @@ class Upstream:
             await response.aclose()
 
 
+class _Counted(httpx.AsyncByteStream):
+    """A response's body that calls `release` once, when it is closed (read to its end, or
+    closed early): until then its request is in flight on its client."""
+
+    def __init__(
+        self, stream: httpx.SyncByteStream | httpx.AsyncByteStream, release: Callable[[], None]
+    ) -> None:
+        if not isinstance(stream, httpx.AsyncByteStream):
+            raise TypeError("an async client's response has an async body")
+        self._stream = stream
+        self._release: Callable[[], None] | None = release
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        async for chunk in self._stream:
+            yield chunk
+
+    async def aclose(self) -> None:
+        release, self._release = self._release, None
+        if release is not None:
+            release()
+        await self._stream.aclose()
+
+
 def relayed_headers(response: httpx.Response) -> dict[str, str]:
     """The upstream answer's own headers (rate limits, request ids, Retry-After …)."""
     return {
@@ -171,7 +218,7 @@ def make_client(
         limits=httpx.Limits(
             max_connections=max_connections,
             max_keepalive_connections=max(max_connections // 10, 1),
-            keepalive_expiry=_KEEPALIVE_SECONDS,
+            keepalive_expiry=KEEPALIVE_SECONDS,
         ),
     )
 
