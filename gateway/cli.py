@@ -83,6 +83,10 @@ def serve(host: str | None, port: int | None) -> None:
         # Our handler and format (`gateway.logs`), and our access line (with the request id).
         log_config=None,
         access_log=False,
+        # Longer than the idle limits of the clients and proxies in front (the openai SDKs
+        # keep a connection 5 s, as long as uvicorn's default; load balancers 60 s): the side
+        # that closes first must be the client, or a request sent as the server closes is lost.
+        timeout_keep_alive=settings.keep_alive_seconds,
         timeout_graceful_shutdown=10,
     )
 

@@ -25,6 +25,7 @@ class Settings(BaseSettings):
     # Serving
     host: str = "127.0.0.1"
     port: int = Field(default=8080, ge=1, le=65535)
+    keep_alive_seconds: int = Field(default=75, ge=1)
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     max_body_bytes: int = Field(default=8 * 1024 * 1024, ge=1024)
     max_messages: int = Field(default=10_000, ge=1)

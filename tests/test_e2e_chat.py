@@ -14,6 +14,7 @@ import struct
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from http.client import HTTPConnection
 from typing import Any
 
 import httpx
@@ -952,3 +953,24 @@ def test_healthz_and_readyz(http: httpx.Client) -> None:
     assert (healthz.status_code, healthz.json()) == (200, {"status": "ok"})
     readyz = http.get("/readyz")
     assert (readyz.status_code, readyz.json()) == (200, {"status": "ok", "database": "ok"})
+
+
+def test_an_idle_client_connection_outlives_the_sdks_own_keep_alive(
+    gateway: GatewayProcess,
+) -> None:
+    """`serve` keeps an idle connection past the 5 s the openai SDKs keep theirs (and uvicorn's
+    default, which closed it at 5 s: a request sent then would be lost)."""
+    connection = HTTPConnection("127.0.0.1", gateway.port, timeout=10)
+    try:
+        ports = []
+        for _ in range(2):
+            connection.request("GET", "/healthz")
+            response = connection.getresponse()
+            assert response.status == 200
+            response.read()
+            assert connection.sock is not None
+            ports.append(connection.sock.getsockname()[1])
+            time.sleep(6)
+        assert ports[0] == ports[1]  # the same connection, not a new one
+    finally:
+        connection.close()
