@@ -191,6 +191,16 @@ def summarize(values_ms: Sequence[float], *, errors: int = 0) -> dict[str, Any]:
     }
 
 
+def ms_cell(value: float | None, digits: int = 1) -> str:
+    """A table's milliseconds: `-` when not measured."""
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def met_cell(ok: bool | None) -> str:
+    """A table's "met" column: yes, **no**, or `-` when not measured."""
+    return "-" if ok is None else ("yes" if ok else "**no**")
+
+
 def markdown_table(header: Sequence[str], rows: Iterable[Sequence[Any]]) -> list[str]:
     """A markdown table's lines."""
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]

@@ -3,12 +3,13 @@
     python -m bench.report [--quick]
 
 Reads `bench/results/{overhead,costs,load,scale,profile}.json` (whichever exist) and
-`bench/closing_note.md` (written by hand), and writes the section between the markers
-`<!-- performance:begin -->` and `<!-- performance:end -->` of `docs/benchmarks.md`, leaving
-every other section of the file as it is (a file without the markers gets the section
-appended), and PNG plots (matplotlib, Agg) into `docs/img/`. With `--quick` it reads
-`bench/results/quick/` and writes `bench/results/quick/benchmarks.md` and its plots there
-instead, so a quick run never replaces the published figures.
+`bench/closing_note.md` (written by hand), and writes the section (its part on added latency
+drawn by `bench.overhead_report`) between the markers `<!-- performance:begin -->` and
+`<!-- performance:end -->` of `docs/benchmarks.md`, leaving every other section of the file as
+it is (a file without the markers gets the section appended), and PNG plots (matplotlib, Agg)
+into `docs/img/`. With `--quick` it reads `bench/results/quick/` and writes
+`bench/results/quick/benchmarks.md` and its plots there instead, so a quick run never replaces
+the published figures.
 """
 
 from __future__ import annotations
@@ -24,19 +25,16 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
-from bench import costs, texts_report
+from bench import costs, overhead_report
 from bench import harness as h
+from bench.harness import met_cell, ms_cell
 
 DOCS = h.REPO_ROOT / "docs" / "benchmarks.md"
 IMAGES = h.REPO_ROOT / "docs" / "img"
 BEGIN = "<!-- performance:begin -->"
 END = "<!-- performance:end -->"
 
-# Targets of the issue (milliseconds, requests per second).
-TARGET_P50 = 10.0
-TARGET_P95 = 25.0
-TARGET_TTFB = 15.0
-TARGET_RELAY_FACTOR = 3.0
+# Targets of the issue (requests per second, milliseconds).
 TARGET_RPS = 200.0
 TARGET_RETRIEVAL_P95 = 10.0
 
@@ -51,14 +49,6 @@ def _load(directory: Path, name: str) -> dict[str, Any] | None:
         return None
     data: dict[str, Any] = json.loads(path.read_text())
     return data
-
-
-def _ms(value: float | None, digits: int = 1) -> str:
-    return "-" if value is None else f"{value:.{digits}f}"
-
-
-def _mark(ok: bool | None) -> str:
-    return "-" if ok is None else ("yes" if ok else "**no**")
 
 
 # -- set-up -----------------------------------------------------------------------------------
@@ -118,224 +108,6 @@ def _runs(results: Mapping[str, Mapping[str, Any]]) -> list[str]:
     return lines
 
 
-# -- overhead ---------------------------------------------------------------------------------
-
-
-def _overhead(data: Mapping[str, Any], images: Path, rel: str) -> list[str]:
-    cells = data["cells"]
-    failed = data.get("data", {}).get("dead_job_errors") or []
-    lines = [
-        *(
-            [
-                f"**Warning: background jobs failed during the set-up** (e.g. "
-                f"`{failed[0][:160]}`): the conversations were not fully summarized.",
-                "",
-            ]
-            if failed
-            else []
-        ),
-        "Added latency = a target's percentile minus the upstream's, for the same requests "
-        "sent back to back in rotating rounds (non-stream: whole answer; stream: time to the "
-        "first event). Each request is a system prompt and one new user message on a "
-        "pre-stored, fully summarized conversation (`X-Memstrata-Conversation`); the "
-        "gateway stores both messages, so conversations grow while measured (`stored` is "
-        "before → after). Concurrency-32 requests are spread over the size's pool of "
-        "conversations; requests on one conversation wait for each other (row lock).",
-        "",
-    ]
-    header = [
-        "stored",
-        "text",
-        "mode",
-        "conc.",
-        "conv.",
-        "n (gw)",
-        "upstream p50 / p95",
-        "relay added p50 / p95 / p99",
-        "gateway added p50 / p95 / p99",
-        "gw ÷ relay (p50)",
-        "gw errors",
-    ]
-    rows = []
-    for cell in cells:
-        if cell.get("variant", "workers=0") != "workers=0":
-            continue
-        metric = cell["metric"]
-        up = cell["targets"]["upstream"][metric]
-        relay = cell["added_ms"]["relay"]
-        gw = cell["added_ms"]["gateway"]
-        rows.append(
-            [
-                f"{cell['stored_before']['max']:,} → {cell['stored_after']['max']:,}",
-                cell.get("text", "varied"),
-                cell["mode"],
-                cell["concurrency"],
-                cell["conversations"],
-                cell["requests_per_target"].get("gateway", "?")
-                if isinstance(cell["requests_per_target"], dict)
-                else cell["requests_per_target"],
-                f"{_ms(up['p50'])} / {_ms(up['p95'])}",
-                f"{_ms(relay['p50'])} / {_ms(relay['p95'])} / {_ms(relay['p99'])}",
-                f"{_ms(gw['p50'])} / {_ms(gw['p95'])} / {_ms(gw['p99'])}",
-                _ms(cell.get("gateway_vs_relay_p50"), 1),
-                cell["targets"]["gateway"][metric]["errors"],
-            ]
-        )
-    lines += h.markdown_table(header, rows)
-    variants = [c for c in cells if c.get("variant", "workers=0") != "workers=0"]
-    if variants:
-        lines += [
-            "",
-            "The same with the default `serve` (`MEMSTRATA_WORKERS=1`: one background job at a "
-            "time, in `serve`'s child process), which embeds and summarizes the messages the "
-            "requests store, on the same cores (measured once it has drained the backlog of "
-            "messages the `MEMSTRATA_WORKERS=0` cells stored):",
-            "",
-        ]
-        lines += h.markdown_table(
-            ["stored", "text", "mode", "conc.", "gateway added p50 / p95 / p99", "gw errors"],
-            [
-                [
-                    f"{c['stored_before']['max']:,}",
-                    c.get("text", "varied"),
-                    c["mode"],
-                    c["concurrency"],
-                    " / ".join(_ms(c["added_ms"]["gateway"][p]) for p in ("p50", "p95", "p99")),
-                    c["targets"]["gateway"][c["metric"]]["errors"],
-                ]
-                for c in variants
-            ],
-        )
-    lines += ["", *texts_report.render(data), ""]
-    lines += ["", *_overhead_targets(cells), ""]
-    _plot_overhead(cells, images / "perf-overhead.png")
-    lines.append(f"![Added latency]({rel}/perf-overhead.png)")
-    return lines
-
-
-def _varied(cells: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
-    """The grid's cells: varied text, `MEMSTRATA_WORKERS=0`."""
-    return [
-        c
-        for c in cells
-        if c.get("variant", "workers=0") == "workers=0" and c.get("text", "varied") == "varied"
-    ]
-
-
-def _overhead_targets(cells: Sequence[Mapping[str, Any]]) -> list[str]:
-    main = _varied(cells)
-    if not main:
-        return []
-    largest = max(c["size"] for c in main)
-
-    def cell(mode: str, concurrency: int) -> Mapping[str, Any] | None:
-        for c in main:
-            if c["size"] == largest and c["mode"] == mode and c["concurrency"] == concurrency:
-                return c
-        return None
-
-    rows = []
-    ns, st = cell("non-stream", 1), cell("stream", 1)
-    if ns:
-        gw = ns["added_ms"]["gateway"]
-        rows.append(
-            [
-                "p50 added, non-stream, c=1",
-                f"≤ {TARGET_P50:.0f} ms",
-                _ms(gw["p50"]),
-                _mark(gw["p50"] is not None and gw["p50"] <= TARGET_P50),
-            ]
-        )
-        rows.append(
-            [
-                "p95 added, non-stream, c=1",
-                f"≤ {TARGET_P95:.0f} ms",
-                _ms(gw["p95"]),
-                _mark(gw["p95"] is not None and gw["p95"] <= TARGET_P95),
-            ]
-        )
-    if st:
-        gw = st["added_ms"]["gateway"]
-        rows.append(
-            [
-                "first-byte added (p50), stream, c=1",
-                f"≤ {TARGET_TTFB:.0f} ms",
-                _ms(gw["p50"]),
-                _mark(gw["p50"] is not None and gw["p50"] <= TARGET_TTFB),
-            ]
-        )
-    for c in (ns, st):
-        if c and c.get("gateway_vs_relay_p50") is not None:
-            ratio = c["gateway_vs_relay_p50"]
-            rows.append(
-                [
-                    f"gateway ÷ relay floor (p50 added), {c['mode']}, c=1",
-                    f"≤ {TARGET_RELAY_FACTOR:.0f}x",
-                    f"{ratio:.1f}x",
-                    _mark(ratio <= TARGET_RELAY_FACTOR),
-                ]
-            )
-    return [
-        f"Targets at {largest:,} stored messages:",
-        "",
-        *h.markdown_table(["figure", "target", "measured", "met"], rows),
-    ]
-
-
-def _plot_overhead(cells: Sequence[Mapping[str, Any]], path: Path) -> None:
-    main = _varied(cells)
-    modes = sorted({c["mode"] for c in main}, key=lambda m: m != "non-stream")
-    concurrencies = sorted({c["concurrency"] for c in main})
-    sizes = sorted({c["size"] for c in main})
-    fig, axes = plt.subplots(
-        len(modes),
-        len(concurrencies),
-        figsize=(5.2 * len(concurrencies), 3.6 * len(modes)),
-        squeeze=False,
-    )
-    width = 0.2
-    for i, mode in enumerate(modes):
-        for j, concurrency in enumerate(concurrencies):
-            ax = axes[i][j]
-            series = {
-                "relay p50": ("relay", "p50", "#9ecae1"),
-                "relay p95": ("relay", "p95", "#3182bd"),
-                "gateway p50": ("gateway", "p50", "#fdae6b"),
-                "gateway p95": ("gateway", "p95", "#e6550d"),
-            }
-            for k, (label, (target, p, color)) in enumerate(series.items()):
-                values = []
-                for size in sizes:
-                    found = [
-                        c
-                        for c in main
-                        if c["size"] == size
-                        and c["mode"] == mode
-                        and c["concurrency"] == concurrency
-                    ]
-                    value = found[0]["added_ms"][target][p] if found else None
-                    values.append(max(value or 0.0, 0.5))
-                xs = [x + (k - 1.5) * width for x in range(len(sizes))]
-                ax.bar(xs, values, width, label=label, color=color)
-            ax.set_xticks(range(len(sizes)), [f"{s:,}" for s in sizes])
-            ax.set_yscale("log")
-            ax.set_ylim(bottom=0.5)
-            ax.set_xlabel("stored messages (values under 0.5 ms drawn at 0.5)")
-            ax.set_ylabel("added ms (log)")
-            what = "first byte" if mode == "stream" else "latency"
-            ax.set_title(f"{mode}, concurrency {concurrency}: added {what}")
-            if concurrency == 1:
-                targets = [TARGET_TTFB] if mode == "stream" else [TARGET_P50, TARGET_P95]
-                for level in targets:
-                    ax.axhline(level, color="grey", linestyle="--", linewidth=0.8)
-            ax.grid(axis="y", alpha=0.3)
-    axes[0][0].legend(fontsize=8)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
 # -- load -------------------------------------------------------------------------------------
 
 
@@ -359,10 +131,10 @@ def _load_section(data: Mapping[str, Any], images: Path, rel: str) -> list[str]:
                 f"{target['requests_per_second']:.1f}",
                 target["ok"],
                 target["errors"],
-                f"{_ms(lat['p50'])} / {_ms(lat['p95'])} / {_ms(lat['p99'])}",
-                _ms(target.get("cpu_ms_per_request"), 2),
-                _ms(target.get("postgres_cpu_ms_per_request"), 2),
-                _ms((target.get("memory_after") or {}).get("rss_mib")),
+                f"{ms_cell(lat['p50'])} / {ms_cell(lat['p95'])} / {ms_cell(lat['p99'])}",
+                ms_cell(target.get("cpu_ms_per_request"), 2),
+                ms_cell(target.get("postgres_cpu_ms_per_request"), 2),
+                ms_cell((target.get("memory_after") or {}).get("rss_mib")),
             ]
         )
     lines += h.markdown_table(
@@ -445,16 +217,16 @@ def _scale(data: Mapping[str, Any], images: Path, rel: str) -> list[str]:
             f"one conversation of {one['messages']:,}",
             f"{one['import_messages_per_second']:,.0f} msg/s",
             until(one),
-            _ms(one.get("embedding_rate_per_second")),
-            _ms((one.get("gateway_memory") or {}).get("rss_mib")),
+            ms_cell(one.get("embedding_rate_per_second")),
+            ms_cell((one.get("gateway_memory") or {}).get("rss_mib")),
         ],
         [
             f"tenant of {many['messages']:,} (+{many['messages_imported']:,} imported)",
             f"{many['import_messages_per_second'] or 0:,.0f} msg/s",
             until(many),
-            _ms(many.get("embedding_rate_per_second")),
-            _ms((many.get("gateway_memory") or {}).get("rss_mib"))
-            + f" (peak {_ms((many.get('gateway_memory') or {}).get('peak_rss_mib'))})",
+            ms_cell(many.get("embedding_rate_per_second")),
+            ms_cell((many.get("gateway_memory") or {}).get("rss_mib"))
+            + f" (peak {ms_cell((many.get('gateway_memory') or {}).get('peak_rss_mib'))})",
         ],
     ]
     failed = [*one.get("dead_job_errors", []), *many.get("dead_job_errors", [])]
@@ -492,8 +264,8 @@ def _scale(data: Mapping[str, Any], images: Path, rel: str) -> list[str]:
                 [
                     f"{scope} ({part['conversations']} conversations)",
                     s["n"],
-                    f"{_ms(s['p50'])} / {_ms(s['p95'])}",
-                    _mark(met) if scope == "tenant" else "-",
+                    f"{ms_cell(s['p50'])} / {ms_cell(s['p95'])}",
+                    met_cell(met) if scope == "tenant" else "-",
                 ]
             )
         emb = retrieval["query_embedding_ms"]
@@ -501,7 +273,8 @@ def _scale(data: Mapping[str, Any], images: Path, rel: str) -> list[str]:
             f"Retrieval (`memory.recall.retrieval.search`, limit 10, hybrid) over "
             f"{retrieval['tenant_messages']:,} stored messages "
             f"({retrieval['tenant_nodes_embedded']:,} nodes embedded); the query's embedding "
-            f"(local model) costs {_ms(emb['p50'])} / {_ms(emb['p95'])} ms p50 / p95 on top:",
+            f"(local model) costs {ms_cell(emb['p50'])} / {ms_cell(emb['p95'])} ms p50 / p95 "
+            "on top:",
             "",
             *h.markdown_table(
                 ["scope", "queries", "search p50 / p95 ms", f"p95 ≤ {TARGET_RETRIEVAL_P95:.0f} ms"],
@@ -576,8 +349,8 @@ def _profile(data: Mapping[str, Any], images: Path, rel: str, results_rel: str) 
         view = run["client_view"]["latency_ms"]
         lines.append(
             f"- {label}: {run['requests']} requests, {run['requests_per_second']} req/s, "
-            f"latency p50 {_ms(view['p50'])} ms, gateway CPU {run['gateway_cpu_ms_per_request']} "
-            "ms per request (all threads)"
+            f"latency p50 {ms_cell(view['p50'])} ms, "
+            f"gateway CPU {run['gateway_cpu_ms_per_request']} ms per request (all threads)"
             + (
                 f", Postgres CPU {run['postgres_cpu_ms_per_request']} ms per request."
                 if run.get("postgres_cpu_ms_per_request") is not None
@@ -595,7 +368,7 @@ def _profile(data: Mapping[str, Any], images: Path, rel: str, results_rel: str) 
             *h.markdown_table(
                 ["function", "calls / request", "ms / request"],
                 [
-                    [f"`{r['name']}`", r["calls_per_request"], _ms(r["ms_per_request"], 2)]
+                    [f"`{r['name']}`", r["calls_per_request"], ms_cell(r["ms_per_request"], 2)]
                     for r in stages["functions"][:14]
                 ],
             ),
@@ -605,7 +378,11 @@ def _profile(data: Mapping[str, Any], images: Path, rel: str, results_rel: str) 
             *h.markdown_table(
                 ["statement", "calls / request", "ms / request"],
                 [
-                    [f"`{r['name'][:110]}`", r["calls_per_request"], _ms(r["ms_per_request"], 2)]
+                    [
+                        f"`{r['name'][:110]}`",
+                        r["calls_per_request"],
+                        ms_cell(r["ms_per_request"], 2),
+                    ]
                     for r in stages["sql"][:6]
                 ],
             ),
@@ -662,7 +439,7 @@ def section(directory: Path, images: Path, rel: str, results_rel: str) -> str:
     lines += _setup(results)
     if "overhead" in results:
         lines += ["", "### Performance: latency added by the gateway", ""]
-        lines += _overhead(results["overhead"], images, rel)
+        lines += overhead_report.render(results["overhead"], images, rel)
     if "costs" in results:
         lines += ["", "### Performance: what a prompt build reads", ""]
         lines += costs.render(results["costs"])
