@@ -138,35 +138,25 @@ def _targets(cells: Sequence[Mapping[str, Any]]) -> list[str]:
                 return c
         return None
 
+    def row(figure: str, target: float, value: float | None) -> list[str]:
+        return [
+            figure,
+            f"≤ {target:.0f} ms",
+            ms_cell(value),
+            met_cell(value is not None and value <= target),
+        ]
+
     rows = []
     ns, st = cell("non-stream", 1), cell("stream", 1)
     if ns:
         gw = ns["added_ms"]["gateway"]
-        rows.append(
-            [
-                "p50 added, non-stream, c=1",
-                f"≤ {TARGET_P50:.0f} ms",
-                ms_cell(gw["p50"]),
-                met_cell(gw["p50"] is not None and gw["p50"] <= TARGET_P50),
-            ]
-        )
-        rows.append(
-            [
-                "p95 added, non-stream, c=1",
-                f"≤ {TARGET_P95:.0f} ms",
-                ms_cell(gw["p95"]),
-                met_cell(gw["p95"] is not None and gw["p95"] <= TARGET_P95),
-            ]
-        )
+        rows.append(row("p50 added, non-stream, c=1", TARGET_P50, gw["p50"]))
+        rows.append(row("p95 added, non-stream, c=1", TARGET_P95, gw["p95"]))
     if st:
-        gw = st["added_ms"]["gateway"]
         rows.append(
-            [
-                "first-byte added (p50), stream, c=1",
-                f"≤ {TARGET_TTFB:.0f} ms",
-                ms_cell(gw["p50"]),
-                met_cell(gw["p50"] is not None and gw["p50"] <= TARGET_TTFB),
-            ]
+            row(
+                "first-byte added (p50), stream, c=1", TARGET_TTFB, st["added_ms"]["gateway"]["p50"]
+            )
         )
     for c in (ns, st):
         if c and c.get("gateway_vs_relay_p50") is not None:
