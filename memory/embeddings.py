@@ -156,6 +156,11 @@ class LocalEmbedder:
         """Load the model now (in a worker thread) rather than on the first request."""
         await asyncio.to_thread(self._ensure_loaded)
 
+    @property
+    def loaded(self) -> bool:
+        """Whether the model and its tokenizer are loaded (by `warmup` or a first `embed`)."""
+        return self._session is not None and self._tokenizer is not None
+
     async def embed(self, texts: Sequence[str]) -> list[list[float]]:
         batch = _check_texts(texts)
         if not batch:

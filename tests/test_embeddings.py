@@ -16,6 +16,9 @@ import numpy as np
 import openai
 import pytest
 
+from devkit.upstream import UpstreamServer
+from gateway.settings import Settings
+from memory import tokens
 from memory.embeddings import (
     EMBEDDING_DIM,
     Embedder,
@@ -27,6 +30,7 @@ from memory.embeddings import (
 )
 from memory.errors import ProviderError, SchemaMismatch
 from memory.provider import Provider
+from tests.inprocess import running_app
 
 SENTENCES = [
     "The cat sits on the mat",
@@ -341,3 +345,34 @@ def test_centroid_is_the_unit_mean_direction() -> None:
     assert centroid([[1.0, 0.0], [-1.0, 0.0]]) == [0.0, 0.0]
     with pytest.raises(ValueError):
         centroid([])
+
+
+async def test_serve_loads_the_local_model_and_both_encodings_before_it_answers(
+    database_url: str, upstream: UpstreamServer
+) -> None:
+    """Loaded on first use, they made the first request of each process wait: 0.35-0.45 s for
+    the encoding of a model named outside OpenAI's latest (cl100k_base), ~0.2 s for the local
+    model of a conversation with something to recall."""
+    tokens.get_encoding.cache_clear()
+    settings = Settings(database_url=database_url, upstream_base_url=upstream.url, workers=0)
+    async with running_app(settings) as app:
+        assert isinstance(app.state.embedder, LocalEmbedder)
+        assert app.state.embedder.loaded
+        assert tokens.get_encoding.cache_info().currsize == 2
+
+
+async def test_serve_starts_and_says_so_when_the_local_model_cannot_load(
+    database_url: str, upstream: UpstreamServer, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    missing = tmp_path / "no-model.onnx"
+    settings = Settings(
+        database_url=database_url,
+        upstream_base_url=upstream.url,
+        workers=0,
+        embedding_model_path=missing,
+    )
+    with caplog.at_level("ERROR", logger="gateway.app"):
+        async with running_app(settings) as app:
+            assert isinstance(app.state.embedder, LocalEmbedder)
+            assert not app.state.embedder.loaded
+    assert any(str(missing) in record.getMessage() for record in caplog.records)
