@@ -52,7 +52,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             engine = connect(url, pool_size=settings.db_pool_size)
             stack.push_async_callback(engine.dispose)
             clients = make_clients(
-                timeout=settings.upstream_timeout, connect_timeout=settings.upstream_connect_timeout
+                timeout=settings.upstream_timeout,
+                connect_timeout=settings.upstream_connect_timeout,
+                keep_alive=settings.upstream_keep_alive_seconds,
             )
             for one in clients:
                 stack.push_async_callback(one.aclose)

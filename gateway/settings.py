@@ -12,6 +12,8 @@ from typing import Annotated, Any, Literal
 from pydantic import AnyHttpUrl, Field, IPvAnyNetwork, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from gateway.upstream import KEEPALIVE_SECONDS
+
 OnOff = Literal["on", "off"]
 
 
@@ -40,6 +42,7 @@ class Settings(BaseSettings):
     upstream_api_key: str | None = None
     upstream_timeout: float = Field(default=600.0, gt=0)
     upstream_connect_timeout: float = Field(default=10.0, gt=0)
+    upstream_keep_alive_seconds: float = Field(default=KEEPALIVE_SECONDS, gt=0)
     background_retries: int = Field(default=2, ge=0, le=10)
     # Whether the upstream serves `POST /responses` (`gateway.openai.responses`).
     upstream_responses: Literal["auto", "on", "off"] = "auto"

@@ -209,25 +209,20 @@ def _name(exc: Exception) -> str:
     return f"{type(exc).__name__}: {detail}" if detail else type(exc).__name__
 
 
-def make_client(
-    *, timeout: float, connect_timeout: float, max_connections: int = 1000
-) -> httpx.AsyncClient:
-    """A pooled client for upstream calls."""
-    return httpx.AsyncClient(
-        timeout=httpx.Timeout(timeout, connect=connect_timeout),
-        limits=httpx.Limits(
-            max_connections=max_connections,
-            max_keepalive_connections=max(max_connections // 10, 1),
-            keepalive_expiry=KEEPALIVE_SECONDS,
-        ),
-    )
-
-
-def make_clients(*, timeout: float, connect_timeout: float) -> list[httpx.AsyncClient]:
-    """The `CLIENTS` clients chat completions go through, 1000 connections between them."""
+def make_clients(
+    *, timeout: float, connect_timeout: float, keep_alive: float = KEEPALIVE_SECONDS
+) -> list[httpx.AsyncClient]:
+    """The `CLIENTS` clients chat completions go through, 1000 connections between them, each
+    idle connection closed after `keep_alive` seconds."""
+    connections = 1000 // CLIENTS
     return [
-        make_client(
-            timeout=timeout, connect_timeout=connect_timeout, max_connections=1000 // CLIENTS
+        httpx.AsyncClient(
+            timeout=httpx.Timeout(timeout, connect=connect_timeout),
+            limits=httpx.Limits(
+                max_connections=connections,
+                max_keepalive_connections=max(connections // 10, 1),
+                keepalive_expiry=keep_alive,
+            ),
         )
         for _ in range(CLIENTS)
     ]

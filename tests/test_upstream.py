@@ -6,11 +6,13 @@ A request goes through the first client with the fewest requests in flight, and 
 until its response is closed. Requests one at a time therefore share one client and its one
 kept-alive connection (taken in turn, a pool of `CLIENTS` clients saw one request in `CLIENTS`
 and opened a connection for each one that came slower than its keep-alive), while requests in
-flight together spread over the clients.
+flight together spread over the clients; an idle connection is kept for the keep-alive
+(`MEMSTRATA_UPSTREAM_KEEP_ALIVE_SECONDS`).
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import httpx
@@ -99,3 +101,22 @@ async def test_a_request_that_fails_frees_its_client(
         with pytest.raises(UpstreamUnavailable):
             await way.open("POST", PATH, headers={}, json=_body("to nobody"))
     assert seen == [0, 0]
+
+
+@pytest.mark.parametrize(("keep_alive", "connections"), [(0.2, 2), (3.0, 1)])
+async def test_an_idle_connection_is_kept_for_the_keep_alive(
+    upstream: UpstreamServer, keep_alive: float, connections: int
+) -> None:
+    clients = make_clients(timeout=10.0, connect_timeout=5.0, keep_alive=keep_alive)
+    way = Upstream(clients, base_url=upstream.url, api_key="sk-test")
+    try:
+        for number in range(2):
+            if number:
+                await asyncio.sleep(0.6)
+            response = await way.open("POST", PATH, headers={}, json=_body(f"after {number}"))
+            await way.read(response)
+    finally:
+        for client in clients:
+            await client.aclose()
+    peers = {request["peer"] for request in upstream.requests(f"/v1{PATH}")}
+    assert len(peers) == connections
