@@ -963,14 +963,15 @@ def test_an_idle_client_connection_outlives_the_sdks_own_keep_alive(
     connection = HTTPConnection("127.0.0.1", gateway.port, timeout=10)
     try:
         ports = []
-        for _ in range(2):
+        for number in range(2):
+            if number:
+                time.sleep(6)
             connection.request("GET", "/healthz")
             response = connection.getresponse()
             assert response.status == 200
             response.read()
             assert connection.sock is not None
             ports.append(connection.sock.getsockname()[1])
-            time.sleep(6)
         assert ports[0] == ports[1]  # the same connection, not a new one
     finally:
         connection.close()
