@@ -27,8 +27,6 @@ figures are only as quiet as the machine: the load average is beside each.
 from __future__ import annotations
 
 import argparse
-import asyncio
-import json
 import os
 import statistics
 from collections.abc import Callable, Sequence
@@ -321,12 +319,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         "--tables", type=Path, default=None, help="print the Markdown tables of a results file"
     )
     args = parser.parse_args(argv)
-    if args.tables is not None:
-        print("\n".join(tables(json.loads(args.tables.read_text(encoding="utf-8")))))
-        return
-    report = asyncio.run(run(args))
-    h.write_results(args.output, report)
-    print("\n".join(tables(report)))
+    h.run_or_show(args.tables, args.output, lambda: run(args), tables)
 
 
 if __name__ == "__main__":

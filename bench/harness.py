@@ -36,6 +36,7 @@ from collections.abc import (
     AsyncIterator,
     Awaitable,
     Callable,
+    Coroutine,
     Iterable,
     Iterator,
     Mapping,
@@ -168,6 +169,22 @@ def write_results(path: Path, payload: Mapping[str, Any]) -> Path:
     shown = path.relative_to(REPO_ROOT) if path.is_relative_to(REPO_ROOT) else path
     log(f"results written to {shown}")
     return path
+
+
+def run_or_show(
+    tables: Path | None,
+    output: Path,
+    run: Callable[[], Coroutine[Any, Any, dict[str, Any]]],
+    render: Callable[[dict[str, Any]], list[str]],
+) -> None:
+    """A benchmark's command: with `tables` (`--tables FILE`), that results file's Markdown
+    tables; otherwise `run` it, write its results to `output` and print their tables."""
+    if tables is not None:
+        print("\n".join(render(json.loads(tables.read_text(encoding="utf-8")))))
+        return
+    report = asyncio.run(run())
+    write_results(output, report)
+    print("\n".join(render(report)))
 
 
 # -- statistics -------------------------------------------------------------------------------

@@ -72,7 +72,7 @@ def _working_tree() -> str:
     return f"working tree ({described.stdout.strip()})"
 
 
-async def _turns(
+async def turns(
     client: httpx.AsyncClient,
     gateway: GatewayProcess,
     upstream_url: str,
@@ -155,7 +155,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                         **{**values, **settings},
                     ) as gateway:
                         # A few turns first: connections, caches, the working context.
-                        await _turns(
+                        await turns(
                             client,
                             gateway,
                             upstream.url,
@@ -163,7 +163,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                             questions=questions,
                             count=5,
                         )
-                        measured = await _turns(
+                        measured = await turns(
                             client,
                             gateway,
                             upstream.url,

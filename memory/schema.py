@@ -140,6 +140,8 @@ nodes = Table(
     # recorded (NULL for what the client sent).
     Column("model", Text),
     Column("token_count", Integer, nullable=False, server_default="0"),
+    # Stored in the row (storage MAIN, migration 0014): out of line, as pgvector stores it by
+    # default once a row passes ~2 kB, each distance computed cost a TOAST lookup.
     Column("embedding", Vector(EMBEDDING_DIM)),
     Column("tsv", TSVECTOR, Computed("to_tsvector('english', text)", persisted=True)),
     Column("importance", Float, nullable=False, server_default="0"),
@@ -201,8 +203,13 @@ nodes = Table(
         postgresql_where=text("embedding IS NULL"),
     ),
     # Statistics kept fresh (migration 0013): a conversation that grew since the last analyze
-    # is taken for a few rows, and its lookups scan all of it.
-    postgresql_with={"autovacuum_analyze_scale_factor": 0.01, "autovacuum_analyze_threshold": 2000},
+    # is taken for a few rows, and its lookups scan all of it. Rows of up to ~4 kB stored whole
+    # (migration 0014): a message's row with its vector passes the default ~2 kB.
+    postgresql_with={
+        "autovacuum_analyze_scale_factor": 0.01,
+        "autovacuum_analyze_threshold": 2000,
+        "toast_tuple_target": 4080,
+    },
 )
 
 passages = Table(

@@ -3,6 +3,7 @@ indexes as the schema declares them, the migration that keeps each conversation'
 fingerprint, and the one that rehashes chains."""
 
 import asyncio
+import hashlib
 import importlib.util
 import json
 import re
@@ -88,7 +89,8 @@ async def test_the_migrated_tables_and_indexes_have_the_schemas_options(
 ) -> None:
     """Every index `memory.schema` declares exists after the migrations, and every table and
     index has the storage options it declares (the full-text index's small pending list:
-    migration 0012; the messages' frequent analyze: 0013)."""
+    migration 0012; the messages' frequent analyze: 0013; their rows kept whole up to ~4 kB:
+    0014)."""
     async with engine.connect() as conn:
         rows = await conn.execute(
             text(
@@ -110,7 +112,51 @@ async def test_the_migrated_tables_and_indexes_have_the_schemas_options(
         assert wanted <= migrated[str(item.name)], (item.name, migrated[str(item.name)])
     assert "gin_pending_list_limit=128" in migrated["ix_nodes_conversation_tsv"]
     assert "autovacuum_analyze_threshold=2000" in migrated["nodes"]
+    assert "toast_tuple_target=4080" in migrated["nodes"]
     assert "ix_nodes_conversation_chain" in migrated
+
+
+@pytest.mark.parametrize(("revision", "whole"), [("head", True), ("0013", False)])
+async def test_a_messages_row_keeps_its_vector_and_its_text(
+    empty_database: str, revision: str, whole: bool
+) -> None:
+    """A message's vector, written after the message as the worker writes it, stays in the
+    message's row, and so do its text and search vector (migration 0014: the vector's storage
+    MAIN, rows of up to ~4 kB whole). Before 0014 this row's vector went to the TOAST table:
+    the row is large enough to tell."""
+    engine = connect(empty_database)
+    try:
+        async with engine.begin() as conn:
+            await conn.run_sync(_upgrade_to(revision))
+        async with transaction(engine) as conn:
+            await conn.execute(
+                text(
+                    "WITH t AS (INSERT INTO tenants (name) VALUES ('t') RETURNING id), "
+                    "c AS (INSERT INTO conversations (tenant_id, external_id) "
+                    "SELECT id, 'c' FROM t RETURNING id, tenant_id) "
+                    "INSERT INTO nodes (tenant_id, conversation_id, level, seq, span_start, "
+                    "span_end, role, content, chain_hash, text) SELECT c.tenant_id, c.id, 0, "
+                    "0, 0, 0, 'user', to_jsonb(CAST(:said AS text)), md5('0'), :said FROM c"
+                ),
+                # Words that do not repeat: compressed, a repetitive text would leave room.
+                {"said": " ".join(hashlib.md5(str(i).encode()).hexdigest() for i in range(12))},
+            )
+            await conn.execute(
+                text("UPDATE nodes SET embedding = CAST(:vector AS vector)"),
+                {"vector": str([round(0.05 * (i % 7) - 0.15, 2) for i in range(384)])},
+            )
+            out_of_line = (
+                await conn.execute(
+                    text(
+                        "SELECT pg_column_toast_chunk_id(embedding) IS NOT NULL, "
+                        "pg_column_toast_chunk_id(tsv) IS NOT NULL, "
+                        "pg_column_toast_chunk_id(text) IS NOT NULL FROM nodes"
+                    )
+                )
+            ).one()
+    finally:
+        await engine.dispose()
+    assert tuple(out_of_line) == ((False, False, False) if whole else (True, False, False))
 
 
 @pytest.mark.parametrize("statement", [identity._PATH, identity._DEEPEST])
