@@ -8,7 +8,15 @@ goes upstream is the client's own JSON, not a re-serialisation of these models.
 from datetime import datetime
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 Role = Literal["system", "developer", "user", "assistant", "tool", "function"]
 
@@ -47,13 +55,21 @@ class ToolCall(BaseModel):
     function: ToolCallFunction
 
 
+def storable_context(unsafe: bool) -> dict[str, bool]:
+    """The validation context of a body read by `gateway.bodies.read_json`: whether its raw
+    JSON escaped a NUL or a surrogate (`unsafe_escapes`); without, no string is walked again."""
+    return {"unsafe_escapes": unsafe}
+
+
 class _Storable(BaseModel):
-    """A body or message whose every string Postgres can hold."""
+    """A body or message whose every string Postgres can hold (checked unless the validation
+    context, `storable_context`, says the raw body could not hold such text)."""
 
     @model_validator(mode="before")
     @classmethod
-    def _storable_text(cls, data: Any) -> Any:
-        if not _storable(data):
+    def _storable_text(cls, data: Any, info: ValidationInfo) -> Any:
+        unsafe = (info.context or {}).get("unsafe_escapes", True)
+        if unsafe and not _storable(data):
             raise ValueError(_UNSTORABLE)
         return data
 

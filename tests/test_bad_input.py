@@ -267,6 +267,8 @@ UNSTORABLE = {
     "NUL in a content part": {"role": "user", "content": [{"type": "text", "text": "a\u0000"}]},
     "NUL in name": {"role": "user", "content": "x", "name": "a\u0000"},
     "lone surrogate": {"role": "user", "content": "a\ud800b"},
+    # After escapes that are harmless (json.dumps escapes "é" too), which alone skip the check.
+    "NUL after other escapes": {"role": "user", "content": "caf\u00e9 a\u0000b"},
 }
 
 
@@ -452,6 +454,7 @@ HOSTILE = {
     "surrogate in metadata": b"{" + VALID + b', "metadata": {"k": "\\ud800"}}',
     "surrogate in stop": b"{" + VALID + b', "stop": ["\\udfff"]}',
     "surrogate in a key": b"{" + VALID + b', "metadata": {"\\ud800": "v"}}',
+    "upper-case surrogate escape": b"{" + VALID + b', "metadata": {"k": "\\uDBFF"}}',
     # Finite in JSON's grammar, infinite as a double.
     "1e400": b"{" + VALID + b', "temperature": 1e400}',
     "-1e400": b"{" + VALID + b', "top_p": -1e400}',
@@ -467,6 +470,16 @@ async def test_hostile_bodies_are_400_before_anything_is_stored(
 ) -> None:
     error = await refused(400, lambda: client.post(CHAT, content=raw, headers=JSON_HEADERS))
     assert error["code"] in ("invalid_value", "invalid_json")
+
+
+async def test_text_that_only_looks_unstorable_is_accepted(client: httpx.AsyncClient) -> None:
+    """Escapes of other characters, a surrogate pair (an emoji) and a backslash before "u0000"
+    are text Postgres holds: read whole (the escapes send the body down the full check) and
+    accepted, as a body without escapes is."""
+    for content in ("caf\\u00e9 \\ud83d\\ude00 \\\\u0000 and \\\\ud800", "plain text"):
+        raw = b'{"model": "m", "messages": [{"role": "user", "content": "%s"}]}' % content.encode()
+        response = await client.post(CHAT, content=raw, headers=JSON_HEADERS)
+        assert response.status_code == 200, (content, response.text)
 
 
 async def test_64_levels_of_nesting_are_accepted(client: httpx.AsyncClient) -> None:

@@ -40,7 +40,7 @@ from gateway.bodies import read_json
 from gateway.errors import GatewayError
 from gateway.openai import degraded, relay, toolloop
 from gateway.openai.turn import CONVERSATION_HEADER, Turn
-from gateway.schemas import ChatCompletionRequest
+from gateway.schemas import ChatCompletionRequest, storable_context
 from gateway.settings import Settings
 from gateway.state import State
 from memory import stages, tokens
@@ -280,14 +280,14 @@ async def parse(
     """The raw body (forwarded as is) and its validated view, both made off the event loop
     when the body is large (`gateway.bodies`)."""
 
-    def validate(body: Any) -> tuple[dict[str, Any], ChatCompletionRequest]:
+    def validate(body: Any, unsafe: bool) -> tuple[dict[str, Any], ChatCompletionRequest]:
         if not isinstance(body, dict):
             raise GatewayError(400, "the body must be a JSON object", code="invalid_value")
         messages = body.get("messages")
         if isinstance(messages, list) and len(messages) > settings.max_messages:
             raise _too_many(settings.max_messages, str(len(messages)))
         try:
-            chat = ChatCompletionRequest.model_validate(body)
+            chat = ChatCompletionRequest.model_validate(body, context=storable_context(unsafe))
         except ValidationError as exc:
             raise RequestValidationError(exc.errors()) from exc
         # Counted here, off the event loop for a large body; found counted when stored.
