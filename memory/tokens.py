@@ -262,19 +262,30 @@ def _encoding_for_model(model: str) -> tiktoken.Encoding:
     return get_encoding(encoding_name_for_model(model))
 
 
+SHORT_TEXT = 1_024
+"""Every text keeps its count: one shorter than this by value (`_short_count`, up to
+`_SHORT_COUNTS_KEPT` of them, ~20 MB at most), a longer one by digest (up to
+`_LONG_COUNTS_KEPT`). A client resends its whole history each turn, and each of its messages
+was counted the turn before (`bench.bodies`)."""
 LONG_TEXT = 16_384
-"""Texts at least this long keep their counts (a few hundred of them, by digest), so that the
-request path can count them in a worker thread first (`precount`) and find them counted on the
-event loop: encoding a megabyte takes a good part of a second."""
-_LONG_COUNTS_KEPT = 256
+"""Texts at least this long are counted in a worker thread first by the request path
+(`precount`), to be found counted on the event loop: encoding a megabyte takes a good part of a
+second."""
+_SHORT_COUNTS_KEPT = 16_384
+_LONG_COUNTS_KEPT = 4_096
 _long_counts: OrderedDict[tuple[str, bytes], int] = OrderedDict()
 _long_counts_lock = threading.Lock()
 
 
+@functools.lru_cache(maxsize=_SHORT_COUNTS_KEPT)
+def _short_count(encoding: str, text: str) -> int:
+    # encode_ordinary treats "<|endoftext|>" in user text as plain text instead of raising.
+    return len(get_encoding(encoding).encode_ordinary(text))
+
+
 def _count(enc: tiktoken.Encoding, text: str) -> int:
-    if len(text) < LONG_TEXT:
-        # encode_ordinary treats "<|endoftext|>" in user text as plain text instead of raising.
-        return len(enc.encode_ordinary(text)) if text else 0
+    if len(text) < SHORT_TEXT:
+        return _short_count(enc.name, text) if text else 0
     digest = hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=16).digest()
     key = (enc.name, digest)
     with _long_counts_lock:

@@ -172,6 +172,26 @@ def test_the_same_message_however_it_is_serialized() -> None:
     assert chains.content_hash(image) != chains.content_hash("look")
 
 
+def test_a_text_messages_hash_is_its_own_when_hashed_before() -> None:
+    """Text messages keep their canonical form between turns (`chains._text_form`); a message
+    that differs from one hashed before in its role, name, content or tool call id alone still
+    hashes differently, an empty name is no name, and tool calls are never left out."""
+    said = {"role": "user", "content": "the lakes in june", "name": "ann"}
+    first = chains.chain([said])
+    assert chains.chain([dict(said)]) == first
+    for change in (
+        {"role": "assistant"},
+        {"name": "bob"},
+        {"name": None},
+        {"content": "the lakes in july"},
+        {"tool_call_id": "c1"},
+        {"tool_calls": [{"id": "c1", "function": {"name": "f", "arguments": "{}"}}]},
+    ):
+        assert chains.chain([{**said, **change}]) != first, change
+    assert chains.chain([{**said, "name": ""}]) == chains.chain([{**said, "name": None}])
+    assert chains.chain([said], "parent") != first
+
+
 @pytest.mark.parametrize("named", [False, True], ids=["no-header", "header"])
 async def test_tool_rounds_with_reserialized_arguments_stored_once(
     http: httpx.Client, engine: AsyncEngine, upstream: UpstreamServer, named: bool

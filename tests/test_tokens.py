@@ -196,6 +196,22 @@ def test_encodings_differ_where_they_should() -> None:
     assert count_text(text, model="gpt-4") == len(get_encoding("cl100k_base").encode(text))
 
 
+@pytest.mark.parametrize("repeat", [1, 40], ids=["short", "by digest"])
+def test_a_kept_count_is_the_count_of_its_own_encoding(repeat: int) -> None:
+    """Counts are kept per text (by value when short, by digest from `SHORT_TEXT` on), and per
+    encoding: the same text counted for a model of each encoding, in turns and again, gives
+    each encoding's own count every time."""
+    text = "Günther's naïve façade — 東京タワー " * repeat + str(random.random())
+    assert (len(text) >= tokens.SHORT_TEXT) is (repeat > 1)
+    expected = {
+        model: len(get_encoding(name).encode_ordinary(text))
+        for model, name in (("gpt-4o", "o200k_base"), ("gpt-4", "cl100k_base"))
+    }
+    assert expected["gpt-4o"] != expected["gpt-4"]
+    for _ in range(3):
+        assert {model: count_text(text, model=model) for model in expected} == expected
+
+
 @pytest.mark.parametrize("model", ["gpt-4o", "gpt-4"])
 def test_message_overhead(model: str) -> None:
     # 3 framing + "user" (1) + "hello world" (2)

@@ -19,6 +19,7 @@ keeps the one of its newest system prompt (`system_hash`) to recognise a client 
 """
 
 import contextlib
+import functools
 import hashlib
 import json
 from collections.abc import Mapping, Sequence
@@ -97,6 +98,37 @@ def content_hash(content: Any) -> str:
 
 def chain_hash(parent: str, message: Mapping[str, Any]) -> str:
     """The chain hash of `message` following a message whose chain hash is `parent`."""
+    role, name, content = message.get("role"), message.get("name"), message.get("content")
+    tool_call_id = message.get("tool_call_id")
+    if (
+        isinstance(role, str)
+        and (content is None or (isinstance(content, str) and len(content) < _KEPT_TEXT))
+        and (name is None or isinstance(name, str))
+        and (tool_call_id is None or isinstance(tool_call_id, str))
+        and not message.get("tool_calls")
+        and not isinstance(message.get("function_call"), Mapping)
+    ):
+        # Nothing else of such a message is in its canonical form (`canonical`).
+        return _text_hash(parent, role, name or None, content, tool_call_id)
+    return _hash(parent, message)
+
+
+_KEPT_TEXT = 1_024
+"""Text messages shorter than this keep their chain hash (`_text_hash`): a client resends its
+whole history with each message, and each of them was hashed, after the same parent, the turn
+before."""
+
+
+@functools.lru_cache(maxsize=8_192)
+def _text_hash(
+    parent: str, role: str, name: str | None, content: str | None, tool_call_id: str | None
+) -> str:
+    return _hash(
+        parent, {"role": role, "name": name, "content": content, "tool_call_id": tool_call_id}
+    )
+
+
+def _hash(parent: str, message: Mapping[str, Any]) -> str:
     return hashlib.sha256(f"{parent}\n".encode() + canonical_json(canonical(message))).hexdigest()
 
 
