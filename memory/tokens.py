@@ -265,16 +265,16 @@ def _encoding_for_model(model: str) -> tiktoken.Encoding:
 SHORT_TEXT = 1_024
 """Every text keeps its count: one shorter than this by value (`_short_count`, up to
 `_SHORT_COUNTS_KEPT` of them, ~20 MB at most), a longer one by digest (up to
-`_LONG_COUNTS_KEPT`). A client resends its whole history each turn, and each of its messages
+`_DIGEST_COUNTS_KEPT`). A client resends its whole history each turn, and each of its messages
 was counted the turn before (`bench.bodies`)."""
 LONG_TEXT = 16_384
 """Texts at least this long are counted in a worker thread first by the request path
 (`precount`), to be found counted on the event loop: encoding a megabyte takes a good part of a
 second."""
 _SHORT_COUNTS_KEPT = 16_384
-_LONG_COUNTS_KEPT = 4_096
-_long_counts: OrderedDict[tuple[str, bytes], int] = OrderedDict()
-_long_counts_lock = threading.Lock()
+_DIGEST_COUNTS_KEPT = 4_096
+_digest_counts: OrderedDict[tuple[str, bytes], int] = OrderedDict()
+_digest_counts_lock = threading.Lock()
 
 
 @functools.lru_cache(maxsize=_SHORT_COUNTS_KEPT)
@@ -288,18 +288,18 @@ def _count(enc: tiktoken.Encoding, text: str) -> int:
         return _short_count(enc.name, text) if text else 0
     digest = hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=16).digest()
     key = (enc.name, digest)
-    with _long_counts_lock:
-        if (known := _long_counts.get(key)) is not None:
-            _long_counts.move_to_end(key)
+    with _digest_counts_lock:
+        if (known := _digest_counts.get(key)) is not None:
+            _digest_counts.move_to_end(key)
             return known
     # Into a buffer rather than a list of ints: building a million Python ints held the GIL
     # for ~0.4 s (the event loop stalled though the encoding ran in a worker thread); the buffer
     # holds it ~40 ms. No special token is special here, as with `encode_ordinary`.
     count = len(enc.encode_to_numpy(text, allowed_special=set(), disallowed_special=()))
-    with _long_counts_lock:
-        _long_counts[key] = count
-        while len(_long_counts) > _LONG_COUNTS_KEPT:
-            _long_counts.popitem(last=False)
+    with _digest_counts_lock:
+        _digest_counts[key] = count
+        while len(_digest_counts) > _DIGEST_COUNTS_KEPT:
+            _digest_counts.popitem(last=False)
     return count
 
 
