@@ -8,6 +8,7 @@ the leg is run with a small `reads` so that those words are the common ones it m
 from __future__ import annotations
 
 import json
+import math
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -214,3 +215,49 @@ async def test_what_is_read_does_not_grow_with_common_words(engine: AsyncEngine)
     assert await nodes_read(engine, tenant, conversation, query, reads=10**9) >= LARGE
     found = await leg(engine, tenant, conversation, query, reads=100)
     assert seqs(found) == [777]
+
+
+async def test_the_ranking_is_bm25_without_term_frequency(engine: AsyncEngine) -> None:
+    """The order is that of Σ idf over the query words a message holds, normalized by its
+    length, computed here by hand. The three rarer words are read, each message once however
+    many of them it holds; the common word, not read, still scores."""
+    words = (RARE, "marmalade", "quokka", "weather")
+    contents = [
+        "a quokka and marmalade at the weather desk",
+        "marmalade weather noon",  # the common word breaks its tie with the next, not seq
+        "marmalade at noon",
+        "quokka pending, weather permitting, much later than anyone had wanted it to be",
+        f"{RARE} over the quokka",
+        f"a {RARE} report on the weather",
+        *(f"weather report {i}" for i in range(20)),
+    ]
+    messages = [{"role": "user", "content": content} for content in contents]
+    tenant, conversation = await new_conversation(engine, messages)
+    found = await leg(engine, tenant, conversation, " ".join(words), reads=10)
+    holds = ", ".join(f"tsv @@ to_tsquery('english', :w{i})" for i in range(len(words)))
+    async with engine.connect() as conn:
+        rows = (
+            await conn.execute(
+                text(
+                    f"SELECT seq, token_count, {holds} FROM nodes"
+                    " WHERE conversation_id = :c AND level = 0 ORDER BY seq"
+                ),
+                {"c": conversation, **{f"w{i}": word for i, word in enumerate(words)}},
+            )
+        ).all()
+    held = {seq: terms for seq, _, *terms in rows}
+    tokens = {seq: count for seq, count, *_ in rows}
+    df = [sum(terms[i] for terms in held.values()) for i in range(len(words))]
+    assert df == [2, 3, 3, 24]  # the common word, held by 24 messages, is not read at 10
+    idf = [math.log(1 + (len(rows) - d + 0.5) / (d + 0.5)) for d in df]
+    reached = [seq for seq, terms in held.items() if any(terms[:3])]
+    average = sum(tokens[seq] for seq in reached) / len(reached)
+    score = {
+        seq: sum(w for w, has in zip(idf, held[seq], strict=True) if has)
+        * 2.2
+        / (1 + 1.2 * (0.25 + 0.75 * tokens[seq] / average))
+        for seq in reached
+    }
+    expected = sorted(reached, key=lambda seq: (score[seq], seq), reverse=True)
+    assert seqs(found) == expected and sorted(expected) == [0, 1, 2, 3, 4, 5]
+    assert expected.index(1) < expected.index(2)
