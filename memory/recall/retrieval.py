@@ -183,8 +183,9 @@ pairs AS MATERIALIZED (
     FROM terms t JOIN found f ON f.tsv @@ t.tq
 ),
 stats AS MATERIALIZED (
-    -- In float8: as the sum's numeric, every score after it was computed in numeric, a quarter
-    -- of the leg (17.9 -> 13.5 ms at 10,000 messages of varied text, the same order).
+    -- In float8: as the sum's numeric, every score after it was computed in numeric. With the
+    -- one scan above, 14.4 -> 12.3 ms at the median on 10,000 messages of varied text and 5-13 %
+    -- less on LoCoMo's conversations, the same order (`bench.fulltext`).
     SELECT greatest(sum(c.next_seq), 1)::float8 AS total,
            (SELECT greatest(avg(token_count), 1) FROM found)::float8 AS avg_tokens
     FROM conversations c
