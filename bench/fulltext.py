@@ -45,7 +45,7 @@ from bench import harness as h
 from bench.overhead import QUESTIONS, REPETITIVE_QUESTIONS
 from devkit.postgres import throwaway_postgres
 from memory.db import connect
-from memory.recall import retrieval
+from memory.recall import recall_note, retrieval
 
 RESULTS: Final = h.RESULTS_DIR / "fulltext.json"
 LOCOMO_QUESTIONS: Final = 40
@@ -125,7 +125,7 @@ async def _measure(
                         tenant_id=tenant_id,
                         conversation_ids=[conversation_id],
                         query=question,
-                        limit=retrieval.CANDIDATES * 4,
+                        limit=recall_note.POOL,
                     )
                     sql, parameters = seen.last
                     started = time.perf_counter()
@@ -187,7 +187,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             "base": args.base,
             "questions": args.questions,
             "rounds": args.rounds,
-            "limit": retrieval.CANDIDATES * 4,
+            "limit": recall_note.POOL,
         },
         "conversations": results,
     }

@@ -173,7 +173,7 @@ def test_the_same_message_however_it_is_serialized() -> None:
 
 
 def test_a_text_messages_hash_is_its_own_when_hashed_before() -> None:
-    """Text messages keep their canonical form between turns (`chains._text_form`); a message
+    """Text messages keep their chain hash between turns (`chains._text_hash`); a message
     that differs from one hashed before in its role, name, content or tool call id alone still
     hashes differently, an empty name is no name, and tool calls are never left out."""
     said = {"role": "user", "content": "the lakes in june", "name": "ann"}
