@@ -2,6 +2,7 @@
 to the summary tree, and what recall may read, against a real Postgres, real local
 embeddings and the extractive summarizer."""
 
+import asyncio
 import uuid
 from typing import Any
 
@@ -141,3 +142,32 @@ async def test_recall_reads_abandoned_branches_only_when_asked(
 
     assert "Zanzibarite, a rare mineral." not in await found(False)
     assert "Zanzibarite, a rare mineral." in await found(True)
+
+
+async def test_a_summary_being_written_holds_up_a_branch_move_and_no_other_turn(
+    engine: AsyncEngine, tenant_id: int
+) -> None:
+    external_id = f"branch-lock-{uuid.uuid4().hex}"
+    history: list[Message] = [{"role": "user", "content": "Tell me about the fjord."}]
+    stored = await turn(engine, tenant_id, external_id, history, "The fjord answer.")
+    history.append({"role": "assistant", "content": "The fjord answer."})
+    async with engine.connect() as writer:
+        # What the build holds while it writes a summary and its children's vectors.
+        transaction = await writer.begin()
+        assert await tree.hold_branch(writer, conversation_id=stored.conversation.id)
+        history.append({"role": "user", "content": "And the delta?"})
+        # A turn that extends the branch does not wait for it: it would never end here.
+        extended = await asyncio.wait_for(
+            turn(engine, tenant_id, external_id, history, "The delta answer."), timeout=30
+        )
+        assert extended.branched_at is None
+        # A turn that moves the branch (the last question edited) waits for the commit.
+        edited = [*history[:2], {"role": "user", "content": "And the estuary?"}]
+        moving = asyncio.ensure_future(
+            turn(engine, tenant_id, external_id, edited, "The estuary answer.")
+        )
+        await asyncio.sleep(0.5)
+        assert not moving.done()
+        await transaction.commit()
+    moved = await asyncio.wait_for(moving, timeout=30)
+    assert moved.branched_at == extended.first_seq

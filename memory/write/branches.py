@@ -21,7 +21,7 @@ from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from memory.db import AnyRow
-from memory.schema import nodes
+from memory.schema import conversations, nodes
 from memory.write.chains import ROOT_HASH
 
 
@@ -64,7 +64,14 @@ async def move(
 ) -> Moved:
     """Make the current branch its messages up to `fork_seq` (None: none of them) followed by
     the superseded messages `restore`; drop the summaries over what changed. The caller holds
-    the conversation's lock and moves its head and token count."""
+    the conversation's lock and moves its head and token count.
+
+    The turn's lock (`FOR NO KEY UPDATE`) becomes the row's update lock first: a summary being
+    written (under a key-share lock: `memory.build.tree`) is committed before the branch moves,
+    and none is written over it until the turn ends."""
+    await conn.execute(
+        select(conversations.c.id).where(conversations.c.id == conversation_id).with_for_update()
+    )
     rows = (
         await conn.execute(
             _MOVE,

@@ -17,10 +17,12 @@ a new chat that merely opens like an old one (the same system prompt) is not tak
 
 `identify` is the first step of the request path: it finds the conversation an incoming history
 belongs to (by the client's conversation id, else by the deepest stored message of its chain),
-creates it when there is none, and locks its row (`FOR UPDATE`) until the caller's transaction
-ends, so that concurrent requests on one conversation store their messages one after the other
-(`memory.write.store`). Two requests that would both start a new conversation with the same
-first message are serialized by an advisory lock, so the second finds the first's.
+creates it when there is none, and locks its row (`FOR NO KEY UPDATE`) until the caller's
+transaction ends, so that concurrent requests on one conversation store their messages one after
+the other (`memory.write.store`); the background build's summaries, written under a key-share
+lock of the row, do not hold it up (`memory.build.tree`). Two requests that would both start
+a new conversation with the same first message are serialized by an advisory lock, so the second
+finds the first's.
 
 **Retries.** A request is known by its `RequestKey`: the client's `Idempotency-Key`, else the
 sha256 of its body's JSON. It repeats an earlier request of the conversation (`Found.retry`:
@@ -218,7 +220,8 @@ _HEAD_COLUMNS = (
 
 # One statement, built once (built per call, it cost three times its execution in CPU time):
 # the conflicting update is a no-op that locks the existing row (a new one is ours until
-# commit); `xmax` is 0 only on a row this statement inserted.
+# commit) as `FOR NO KEY UPDATE` does, since it sets no column of a unique key; `xmax` is 0
+# only on a row this statement inserted.
 _NAMED = pg_insert(conversations).values(
     tenant_id=bindparam("tenant_id"),
     external_id=bindparam("external_id"),
@@ -226,7 +229,7 @@ _NAMED = pg_insert(conversations).values(
 )
 _LOCK_OR_CREATE = _NAMED.on_conflict_do_update(
     constraint="uq_conversations_tenant_external",
-    set_={"external_id": _NAMED.excluded.external_id},
+    set_={"updated_at": conversations.c.updated_at},
 ).returning(*conversations.c, *_HEAD_COLUMNS, literal_column("xmax = 0").label("inserted"))
 
 # Built once: the request path runs these on every request without a conversation id.
@@ -251,7 +254,7 @@ _LOCK_BY_HEAD = (
         conversations.c.updated_at.desc(),
     )
     .limit(1)
-    .with_for_update(of=conversations)
+    .with_for_update(of=conversations, key_share=True)
 )
 # Else the conversation holding the deepest stored message of the history (a current one
 # first): the history may branch from it.
@@ -286,7 +289,7 @@ _PATH = select(
 _LOCK_BY_ID = (
     select(conversations, *_HEAD_COLUMNS)
     .where(conversations.c.id == bindparam("id"))
-    .with_for_update(of=conversations)
+    .with_for_update(of=conversations, key_share=True)
 )
 
 

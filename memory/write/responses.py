@@ -82,7 +82,7 @@ async def find(
         .where(responses.c.tenant_id == tenant_id, responses.c.response_id == response_id)
     )
     if lock:
-        query = query.with_for_update(of=conversations)
+        query = query.with_for_update(of=conversations, key_share=True)
     row = (await conn.execute(query)).one_or_none()
     if row is None:
         raise NotFound(f"Response with id '{response_id}' not found.")

@@ -2,10 +2,10 @@
 
 Every function takes the connection and keyword-only arguments, and is scoped by `tenant_id`:
 a conversation or node of another tenant behaves as missing. Writes that touch a conversation
-lock its row first (`FOR UPDATE`), so concurrent requests on one conversation get consecutive,
-never duplicated, sequence numbers and a consistent hash chain. Callers own the transaction:
-`store_new` and `append` do their work inside the caller's transaction, and queue the build of
-the conversation's tree there (`memory.build.tree.enqueue`, deduplicated), so that the
+lock its row first (`FOR NO KEY UPDATE`), so concurrent requests on one conversation get
+consecutive, never duplicated, sequence numbers and a consistent hash chain. Callers own the
+transaction: `store_new` and `append` do their work inside the caller's transaction, and queue
+the build of the conversation's tree there (`memory.build.tree.enqueue`, deduplicated), so that the
 background work commits or rolls back with the messages it concerns. They (and
 `memory.write.appends.at_head`, which `store_new` and `memory.write.replies` try first) are the
 only places a write queues its build: no caller can store messages and forget them. A reply to
@@ -419,7 +419,7 @@ _LOCK_BY_ID = (
     .where(
         conversations.c.id == bindparam("id"), conversations.c.tenant_id == bindparam("tenant_id")
     )
-    .with_for_update()
+    .with_for_update(key_share=True)
 )
 
 
