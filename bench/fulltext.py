@@ -1,14 +1,15 @@
-"""The full-text leg's statement at another revision beside this tree's, on kept conversations.
+"""The full-text leg at another revision beside this tree's, on kept conversations.
 
     python -m bench.fulltext --base REV --data-dir DIR --conversations ID[,ID...]
                              [--questions overhead|repetitive|locomo] [--locomo FILE]
                              [--rounds 5] [--output FILE] [--tables FILE]
 
 `memory.recall.retrieval.fulltext_candidates` is one SQL statement; a change to it should return
-the same candidates, in the same order, in less time. This benchmark takes the statement as it
-is at `--base` (from `git show REV:memory/recall/retrieval.py`) and as it is in this tree, and
-runs both on the same database, question by question, in turn (one connection, `--rounds`
-rounds), so that the machine's drift falls on both alike. The database is a kept one
+the same candidates, in the same order, in less time. This benchmark takes the statement, and
+how many messages the leg reads at most (`FULLTEXT_READS`), as they are at `--base` (from `git
+show REV:memory/recall/retrieval.py`) and as they are in this tree, and runs both on the same
+database, question by question, in turn (one connection, `--rounds` rounds), so that the
+machine's drift falls on both alike. The database is a kept one
 (`--data-dir`, as `bench.vectors`, `bench.locomo` and `bench.side_by_side` keep theirs); the
 conversations are named by their external ids, each asked:
 
@@ -35,6 +36,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 
@@ -52,8 +54,17 @@ LOCOMO_QUESTIONS: Final = 40
 """Questions asked of each LoCoMo conversation."""
 
 
-def statement_at(revision: str) -> TextClause:
-    """The full-text leg's statement as `revision` builds it."""
+@dataclass(frozen=True)
+class Leg:
+    """The full-text leg as one revision runs it: its statement and how many messages it reads
+    at most (`retrieval.FULLTEXT_READS`)."""
+
+    statement: TextClause
+    reads: int
+
+
+def leg_at(revision: str) -> Leg:
+    """The full-text leg as `revision` builds it."""
     source = subprocess.run(
         ["git", "show", f"{revision}:memory/recall/retrieval.py"],
         cwd=h.REPO_ROOT,
@@ -72,8 +83,7 @@ def statement_at(revision: str) -> TextClause:
             spec.loader.exec_module(module)
         finally:
             del sys.modules[spec.name]
-    statement: TextClause = module._FULLTEXT
-    return statement
+    return Leg(statement=module._FULLTEXT, reads=int(module.FULLTEXT_READS))
 
 
 def questions_for(kind: str, external_id: str, locomo: Path | None) -> Sequence[str]:
@@ -101,15 +111,15 @@ class _Statements:
 async def _measure(
     engine: AsyncEngine,
     seen: _Statements,
-    statements: dict[str, TextClause],
+    legs: dict[str, Leg],
     *,
     tenant_id: int,
     conversation_id: int,
     questions: Sequence[str],
     rounds: int,
 ) -> dict[str, Any]:
-    times: dict[str, list[float]] = {name: [] for name in statements}
-    buffers: dict[str, list[int]] = {name: [] for name in statements}
+    times: dict[str, list[float]] = {name: [] for name in legs}
+    buffers: dict[str, list[int]] = {name: [] for name in legs}
     same = 0
     async with engine.connect() as conn:
         driver = (await conn.get_raw_connection()).driver_connection
@@ -117,8 +127,8 @@ async def _measure(
         for round_number in range(rounds):
             for question in questions:
                 found: dict[str, Any] = {}
-                for name, statement in statements.items():
-                    retrieval._FULLTEXT = statement
+                for name, leg in legs.items():
+                    retrieval._FULLTEXT = leg.statement
                     # Through the leg once, for the statement and parameters it sends.
                     await retrieval.fulltext_candidates(
                         conn,
@@ -126,6 +136,7 @@ async def _measure(
                         conversation_ids=[conversation_id],
                         query=question,
                         limit=recall_note.POOL,
+                        reads=leg.reads,
                     )
                     sql, parameters = seen.last
                     started = time.perf_counter()
@@ -148,14 +159,17 @@ async def _measure(
                 "ms": h.summarize(times[name]),
                 "buffers": statistics.median(buffers[name]),
             }
-            for name in statements
+            for name in legs
         },
     }
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     original = retrieval._FULLTEXT
-    statements = {"base": statement_at(args.base), "head": original}
+    legs = {
+        "base": leg_at(args.base),
+        "head": Leg(statement=original, reads=retrieval.FULLTEXT_READS),
+    }
     results: dict[str, Any] = {}
     with throwaway_postgres(durable=True, folder=args.data_dir) as postgres:
         engine = connect(postgres.url)
@@ -170,7 +184,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 results[external_id] = await _measure(
                     engine,
                     seen,
-                    statements,
+                    legs,
                     tenant_id=int(row[0]),
                     conversation_id=int(row[1]),
                     questions=questions_for(args.questions, external_id, args.locomo),

@@ -38,7 +38,9 @@ quality (LoCoMo)` section of docs/benchmarks.md is redrawn (`bench.locomo_report
 the next run.
 `--conversations` (`0-4`, `5-9`, `0,3`) and `--systems` (methods to score) narrow a run for
 iterating on the policy; such runs write `locomo-quick.json` unless `--output` is given and
-leave the docs untouched.
+leave the docs untouched. `--merged` replays the conversations as one (~5,900 turns, each
+question asked at its end over all of them: recall at the scale where retrieval's caps bind),
+written the same way.
 """
 
 from __future__ import annotations
@@ -51,7 +53,7 @@ import re
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -163,6 +165,39 @@ def load(data: Path, audit: Path | None, limit: int | None) -> list[Sample]:
     return samples
 
 
+def merged(samples: Sequence[Sample]) -> Sample:
+    """The samples as one conversation, one after the other (`--merged`): every question asked
+    at its end, over the others' turns too. LoCoMo's conversations hold 370-690 turns, where
+    the full-text leg's cap on messages read (`memory.recall.retrieval.FULLTEXT_READS`) never
+    binds; this one holds ~5,900, the size of a long-lived assistant's history."""
+    turns: list[Turn] = []
+    questions: list[Question] = []
+    by_dia: dict[str, Turn] = {}
+    for sample in samples:
+        prefix = f"S{sample.number}/"
+        for turn in sample.turns:
+            moved = replace(turn, key=prefix + turn.key, seq=len(turns))
+            turns.append(moved)
+            by_dia[moved.key] = moved
+        for question in sample.questions:
+            corrected = question.corrected
+            questions.append(
+                replace(
+                    question,
+                    evidence=[prefix + d for d in question.evidence],
+                    corrected=None if corrected is None else [prefix + d for d in corrected],
+                )
+            )
+    return Sample(
+        number=-1,
+        external_id="locomo-merged-" + "-".join(str(sample.number) for sample in samples),
+        speakers=samples[0].speakers,
+        turns=turns,
+        questions=questions,
+        by_dia=by_dia,
+    )
+
+
 async def evaluate(
     scores: Scores, samples: Sequence[Sample], budgets: Sequence[int]
 ) -> dict[str, Any]:
@@ -193,6 +228,8 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     if args.conversations:
         wanted = _numbers(args.conversations)
         samples = [sample for sample in samples if sample.number in wanted]
+    if args.merged:
+        samples = [merged(samples)]
     budgets = [4000] if args.quick else [int(b) for b in args.budgets.split(",")]
     embedder = LocalEmbedder()
     await embedder.warmup()
@@ -273,6 +310,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--conversations", default=None, help="e.g. 0-4 (default: all)")
     parser.add_argument("--systems", default=None, help="methods to score (default: all)")
     parser.add_argument(
+        "--merged",
+        action="store_true",
+        help="the conversations as one, every question asked at its end (recall at scale)",
+    )
+    parser.add_argument(
         "--merge",
         type=Path,
         default=None,
@@ -290,6 +332,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         merge(report, json.loads(args.merge.read_text(encoding="utf-8")), args.merge.name)
     partial = (
         args.quick
+        or args.merged
         or args.conversations is not None
         or (args.systems is not None and args.merge is None)
     )
