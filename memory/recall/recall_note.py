@@ -114,19 +114,23 @@ WHERE n.tenant_id = :tenant_id AND (CAST(:abandoned AS boolean) OR n.superseded_
 """
 ).bindparams(bindparam("vector", type_=FLOATS))
 # The prepared candidates, scored by their similarity to the new message: the better of the
-# whole message's and its best passage's.
+# whole message's and its best passage's. Computed once, in order, in a materialized CTE: as a
+# flattened subquery each of the eight ordered `array_agg`s evaluated it again, and the vector's
+# cast with it (200 candidates: 8.4 -> 1.4 ms at the median, the same rows).
 _PREPARED = text(
     f"""
-SELECT {ARRAYS.format(order=" ORDER BY similarity DESC")}
-FROM (
+WITH q AS MATERIALIZED (SELECT CAST(CAST(:vector AS real[]) AS vector) AS v),
+prepared AS MATERIALIZED (
     SELECT n.conversation_id, n.level, n.seq, n.span_end, n.name, n.created_at, false AS exact,
-           greatest(1 - (n.embedding <=> CAST(:vector AS vector)),
-                    coalesce((SELECT max(1 - (p.embedding <=> CAST(:vector AS vector)))
+           greatest(1 - (n.embedding <=> (SELECT v FROM q)),
+                    coalesce((SELECT max(1 - (p.embedding <=> (SELECT v FROM q)))
                               FROM passages p WHERE p.node_id = n.id), 0)) AS similarity
     FROM nodes n
     WHERE n.tenant_id = :tenant_id AND n.id = ANY(:ids) AND n.embedding IS NOT NULL
       AND (CAST(:abandoned AS boolean) OR n.superseded_at IS NULL)
-) AS prepared
+    ORDER BY similarity DESC
+)
+SELECT {ARRAYS.format(order="")} FROM prepared
 """
 ).bindparams(bindparam("vector", type_=FLOATS))
 
