@@ -140,11 +140,12 @@ WITH terms AS MATERIALIZED (
         SELECT row_number() OVER () AS term, lexeme, tq, (
             -- A phrase is held by at most as many messages as its rarest lexeme.
             SELECT coalesce(min(per_lexeme.held), 0) FROM (
-                SELECT coalesce(sum(l.messages), 0) AS held
+                -- Looked up lexeme by lexeme, through the primary key: joined to the lexemes
+                -- of a term, the planner read the conversation's whole table for each term.
+                SELECT coalesce((SELECT sum(l.messages) FROM lexemes l
+                                 WHERE l.lexeme = x.lexeme AND l.tenant_id = :tenant_id
+                                   AND l.conversation_id = ANY(:conversation_ids)), 0) AS held
                 FROM unnest(query_terms.lexemes) AS x(lexeme)
-                LEFT JOIN lexemes l ON l.lexeme = x.lexeme AND l.tenant_id = :tenant_id
-                     AND l.conversation_id = ANY(:conversation_ids)
-                GROUP BY x.lexeme
             ) AS per_lexeme
         ) AS held
         FROM (
