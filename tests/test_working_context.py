@@ -9,6 +9,8 @@ gateway drives it (store the turn, assemble under the conversation's lock, recor
 * masked tool results expand back to the original;
 * a branch inside the context rebuilds it;
 * a prepared recall candidate is used, a stale one ignored;
+* prepared candidates come back best first, each with its own similarity (its message's or
+  its best passage's);
 * a follow-up on the latest exchange gets no note;
 * the dry run (what the recall benchmarks and the admin context endpoint measure) is the prompt
   the next turn sends, and saves nothing.
@@ -29,7 +31,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from sqlalchemy import func, update
+from sqlalchemy import func, select, update
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from devkit import synthetic
@@ -45,7 +47,7 @@ from memory.recall import anticipation, browsing, explain, recall_note, tools
 from memory.recall import working_context as wc
 from memory.recall.assemble import Assembled, Budget, Recall, StoredTurn, assemble
 from memory.recall.working_context import Policy
-from memory.schema import nodes, working_contexts
+from memory.schema import nodes, passages, working_contexts
 from memory.write import appends, store, tree_nodes
 
 MODEL = "gpt-4o"
@@ -722,6 +724,57 @@ async def test_a_prepared_candidate_is_used_and_a_stale_one_ignored(
     fresh = await conversation.turn([again], limit=limit, recall=recall, explained=True)
     assert not fresh.prepared_recall
     assert fresh.why and {leg.leg for one in fresh.why for leg in one.legs} <= set(explain.LEGS)
+
+
+async def test_prepared_candidates_come_back_best_first_each_with_its_own_similarity(
+    engine: AsyncEngine, tenant_id: int
+) -> None:
+    """The prepared leg ranks its candidates by the better of each message's similarity to the
+    new message and its best passage's, every column of a candidate from its own row."""
+    history = synthetic.messages(60, seed=12)
+    for seq in range(0, 60, 4):  # messages of several sentences: they get passages
+        history[seq] = {
+            "role": "user",
+            "content": f"The {WORDS[seq % 16]} plan changed again. We moved the {WORDS[seq % 7]} "
+            f"review to Thursday because the {WORDS[(seq + 3) % 16]} team was away all week.",
+        }
+    conversation = await Conversation.start(engine, tenant_id, history)
+    await conversation.build_tree()
+    [vector] = await EMBEDDER.embed(["When is the migration review for the garden team?"])
+    query = np.asarray(vector)
+    async with engine.begin() as conn:
+        rows = (
+            await conn.execute(
+                select(nodes.c.id, nodes.c.seq, nodes.c.embedding).where(
+                    nodes.c.conversation_id == conversation.id, nodes.c.level == 0
+                )
+            )
+        ).all()
+        best_passage = dict(
+            (
+                await conn.execute(
+                    select(
+                        passages.c.node_id,
+                        func.max(1 - passages.c.embedding.cosine_distance(vector)),
+                    ).group_by(passages.c.node_id)
+                )
+            ).all()
+        )
+        ids = [row.id for row in rows if row.seq % 3 != 1 and row.embedding is not None]
+        leg = await recall_note._prepared_leg(
+            conn, tenant_id=tenant_id, ids=ids, vector=vector, abandoned=False
+        )
+    assert best_passage  # some candidates were scored by a passage
+    expected = {
+        row.seq: max(float(np.dot(query, np.asarray(row.embedding))), best_passage.get(row.id, 0))
+        for row in rows
+        if row.id in ids
+    }
+    ranked = [(place.key[2], place.similarity or 0.0) for place in leg.ranked]
+    assert sorted(seq for seq, _ in ranked) == sorted(expected)
+    assert all(similarity == pytest.approx(expected[seq], abs=1e-5) for seq, similarity in ranked)
+    similarities = [similarity for _, similarity in ranked]
+    assert similarities == sorted(similarities, reverse=True)
 
 
 async def test_a_follow_up_on_the_latest_exchange_gets_no_note(
