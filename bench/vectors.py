@@ -154,7 +154,7 @@ async def _leg(
         found = await retrieval.fulltext_candidates(conn, **scope, query=question, limit=POOL)
         return _keys([found])
     if name == "prepared":
-        found = await recall_note._prepared_leg(
+        found, _ = await recall_note._prepared_leg(
             conn, tenant_id=tenant_id, ids=prepared, vector=vector, abandoned=False
         )
         return _keys([found])

@@ -730,7 +730,8 @@ async def test_prepared_candidates_come_back_best_first_each_with_its_own_simila
     engine: AsyncEngine, tenant_id: int
 ) -> None:
     """The prepared leg ranks its candidates by the better of each message's similarity to the
-    new message and its best passage's, every column of a candidate from its own row."""
+    new message and its best passage's, every column of a candidate from its own row; beside
+    them it scores the latest exchange's messages the same way, and gives the best of those."""
     history = synthetic.messages(60, seed=12)
     for seq in range(0, 60, 4):  # messages of several sentences: they get passages
         history[seq] = {
@@ -761,15 +762,23 @@ async def test_prepared_candidates_come_back_best_first_each_with_its_own_simila
             ).all()
         )
         ids = [row.id for row in rows if row.seq % 3 != 1 and row.embedding is not None]
-        leg = await recall_note._prepared_leg(
-            conn, tenant_id=tenant_id, ids=ids, vector=vector, abandoned=False
+        latest = [row.id for row in rows if row.seq % 3 == 1]
+        leg, exchange = await recall_note._prepared_leg(
+            conn, tenant_id=tenant_id, ids=ids, vector=vector, abandoned=False, latest=latest
+        )
+        _, alone = await recall_note._prepared_leg(
+            conn, tenant_id=tenant_id, ids=[], vector=vector, abandoned=False, latest=latest[:1]
         )
     assert best_passage  # some candidates were scored by a passage
-    expected = {
-        row.seq: max(float(np.dot(query, np.asarray(row.embedding))), best_passage.get(row.id, 0))
+    scores = {
+        row.id: max(float(np.dot(query, np.asarray(row.embedding))), best_passage.get(row.id, 0))
         for row in rows
-        if row.id in ids
+        if row.embedding is not None
     }
+    expected = {row.seq: scores[row.id] for row in rows if row.id in ids}
+    assert exchange == pytest.approx(max(scores[id_] for id_ in latest if id_ in scores), abs=1e-5)
+    assert alone == pytest.approx(scores[latest[0]], abs=1e-5)
+    assert exchange != pytest.approx(max(expected.values()), abs=1e-5)
     ranked = [(place.key[2], place.similarity or 0.0) for place in leg.ranked]
     assert sorted(seq for seq, _ in ranked) == sorted(expected)
     assert all(similarity == pytest.approx(expected[seq], abs=1e-5) for seq, similarity in ranked)

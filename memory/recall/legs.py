@@ -19,7 +19,15 @@ from typing import Any, Final
 
 from memory.recall.fusion import Candidates, Place
 
-__all__ = ["ARRAYS", "CANDIDATES", "SCOPE", "candidates_of", "rows_of", "scope_params"]
+__all__ = [
+    "ARRAYS",
+    "CANDIDATES",
+    "SCOPE",
+    "candidates_of",
+    "rows_of",
+    "scope_params",
+    "zipped",
+]
 
 CANDIDATES: Final = 100
 """Candidates each leg returns at least, before fusion."""
@@ -69,7 +77,11 @@ the same candidates)."""
 def rows_of(result: Any) -> list[tuple[Any, ...]]:
     """The rows of a statement that returns one row of arrays, a column each (a leg's `ARRAYS`
     and any columns after, or `memory.recall.retrieval.load`'s hits)."""
-    columns = result.one()
+    return zipped(result.one())
+
+
+def zipped(columns: Sequence[Any]) -> list[tuple[Any, ...]]:
+    """Rows from `columns`, arrays of one length each (`rows_of`)."""
     # No rows: every array_agg is NULL.
     return [] if columns[0] is None else list(zip(*columns, strict=True))
 

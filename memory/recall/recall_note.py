@@ -44,7 +44,7 @@ from memory.embeddings import Embedder
 from memory.errors import ProviderError
 from memory.recall import explain, fusion, retrieval
 from memory.recall.fusion import Candidates, Key
-from memory.recall.legs import ARRAYS, candidates_of, rows_of
+from memory.recall.legs import ARRAYS, candidates_of, zipped
 from memory.recall.memory_block import MemoryBlock
 from memory.recall.retrieval import Hit
 from memory.schema import conversations
@@ -113,24 +113,32 @@ JOIN nodes n ON n.conversation_id = w.conv AND n.level = 0 AND n.seq = w.seq
 WHERE n.tenant_id = :tenant_id AND (CAST(:abandoned AS boolean) OR n.superseded_at IS NULL)
 """
 ).bindparams(bindparam("vector", type_=FLOATS))
-# The prepared candidates, scored by their similarity to the new message: the better of the
-# whole message's and its best passage's. Computed once, in order, in a materialized CTE: as a
-# flattened subquery each of the eight ordered `array_agg`s evaluated it again, and the vector's
-# cast with it (200 candidates: 8.4 -> 1.4 ms at the median, the same rows).
+# A message's similarity to the new message: the better of the whole message's and its best
+# passage's (`q` holds the new message's vector).
+_SCORE = """greatest(1 - (n.embedding <=> (SELECT v FROM q)),
+                    coalesce((SELECT max(1 - (p.embedding <=> (SELECT v FROM q)))
+                              FROM passages p WHERE p.node_id = n.id), 0))"""
+# The prepared candidates (`:ids`), scored (`_SCORE`), best first, and the best score of the
+# latest exchange's messages (`:latest`, in the prompt: `recall` gives no note when it is as
+# good), in one statement. Computed once, in order, in a materialized CTE: as a flattened
+# subquery each of the eight ordered `array_agg`s evaluated it again, and the vector's cast with
+# it (200 candidates: 8.4 -> 1.4 ms at the median, the same rows).
 _PREPARED = text(
     f"""
 WITH q AS MATERIALIZED (SELECT CAST(CAST(:vector AS real[]) AS vector) AS v),
 prepared AS MATERIALIZED (
     SELECT n.conversation_id, n.level, n.seq, n.span_end, n.name, n.created_at, false AS exact,
-           greatest(1 - (n.embedding <=> (SELECT v FROM q)),
-                    coalesce((SELECT max(1 - (p.embedding <=> (SELECT v FROM q)))
-                              FROM passages p WHERE p.node_id = n.id), 0)) AS similarity
+           {_SCORE} AS similarity
     FROM nodes n
     WHERE n.tenant_id = :tenant_id AND n.id = ANY(:ids) AND n.embedding IS NOT NULL
       AND (CAST(:abandoned AS boolean) OR n.superseded_at IS NULL)
     ORDER BY similarity DESC
 )
-SELECT {ARRAYS.format(order="")} FROM prepared
+SELECT {ARRAYS.format(order="")},
+       (SELECT max({_SCORE}) FROM nodes n
+        WHERE n.tenant_id = :tenant_id AND n.id = ANY(:latest) AND n.embedding IS NOT NULL
+          AND n.superseded_at IS NULL)
+FROM prepared
 """
 ).bindparams(bindparam("vector", type_=FLOATS))
 
@@ -219,13 +227,18 @@ async def recall(
     conversation_id = conversation_ids[0]
     search_text = retrieval.without_names(query, participants)
     names: Sequence[str] = explain.LEGS
+    followed: float | None = None
     if prepared is not None and vector is not None:
         names = explain.PREPARED_LEGS
-        legs = [
-            await _prepared_leg(
-                conn, tenant_id=tenant_id, ids=prepared, vector=vector, abandoned=abandoned
-            )
-        ]
+        leg, followed = await _prepared_leg(
+            conn,
+            tenant_id=tenant_id,
+            ids=prepared,
+            vector=vector,
+            abandoned=abandoned,
+            latest=latest,
+        )
+        legs = [leg]
         named = retrieval.identifiers(query)
         if named:  # an identifier the exchange did not name is looked up (rare terms: cheap)
             legs.append(
@@ -240,6 +253,28 @@ async def recall(
                 )
             )
     else:
+        if vector is not None and latest:
+            # Scored in `conn` once its full-text leg is done, while the vector legs may still
+            # be running beside it (`aside`).
+            searching = fulltext or fulltext_leg(
+                conn,
+                tenant_id=tenant_id,
+                conversation_ids=conversation_ids,
+                query=query,
+                participants=participants,
+                exclude_from=exclude_from,
+                abandoned=abandoned,
+            )
+
+            async def then_the_exchange(vector: Sequence[float]) -> Candidates:
+                nonlocal followed
+                found = await searching
+                _, followed = await _prepared_leg(
+                    conn, tenant_id=tenant_id, ids=(), vector=vector, abandoned=False, latest=latest
+                )
+                return found
+
+            fulltext = then_the_exchange(vector)
         legs = await search_legs(
             conn,
             tenant_id=tenant_id,
@@ -253,7 +288,6 @@ async def recall(
             aside=aside,
         )
     if vector is not None and latest:
-        followed = await _exchange_similarity(conn, tenant_id, latest, vector)
         best = _best(legs)
         if followed is not None and followed >= best:
             log.debug(
@@ -337,28 +371,22 @@ async def _prepared_leg(
     ids: Sequence[int],
     vector: Sequence[float],
     abandoned: bool,
-) -> Candidates:
-    rows = await conn.execute(
+    latest: Sequence[int] = (),
+) -> tuple[Candidates, float | None]:
+    """The candidates `ids` scored against `vector`, best first, and the best score among the
+    messages of the latest exchange, `latest` (None: none embedded yet)."""
+    result = await conn.execute(
         _PREPARED,
         {
             "tenant_id": tenant_id,
             "ids": list(ids),
+            "latest": list(latest),
             "vector": [float(x) for x in vector],
             "abandoned": abandoned,
         },
     )
-    return candidates_of(rows_of(rows))
-
-
-async def _exchange_similarity(
-    conn: AsyncConnection, tenant_id: int, latest: Sequence[int], vector: Sequence[float]
-) -> float | None:
-    """The query's similarity to the closest message of the latest exchange or one of its
-    passages (None: none embedded yet)."""
-    exchange = await _prepared_leg(
-        conn, tenant_id=tenant_id, ids=latest, vector=vector, abandoned=False
-    )
-    return exchange.ranked[0].similarity if exchange.ranked else None
+    *arrays, exchange = result.one()
+    return candidates_of(zipped(arrays)), None if exchange is None else float(exchange)
 
 
 def _best(legs: Sequence[Candidates]) -> float:
