@@ -180,7 +180,20 @@ async def lock_or_create(
             _LOCK_OR_CREATE, {"tenant_id": tenant_id, "external_id": external_id, "user": user}
         )
     ).one()
-    return Found(row=row, start=0, created=bool(row.inserted))
+    return Found(row=await _as_committed(conn, row), start=0, created=bool(row.inserted))
+
+
+async def _as_committed(conn: AsyncConnection, row: AnyRow) -> AnyRow:
+    """The locked conversation `row` with its head's request and kind as committed.
+
+    A statement that waited for another transaction's lock on the row returns the row as that
+    transaction left it, but its subqueries read what was committed when the statement
+    began (read committed): the head that transaction stored was not there yet, and a twin of
+    its request, sent at once, was not taken for a retry (its message stored twice). The head's
+    columns are then read again, in a statement of their own."""
+    if row.head_seq is None or row.head_replied is not None:
+        return row
+    return (await conn.execute(_HEAD_NOW, {"id": row.id})).one()
 
 
 def _repeated_system(system_hash: str | None, messages: Sequence[Mapping[str, Any]]) -> int:
@@ -216,6 +229,10 @@ def _of_head(column: Any, label: str) -> Any:
 _HEAD_COLUMNS = (
     _of_head(_HEAD_NODE.c.request_key, "head_request"),
     _of_head(_HEAD_NODE.c.model.is_not(None), "head_replied"),
+)
+# The same, read again once the row is locked (`_as_committed`).
+_HEAD_NOW = select(conversations, *_HEAD_COLUMNS, literal_column("false").label("inserted")).where(
+    conversations.c.id == bindparam("id")
 )
 
 # One statement, built once (built per call, it cost three times its execution in CPU time):
@@ -319,7 +336,9 @@ async def _match(
         found = (
             None
             if row is None
-            else await _place(conn, row, messages, hashes, created=False, named=False)
+            else await _place(
+                conn, await _as_committed(conn, row), messages, hashes, created=False, named=False
+            )
         )
         if found is None and turns:
             found = await _branch_candidate(conn, params, turns, messages, hashes)
@@ -361,7 +380,7 @@ async def _branch_candidate(
     # request holding that lock and locking the same candidate (64 clients sharing a system
     # prompt: a third of their requests failed).
     candidate = await conn.begin_nested()
-    row = (await conn.execute(_LOCK_BY_ID, {"id": deepest})).one()
+    row = await _as_committed(conn, (await conn.execute(_LOCK_BY_ID, {"id": deepest})).one())
     found = await _place(conn, row, messages, hashes, created=False, named=False)
     if found is None:
         await candidate.rollback()
