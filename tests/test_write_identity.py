@@ -60,19 +60,22 @@ async def test_a_twin_that_waited_for_the_lock_is_a_retry(
             request=request,
         )
 
-    async with engine.connect() as first, engine.connect() as twin:
-        await first.begin()
-        found = await identify(first)
-        assert not found.retry
-        conversation_id = found.row.id
-        await store.store_new(
-            first,
+    def store_sent(conn: Any, found: identity.Found) -> Any:
+        return store.store_new(
+            conn,
             tenant_id=tenant_id,
             found=found,
             messages=sent,
             model=MODEL,
             request_key=request.value,
         )
+
+    async with engine.connect() as first, engine.connect() as twin:
+        await first.begin()
+        found = await identify(first)
+        assert not found.retry
+        conversation_id = found.row.id
+        await store_sent(first, found)
         await twin.begin()
         waiting = asyncio.ensure_future(identify(twin))
         await asyncio.sleep(0.5)
@@ -82,15 +85,7 @@ async def test_a_twin_that_waited_for_the_lock_is_a_retry(
         assert again.row.id == conversation_id
         assert again.retry
         assert again.row.head_request == request.value
-        appended = await store.store_new(
-            twin,
-            tenant_id=tenant_id,
-            found=again,
-            messages=sent,
-            model=MODEL,
-            request_key=request.value,
-        )
-        assert appended.node_ids == []
+        assert (await store_sent(twin, again)).node_ids == []
         await twin.commit()
     async with engine.connect() as conn:
         contents = await conn.scalars(
