@@ -387,7 +387,8 @@ async def search_latency(
 ) -> list[dict[str, Any]]:
     """`memory_search` (limit 8, the tool's default) called through `/mcp` one at a time on
     each conversation of the repetitive sizes, both texts: latency p50 / p95 (the query's
-    embedding included)."""
+    embedding included). Run right after the default `serve`'s cells, while its worker still
+    works through what they stored."""
     results = []
     for size in config.repetitive:
         for text in h.TEXTS:

@@ -107,7 +107,8 @@ def render(data: Mapping[str, Any]) -> list[str]:
         lines += [
             "",
             "`memory_search` (limit 8) called through `/mcp` one at a time on the default "
-            "`serve`, the query's embedding included:",
+            "`serve`, the query's embedding included, right after the cells above: its worker "
+            "is still embedding and summarizing what the concurrency-32 cell stored:",
             "",
             *h.markdown_table(
                 ["stored", "text", "n", "p50 / p95 ms", "errors", "load average"],
