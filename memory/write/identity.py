@@ -189,11 +189,11 @@ async def _as_committed(conn: AsyncConnection, row: AnyRow) -> AnyRow:
     A statement that waited for another transaction's lock on the row returns the row as that
     transaction left it, but its subqueries read what was committed when the statement
     began (read committed): the head that transaction stored was not there yet, and a twin of
-    its request, sent at once, was not taken for a retry (its message stored twice). The head's
-    columns are then read again, in a statement of their own."""
+    its request, sent at once, was not taken for a retry (its message stored twice). The row is
+    then read again, in a statement of its own (its lock is this transaction's by now)."""
     if row.head_seq is None or row.head_replied is not None:
         return row
-    return (await conn.execute(_HEAD_NOW, {"id": row.id})).one()
+    return (await conn.execute(_LOCK_BY_ID, {"id": row.id})).one()
 
 
 def _repeated_system(system_hash: str | None, messages: Sequence[Mapping[str, Any]]) -> int:
@@ -229,10 +229,6 @@ def _of_head(column: Any, label: str) -> Any:
 _HEAD_COLUMNS = (
     _of_head(_HEAD_NODE.c.request_key, "head_request"),
     _of_head(_HEAD_NODE.c.model.is_not(None), "head_replied"),
-)
-# The same, read again once the row is locked (`_as_committed`).
-_HEAD_NOW = select(conversations, *_HEAD_COLUMNS, literal_column("false").label("inserted")).where(
-    conversations.c.id == bindparam("id")
 )
 
 # One statement, built once (built per call, it cost three times its execution in CPU time):
