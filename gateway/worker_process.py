@@ -16,6 +16,11 @@ many jobs at once, exactly as `memstrata worker` does (`gateway.background`).
 * The child stops when `serve` stops (it finishes the jobs in hand for a grace period, then is
   terminated; an unfinished job's lease runs out and another worker takes it over), and also
   when `serve` dies without stopping it: it watches its parent and exits once orphaned.
+* A child that dies while `serve` runs (killed by the OOM killer, crashed) is logged and
+  replaced by a new one, after a delay that doubles while children keep dying young: without
+  it `serve` went on answering while the jobs it queued were never run. A job the dead child
+  held is taken over once its lease runs out. Each child has an outcome queue of its own: one
+  killed while writing to a shared queue would leave its lock held for good.
 """
 
 import asyncio
@@ -25,7 +30,10 @@ import multiprocessing
 import os
 import queue
 import threading
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from multiprocessing.process import BaseProcess
 from multiprocessing.synchronize import Event as ProcessEvent
 from typing import Any
 
@@ -37,6 +45,11 @@ from memory.db import connect
 log = logging.getLogger(__name__)
 
 _POLL_SECONDS = 0.5
+# Seconds before a dead child is replaced: doubled while children die within
+# `_RESTART_SETTLED` seconds of starting (a crash at start-up), up to `_RESTART_LAST`.
+_RESTART_FIRST = 1.0
+_RESTART_LAST = 60.0
+_RESTART_SETTLED = 60.0
 
 
 @contextlib.asynccontextmanager
@@ -47,32 +60,78 @@ async def running(
     observe: JobObserver | None = None,
     grace: float = 10.0,
 ) -> AsyncIterator[None]:
-    """The worker process, for the duration of the block."""
+    """The worker process (another one whenever it dies), for the duration of the block."""
     context = multiprocessing.get_context("spawn")
-    outcomes: Any = context.Queue()
     stop = context.Event()
-    child = context.Process(
-        target=_main,
-        args=(settings, database_url, outcomes, stop, os.getpid()),
-        name="memstrata-worker",
-        daemon=True,
-    )
-    child.start()
-    log.info("background worker process started", extra={"pid": child.pid})
-    relay = asyncio.create_task(_relay(outcomes, observe))
+
+    def start() -> _Child:
+        outcomes: Any = context.Queue()
+        process = context.Process(
+            target=_main,
+            args=(settings, database_url, outcomes, stop, os.getpid()),
+            name="memstrata-worker",
+            daemon=True,
+        )
+        process.start()
+        log.info("background worker process started", extra={"pid": process.pid})
+        return _Child(process, outcomes, asyncio.create_task(_relay(outcomes, observe)))
+
+    current = [start()]
+    keeper = asyncio.create_task(_replace_when_dead(current, start))
     try:
         yield
     finally:
-        stop.set()
-        await asyncio.to_thread(child.join, grace)
-        if child.is_alive():
-            log.warning("background worker process did not stop within %.0fs", grace)
-            child.terminate()
-            await asyncio.to_thread(child.join, 5)
-        relay.cancel()
+        # No replacement from here on: the child now leaves because it is told to.
+        keeper.cancel()
         with contextlib.suppress(asyncio.CancelledError):
-            await relay
-        outcomes.close()
+            await keeper
+        stop.set()
+        (child,) = current
+        await asyncio.to_thread(child.process.join, grace)
+        if child.process.is_alive():
+            log.warning("background worker process did not stop within %.0fs", grace)
+            child.process.terminate()
+            await asyncio.to_thread(child.process.join, 5)
+        await child.close()
+
+
+@dataclass
+class _Child:
+    """One worker process, the queue its job outcomes come back on, and their relay."""
+
+    process: BaseProcess
+    outcomes: Any
+    relay: asyncio.Task[None]
+
+    async def close(self) -> None:
+        self.relay.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self.relay
+        self.outcomes.close()
+
+
+async def _replace_when_dead(current: list[_Child], start: Callable[[], _Child]) -> None:
+    """Start a new child whenever `current`'s has died, backing off while they die young."""
+    delay = _RESTART_FIRST
+    started = time.monotonic()
+    while True:
+        await asyncio.sleep(_POLL_SECONDS)
+        (child,) = current
+        if child.process.is_alive():
+            continue
+        if time.monotonic() - started > _RESTART_SETTLED:
+            delay = _RESTART_FIRST
+        log.error(
+            "background worker process %s exited with code %s; starting another in %.0fs",
+            child.process.pid,
+            child.process.exitcode,
+            delay,
+        )
+        await child.close()
+        await asyncio.sleep(delay)
+        current[0] = start()
+        started = time.monotonic()
+        delay = min(delay * 2, _RESTART_LAST)
 
 
 async def _relay(outcomes: Any, observe: JobObserver | None) -> None:

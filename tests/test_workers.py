@@ -16,6 +16,9 @@ import asyncio
 import functools
 import itertools
 import json
+import multiprocessing
+import os
+import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -28,7 +31,8 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from devkit import synthetic
 from devkit.gateway import GatewayProcess, WorkerProcess
 from devkit.upstream import UpstreamServer
-from gateway import importer
+from gateway import importer, worker_process
+from gateway.settings import Settings
 from memory.build.segments import SegmentPolicy
 from memory.schema import jobs, nodes
 from memory.write import store
@@ -421,3 +425,34 @@ async def test_serve_runs_its_jobs_in_a_child_process_that_leaves_with_it(
     while any(_alive(child) for child in children):
         assert time.monotonic() < deadline, "the worker process outlived serve"
         await asyncio.sleep(0.2)
+
+
+async def test_serve_starts_another_worker_process_when_its_child_dies(
+    engine: AsyncEngine, database_url: str, tenant_id: int, upstream: UpstreamServer
+) -> None:
+    """A worker process that dies (OOM-killed, crashed) is replaced: serve's jobs do not stop
+    being run until serve itself is restarted."""
+    settings = Settings(
+        database_url=database_url, upstream_base_url=upstream.url, workers=1, worker_nice=0
+    )
+    async with worker_process.running(settings, database_url, grace=5):
+        (child,) = [p for p in multiprocessing.active_children() if p.name == "memstrata-worker"]
+        os.kill(child.pid or 0, signal.SIGKILL)
+        await asyncio.to_thread(child.join, 10)
+        conversation = synthetic.generate(6, seed=5)
+        await importer.import_messages(
+            engine,
+            tenant_id=tenant_id,
+            external_id="orphaned-jobs",
+            messages=conversation.messages,
+            created_at=conversation.created_at,
+            model="gpt-4o",
+            batch=6,
+        )
+
+        async def built() -> Any:
+            rows = await job_rows(engine, tenant_id)
+            return rows if rows and all(row.status == "done" for row in rows) else None
+
+        (job,) = await wait_for(built, within=90, what="a new child's build", workers=[])
+        assert int(job.locked_by.split(":")[1]) != child.pid
