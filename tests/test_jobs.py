@@ -19,6 +19,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from memory.build import backlog, jobs
 from memory.build.worker import Worker, _listen_dsn
+from memory.db import connect
 from memory.errors import InvalidInput, NotFound
 from memory.schema import conversations, tenants
 from memory.schema import jobs as jobs_table
@@ -562,6 +563,78 @@ async def test_a_worker_that_lost_its_lease_abandons_the_job(
     assert cancelled.is_set()
     stored = await row(engine, job_id)
     assert (stored.status, stored.locked_by, stored.last_error) == ("running", "other", None)
+
+
+async def test_a_worker_outlasts_a_pool_with_no_free_connection(
+    database_url: str, engine: AsyncEngine, tenant_id: int, kind: str
+) -> None:
+    """Every connection of the worker's pool busy past the pool's timeout (a `serve` whose
+    worker shares the requests' engine, under load) is a storage fault like a lost database:
+    the worker keeps polling and runs the job once a connection is free."""
+    small = connect(database_url, pool_size=1, pool_timeout=0.1)
+    handled = asyncio.Event()
+
+    async def handle(job: jobs.Job) -> None:
+        handled.set()
+
+    stop = asyncio.Event()
+    worker = Worker(small, {kind: handle}, kinds=[kind], poll_interval=0.05, listen=False)
+    try:
+        held = [await small.connect() for _ in range(2)]  # the pool and its overflow
+        running = asyncio.create_task(worker.run(stop))
+        await asyncio.sleep(0.5)  # claims that found no free connection
+        assert not running.done()
+        for conn in held:
+            await conn.close()
+        await put(engine, kind=kind, tenant_id=tenant_id)
+        await asyncio.wait_for(handled.wait(), 5)
+        stop.set()
+        await asyncio.wait_for(running, 5)
+    finally:
+        stop.set()
+        await small.dispose()
+
+
+async def test_a_busy_pool_does_not_give_up_the_lease_of_a_running_job(
+    database_url: str, engine: AsyncEngine, tenant_id: int, kind: str
+) -> None:
+    """A lease extension that finds no free connection is tried again at the next third of
+    the lease, like one that finds no database: the job is not let go while it runs, so no
+    other worker runs it a second time beside it."""
+    small = connect(database_url, pool_size=1, pool_timeout=0.1)
+    job_id = await put(engine, kind=kind, tenant_id=tenant_id)
+    runs: list[str] = []
+
+    async def long(job: jobs.Job) -> None:
+        runs.append(job.locked_by)
+        # Every connection busy when the first extension (at 0.5 s) asks for one.
+        held = [await small.connect() for _ in range(2)]
+        await asyncio.sleep(0.7)
+        for conn in held:
+            await conn.close()
+        await asyncio.sleep(2.3)  # then on, well past the 1.5 s lease
+
+    async def quick(job: jobs.Job) -> None:
+        runs.append(job.locked_by)
+
+    owner = Worker(small, {kind: long}, kinds=[kind], worker_id="owner", lease_seconds=1.5)
+    stop = asyncio.Event()
+    rival = Worker(
+        engine, {kind: quick}, kinds=[kind], worker_id="rival", poll_interval=0.05, listen=False
+    )
+    try:
+        owned = asyncio.create_task(owner.run_until_idle())
+        await eventually(lambda: asyncio.sleep(0, bool(runs)))
+        rival_run = asyncio.create_task(rival.run(stop))
+        assert await asyncio.wait_for(owned, 10) == 1
+        stop.set()
+        await asyncio.wait_for(rival_run, 5)
+    finally:
+        stop.set()
+        await small.dispose()
+    stored = await row(engine, job_id)
+    assert runs == ["owner"]
+    assert (stored.status, stored.attempts) == ("done", 1)
 
 
 # --- failures, dead letters, retry ---------------------------------------------------------------

@@ -64,6 +64,7 @@ from sqlalchemy import (
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.exc import DBAPIError, IntegrityError
+from sqlalchemy.exc import TimeoutError as PoolTimeout
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from memory.errors import InvalidInput, NotFound, StorageUnavailable
@@ -207,6 +208,12 @@ async def _storage(what: str) -> AsyncIterator[None]:
     except (OSError, DBAPIError) as exc:
         cause = exc.orig if isinstance(exc, DBAPIError) else exc
         raise StorageUnavailable(f"{what} failed: {type(cause).__name__}: {cause}") from exc
+    except PoolTimeout as exc:
+        # Every pooled connection busy for the pool's whole wait (a worker sharing a loaded
+        # `serve`'s engine): a passing fault, which a worker waits out as it does a lost
+        # database. Left untranslated, it ended the worker's loops, or the lease keeper of a
+        # running job (whose lease then ran out: another worker ran the job beside it).
+        raise StorageUnavailable(f"{what} failed: no database connection came free") from exc
 
 
 _JOB_COLUMNS = (
