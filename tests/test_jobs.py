@@ -161,6 +161,30 @@ async def test_dedupe_while_queued_but_not_once_running(
         )
 
 
+async def test_new_work_deduplicated_into_a_queued_job_holds_it_until_it_commits(
+    engine: AsyncEngine, tenant_id: int, kind: str
+) -> None:
+    """An enqueue that finds its job already queued adds its work to that job: the job must not
+    start before the enqueuer's transaction commits, or it would run without the data that
+    transaction wrote, and nothing else would be queued for that data."""
+    conversation = await new_conversation(engine, tenant_id)
+    key = f"{kind}:build"
+    queued = await put(
+        engine, kind=kind, tenant_id=tenant_id, conversation_id=conversation, dedupe_key=key
+    )
+    async with engine.connect() as conn:
+        transaction = await conn.begin()
+        # (The enqueuer's data, written in this transaction, not committed yet.)
+        deduplicated = await jobs.enqueue(
+            conn, kind=kind, tenant_id=tenant_id, conversation_id=conversation, dedupe_key=key
+        )
+        assert deduplicated is None
+        assert await take(engine, kind) is None
+        await transaction.commit()
+    claimed = await take(engine, kind)
+    assert claimed is not None and claimed.id == queued
+
+
 async def test_delayed_job_waits(engine: AsyncEngine, tenant_id: int, kind: str) -> None:
     job_id = await put(engine, kind=kind, tenant_id=tenant_id, delay_seconds=0.3)
     assert await take(engine, kind) is None

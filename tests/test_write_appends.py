@@ -254,6 +254,51 @@ async def test_the_jobs_it_queues_wake_workers_at_commit(
     assert kinds == {"conversation", appends.CONTEXT_JOB}
 
 
+async def test_a_turn_that_finds_its_build_queued_holds_it_until_the_turn_commits(
+    engine: AsyncEngine, tenant_id: int
+) -> None:
+    """The build queued by the last write takes in this turn's message (deduplicated): no
+    worker may start it before the turn commits, or the message would be left unbuilt."""
+    first = await stored_turn(
+        engine, tenant_id, f"held-{uuid.uuid4().hex}", [{"role": "user", "content": "Hi"}], "one"
+    )
+    conversation_id = first.conversation.id
+
+    async def claimable() -> list[int]:
+        # What a claim could take of the conversation's jobs now (it skips locked rows).
+        async with engine.begin() as conn:
+            found = await conn.scalars(
+                select(jobs_table.c.id)
+                .where(
+                    jobs_table.c.conversation_id == conversation_id,
+                    jobs_table.c.status == "queued",
+                )
+                .with_for_update(skip_locked=True)
+            )
+            return list(found)
+
+    (build,) = await claimable()
+    asked = [{"role": "user", "content": "And then?"}]  # sent alone, conversation named
+    async with engine.connect() as conn:
+        transaction = await conn.begin()
+        found = await identity.identify(
+            conn,
+            tenant_id=tenant_id,
+            external_id=first.conversation.external_id,
+            user=None,
+            messages=asked,
+            request=identity.RequestKey(value="two", explicit=True),
+        )
+        with statements(engine) as sent:
+            await store.store_new(
+                conn, tenant_id=tenant_id, found=found, messages=asked, model=MODEL
+            )
+        assert len(sent) == 1  # the one statement of `appends.at_head`
+        assert await claimable() == []
+        await transaction.commit()
+    assert await claimable() == [build]
+
+
 async def test_a_gateways_turns_take_the_one_statement(app: App, fresh_upstream: None) -> None:
     # Whole histories resent, a named conversation, a stream: none of them needs the fallback.
     fallbacks: list[int] = []

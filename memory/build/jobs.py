@@ -5,6 +5,7 @@ Contract
 * `enqueue` inserts a job in the *caller's* transaction, so a job exists exactly when the data it
   concerns was committed. With a `dedupe_key`, enqueueing while a job with that key is still
   `queued` is a no-op (returns None); once that job is running, new work may queue behind it.
+  The no-op locks the queued job until the caller commits (`deduplicated`).
   Enqueueing also NOTIFYs `memstrata_jobs`, which Postgres delivers at commit, so idle workers
   wake at once; polling remains the safety net (delayed retries, expired leases, lost notices).
 * `claim` gives one job to one worker for a lease: status `running`, `attempts` + 1,
@@ -52,6 +53,7 @@ from sqlalchemy import (
     bindparam,
     case,
     exists,
+    false,
     func,
     literal,
     literal_column,
@@ -61,7 +63,7 @@ from sqlalchemy import (
     union_all,
     update,
 )
-from sqlalchemy.dialects.postgresql import JSONB
+from sqlalchemy.dialects.postgresql import JSONB, Insert
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.exc import DBAPIError, IntegrityError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
@@ -129,21 +131,32 @@ Handler = Callable[[Job], Awaitable[None]]
 # --- Enqueueing (in the caller's transaction) ------------------------------------------------
 
 
+def deduplicated(statement: Insert) -> Insert:
+    """`statement` (an INSERT into `jobs`) made a no-op for a `dedupe_key` already queued, that
+    job locked until the caller commits: it now stands for the caller's work, which a claim in
+    between (DO NOTHING locks nothing) ran without. DO UPDATE locks the row even when its WHERE
+    is false (nothing changed, nothing returned); `claim` skips locked rows."""
+    return statement.on_conflict_do_update(
+        index_elements=[jobs.c.dedupe_key],
+        index_where=text("status = 'queued'"),
+        set_={"dedupe_key": statement.excluded.dedupe_key},
+        where=false(),
+    )
+
+
 # Built once: the request path queues a build with every message it stores. A job without a
 # `dedupe_key` never conflicts (NULLs are distinct in the unique index).
 _QUEUED = (
-    pg_insert(jobs)
-    .values(
-        kind=bindparam("kind"),
-        tenant_id=bindparam("tenant_id"),
-        conversation_id=bindparam("conversation_id"),
-        payload=bindparam("payload", type_=JSONB),
-        dedupe_key=bindparam("dedupe_key"),
-        max_attempts=bindparam("max_attempts"),
-        run_after=func.now() + bindparam("delay", type_=Interval),
-    )
-    .on_conflict_do_nothing(
-        index_elements=[jobs.c.dedupe_key], index_where=text("status = 'queued'")
+    deduplicated(
+        pg_insert(jobs).values(
+            kind=bindparam("kind"),
+            tenant_id=bindparam("tenant_id"),
+            conversation_id=bindparam("conversation_id"),
+            payload=bindparam("payload", type_=JSONB),
+            dedupe_key=bindparam("dedupe_key"),
+            max_attempts=bindparam("max_attempts"),
+            run_after=func.now() + bindparam("delay", type_=Interval),
+        )
     )
     .returning(jobs.c.id)
     .cte("queued")
@@ -209,10 +222,9 @@ async def _storage(what: str) -> AsyncIterator[None]:
         cause = exc.orig if isinstance(exc, DBAPIError) else exc
         raise StorageUnavailable(f"{what} failed: {type(cause).__name__}: {cause}") from exc
     except PoolTimeout as exc:
-        # Every pooled connection busy for the pool's whole wait (a worker sharing a loaded
-        # `serve`'s engine): a passing fault, which a worker waits out as it does a lost
-        # database. Left untranslated, it ended the worker's loops, or the lease keeper of a
-        # running job (whose lease then ran out: another worker ran the job beside it).
+        # Every pooled connection busy for the pool's whole wait: a passing fault, waited out
+        # like a lost database. Untranslated, it ended the worker, or a running job's lease
+        # keeper (the lease ran out and another worker ran the job beside it).
         raise StorageUnavailable(f"{what} failed: no database connection came free") from exc
 
 

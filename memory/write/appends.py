@@ -14,7 +14,8 @@ and row beforehand. `at_head` then sends one statement, whose parts are data-mod
   that moved the head first makes it match nothing;
 * the message is inserted, and the conversation's build and (for a reply to a prompt from the
   working context) the next turn's preparation (`CONTEXT_JOB`) are queued, deduplicated, from
-  the moved row, so they happen exactly when the head moved;
+  the moved row, so they happen exactly when the head moved (a job already queued is held
+  until commit instead: `memory.build.jobs.deduplicated`);
 * workers are woken for each job queued, at commit (as `memory.build.jobs.enqueue` does).
 
 When the guard misses nothing has changed, and the caller stores the message its usual way in
@@ -35,7 +36,6 @@ from sqlalchemy import (
     func,
     insert,
     select,
-    text,
     union_all,
     update,
 )
@@ -234,10 +234,10 @@ _WANTED = union_all(
     ).where(bindparam("prepare", type_=Boolean)),
 )
 _QUEUED = (
-    pg_insert(jobs_table)
-    .from_select(["tenant_id", "conversation_id", "kind", "dedupe_key"], _WANTED)
-    .on_conflict_do_nothing(
-        index_elements=[jobs_table.c.dedupe_key], index_where=text("status = 'queued'")
+    jobs.deduplicated(
+        pg_insert(jobs_table).from_select(
+            ["tenant_id", "conversation_id", "kind", "dedupe_key"], _WANTED
+        )
     )
     .returning(jobs_table.c.kind)
     .cte("queued")
