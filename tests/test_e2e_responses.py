@@ -362,3 +362,25 @@ def test_auto_probe_on_a_fresh_gateway(database_url: str) -> None:
             "/v1/chat/completions",
             "/v1/chat/completions",
         ]
+
+
+def test_the_openai_sdk_retries_are_stored_once(way: Way, http: httpx.Client) -> None:
+    """A client that names its conversation and sends only its new input: the SDK retries a 500
+    after the gateway stored the user's message; the message is stored once (the chat path's
+    retries are told apart the same way: `X-Stainless-Retry-Count`, `Idempotency-Key`)."""
+    conversation = f"responses-retry-{uuid.uuid4().hex}"
+    headers = {HEADER: conversation}
+    first, second = unique("first question"), unique("second question")
+    with openai.OpenAI(
+        base_url=way.gateway.url, api_key=CLIENT_KEY, max_retries=2, timeout=15
+    ) as sdk:
+        sdk.responses.create(model="gpt-4o-mini", input=first, extra_headers=headers)
+        way.upstream.script({"path": way.path, "status": 500})
+        answer = sdk.responses.create(model="gpt-4o-mini", input=second, extra_headers=headers)
+    assert answer.output_text == f"echo: {second}"
+    assert stored(http, conversation) == [
+        ("user", first),
+        ("assistant", f"echo: {first}"),
+        ("user", second),
+        ("assistant", f"echo: {second}"),
+    ]

@@ -9,9 +9,11 @@ this tenant's), else the one `X-Memstrata-Conversation` names, else the one whos
 the messages extend: a client that resends the whole input each time (openai-agents does) is
 recognised as a chat client is. Continuing a response that is no longer its conversation's
 latest sends its history and the new input whole, so the write path continues the conversation
-from that point. `store: false` stores nothing: the request reads memory (the history of
-`previous_response_id`, if named) and goes upstream, and the response cannot be retrieved or
-continued later. The memory tools are not offered on this path.
+from that point. A retry is told as on the chat path (`Idempotency-Key`,
+`X-Stainless-Retry-Count`, the same body) and stores nothing. `store: false` stores nothing:
+the request reads memory (the history of `previous_response_id`, if named) and goes upstream,
+and the response cannot be retrieved or continued later. The memory tools are not offered on
+this path.
 
 Upstream, the request goes as a Responses request when the upstream serves the API: the
 client's own body when the prompt is its input unchanged, else with the assembled prompt as
@@ -31,6 +33,7 @@ import logging
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any, ClassVar
 from urllib.parse import urlsplit
 
@@ -135,10 +138,23 @@ async def create(request: Request, state: State, *, tenant_id: int) -> Response:
         input_items=translate.stored_items(body),
     )
     previous = parsed.previous_response_id
+    # What tells a retry of this request from a new one, as on the chat path: the SDKs retry
+    # a response request too, and a client naming its conversation sends only its new input.
+    request_key = identity.RequestKey.of(
+        body=body,
+        idempotency_key=request.headers.get(chat.IDEMPOTENCY_HEADER),
+        retry_count=request.headers.get(chat.RETRY_COUNT_HEADER),
+    )
     try:
         if turn.store:
             stored = await _store(
-                state, turn, messages, budget, previous=previous, user=parsed.user
+                state,
+                turn,
+                messages,
+                budget,
+                previous=previous,
+                user=parsed.user,
+                request=request_key,
             )
         elif previous is not None:
             stored = await _unstored(state, turn, messages, previous=previous)
@@ -177,8 +193,10 @@ async def _store(
     *,
     previous: str | None,
     user: str | None,
+    request: identity.RequestKey,
 ) -> StoredTurn:
-    """Identify and store the request's messages (see the module docstring)."""
+    """Identify and store the request's messages (see the module docstring); a retry of
+    `request` stores nothing."""
     async with transaction(state.engine) as conn:
         if previous is not None:
             found = await _previous(conn, turn, previous, lock=True)
@@ -199,6 +217,8 @@ async def _store(
             messages=messages,
             model=turn.model,
             budget=budget,
+            request=request,
+            window=timedelta(seconds=state.settings.idempotency_window_seconds),
         )
     turn.conversation_id = stored.conversation_id
     turn.external_id = appended.conversation.external_id
