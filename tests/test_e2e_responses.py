@@ -384,3 +384,33 @@ def test_the_openai_sdk_retries_are_stored_once(way: Way, http: httpx.Client) ->
         ("user", second),
         ("assistant", f"echo: {second}"),
     ]
+
+
+def test_continuing_the_latest_response_with_its_opening_words_is_a_new_turn(
+    way: Way, client: openai.OpenAI, http: httpx.Client
+) -> None:
+    """`previous_response_id` naming the latest response says the input is new: asked the
+    same thing again, the conversation goes on (it was taken for a regeneration of the first
+    answer: that answer left the current branch and the upstream never saw it)."""
+    ask = unique("tell me a joke")
+    raw = client.responses.with_raw_response.create(
+        model="gpt-4o-mini", input=ask, instructions="Be funny."
+    )
+    conversation = raw.headers[HEADER]
+    again = client.responses.create(
+        model="gpt-4o-mini",
+        input=ask,
+        instructions="Be funny.",
+        previous_response_id=raw.parse().id,
+    )
+    assert again.output_text == f"echo: {ask}"
+    messages = http.get(f"/admin/conversations/{conversation}/messages").json()["messages"]
+    assert [(m["role"], m["content"], m["superseded_at"]) for m in messages] == [
+        ("system", "Be funny.", None),
+        ("user", ask, None),
+        ("assistant", f"echo: {ask}", None),
+        ("user", ask, None),
+        ("assistant", f"echo: {ask}", None),
+    ]
+    last = [(m.get("role"), m.get("content")) for m in way.prompts()[-1]]
+    assert last[-3:] == [("user", ask), ("assistant", f"echo: {ask}"), ("user", ask)]

@@ -207,11 +207,13 @@ async def store_turn(
     request: identity.RequestKey | None = None,
     window: timedelta = identity.DEFAULT_WINDOW,
     identified: Callable[[identity.Found], None] | None = None,
+    new_only: bool = False,
 ) -> tuple[StoredTurn, store.Appended]:
     """Identify and store: the request's new `messages` stored in `conn`'s transaction (none
     for a retry of `request` within `window`), and what was stored. A turn that cannot fit
     `budget` is refused here, inside the transaction, so that it stores nothing. `identified`
-    is told what identifying found, before anything is stored."""
+    is told what identifying found, before anything is stored. `new_only`: the client says
+    `messages` follow the head of the conversation `external_id` (`identity.identify`)."""
     found = await identity.identify(
         conn,
         tenant_id=tenant_id,
@@ -220,6 +222,7 @@ async def store_turn(
         messages=messages,
         request=request,
         window=window,
+        new_only=new_only,
     )
     if identified is not None:
         identified(found)

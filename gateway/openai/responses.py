@@ -9,11 +9,11 @@ this tenant's), else the one `X-Memstrata-Conversation` names, else the one whos
 the messages extend: a client that resends the whole input each time (openai-agents does) is
 recognised as a chat client is. Continuing a response that is no longer its conversation's
 latest sends its history and the new input whole, so the write path continues the conversation
-from that point. A retry is told as on the chat path (`Idempotency-Key`,
-`X-Stainless-Retry-Count`, the same body) and stores nothing. `store: false` stores nothing:
-the request reads memory (the history of `previous_response_id`, if named) and goes upstream,
-and the response cannot be retrieved or continued later. The memory tools are not offered on
-this path.
+from that point; continuing the latest one, its input is new, whatever it repeats. A retry is
+told as on the chat path (`Idempotency-Key`, `X-Stainless-Retry-Count`, the same body) and
+stores nothing. `store: false` stores nothing: the request reads memory (the history of
+`previous_response_id`, if named) and goes upstream, and the response cannot be retrieved or
+continued later. The memory tools are not offered on this path.
 
 Upstream, the request goes as a Responses request when the upstream serves the API: the
 client's own body when the prompt is its input unchanged, else with the assembled prompt as
@@ -198,8 +198,11 @@ async def _store(
     """Identify and store the request's messages (see the module docstring); a retry of
     `request` stores nothing."""
     async with transaction(state.engine) as conn:
+        # Continuing the latest response, the input is new whatever it repeats (`new_only`).
+        new_only = False
         if previous is not None:
             found = await _previous(conn, turn, previous, lock=True)
+            new_only = found.at_head
             if not found.at_head:
                 history = await store.history(
                     conn,
@@ -219,6 +222,7 @@ async def _store(
             budget=budget,
             request=request,
             window=timedelta(seconds=state.settings.idempotency_window_seconds),
+            new_only=new_only,
         )
     turn.conversation_id = stored.conversation_id
     turn.external_id = appended.conversation.external_id

@@ -148,6 +148,7 @@ async def identify(
     messages: Sequence[Mapping[str, Any]],
     request: RequestKey | None = None,
     window: timedelta = DEFAULT_WINDOW,
+    new_only: bool = False,
 ) -> Found:
     """The conversation `messages` belongs to, where its new messages start, and how it
     branches.
@@ -158,12 +159,20 @@ async def identify(
     (a repeated system prompt aside). Without it, the conversation (of the same `user`) holding
     the deepest stored message of the history's chain, when the history extends it or may
     branch from it; else a new one. `request` tells a retry (within `window` for an
-    `Idempotency-Key`)."""
+    `Idempotency-Key`). `new_only`, with `external_id`: the client says `messages` follow the
+    head (a Responses request continuing the latest response), so they never branch."""
     hashes = chains.chain(messages)
     if external_id is not None:
         locked = await lock_or_create(conn, tenant_id=tenant_id, external_id=external_id, user=user)
-        found = await _place(conn, locked.row, messages, hashes, created=locked.created)
-        assert found is not None  # a named conversation always takes the history
+        # Matched against the stored chain, new input that repeats the conversation's opening
+        # ("tell me a joke" twice) was taken for a regeneration of the first answer.
+        placed = (
+            _after_head(locked.row, messages, created=locked.created)
+            if new_only
+            else await _place(conn, locked.row, messages, hashes, created=locked.created)
+        )
+        assert placed is not None  # a named conversation always takes the history
+        found = placed
     else:
         found = await _match(conn, tenant_id=tenant_id, user=user, messages=messages, hashes=hashes)
     if request is not None and not found.created:
@@ -438,11 +447,18 @@ async def _place(
         )
     if not named:
         return None
+    return _after_head(row, messages, created=created)
+
+
+def _after_head(row: AnyRow, messages: Sequence[Mapping[str, Any]], *, created: bool) -> Found:
+    """`messages` as new messages only, after the head of the locked conversation `row`."""
+    if row.head_hash is None:
+        return Found(row=row, start=0, created=created, whole=True)
     return Found(
         row=row,
         start=_repeated_system(row.system_hash, messages),
         created=created,
-        parent=head,
+        parent=row.head_hash,
         parent_seq=row.head_seq,
     )
 
