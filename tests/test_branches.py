@@ -172,6 +172,31 @@ def test_the_same_message_however_it_is_serialized() -> None:
     assert chains.content_hash(image) != chains.content_hash("look")
 
 
+def test_tool_arguments_alike_however_a_client_writes_their_numbers() -> None:
+    """A JavaScript client (LangChain.js, the Vercel AI SDK) keeps a tool call's arguments
+    parsed and writes them back with `JSON.stringify`: numbers as it reads them, doubles, with
+    no fraction when they have none. The same call, however its numbers are written."""
+
+    def calling(arguments: Any) -> Message:
+        call = {"id": "c1", "type": "function", "function": {"name": "pay", "arguments": arguments}}
+        return {"role": "assistant", "content": None, "tool_calls": [call]}
+
+    for upstream, client in [
+        ('{"amount": 10.0}', '{"amount":10}'),
+        ('{"n": 1e2, "m": 2.50E1}', '{"n":100,"m":25}'),
+        ('{"x": [-0.0, 0.5]}', '{"x":[0,0.5]}'),
+        ('{"id": 12345678901234567890}', '{"id":12345678901234567000}'),
+        ('{"amount": 10.0}', {"amount": 10}),  # arguments sent as an object
+    ]:
+        assert chains.chain([calling(upstream)]) == chains.chain([calling(client)]), upstream
+    for one, other in [
+        ('{"amount": 10.5}', '{"amount": 10}'),
+        ('{"flag": true}', '{"flag": 1}'),
+        ('{"n": "1"}', '{"n": 1}'),
+    ]:
+        assert chains.chain([calling(one)]) != chains.chain([calling(other)]), one
+
+
 def test_a_text_messages_hash_is_its_own_when_hashed_before() -> None:
     """Text messages keep their chain hash between turns (`chains._text_hash`); a message
     that differs from one hashed before in its role, name, content or tool call id alone still
@@ -224,6 +249,44 @@ async def test_tool_rounds_with_reserialized_arguments_stored_once(
     assert [len(prompt) for prompt in prompts] == [2, 4, 6, 8]
     assert prompts[-1] == history[:-1]
     assert all(valid_order(prompt) for prompt in prompts)
+
+
+@pytest.mark.parametrize("named", [False, True], ids=["no-header", "header"])
+async def test_tool_arguments_a_javascript_client_writes_again_are_stored_once(
+    http: httpx.Client, engine: AsyncEngine, upstream: UpstreamServer, named: bool
+) -> None:
+    """The upstream writes `{"x": 2.0}`; a JavaScript client resends the call as
+    `JSON.stringify` writes it back, `{"x":2}`: still the stored reply, so nothing branches
+    and nothing is stored twice."""
+    system = unique("You call tools from JavaScript.")
+    headers = {HEADER: f"js-tools-{uuid.uuid4().hex}"} if named else {}
+    history: list[Message] = [
+        {"role": "system", "content": system},
+        {"role": "user", "content": unique("add one to two")},
+    ]
+    upstream.script({"tool_calls": [{"name": "add", "arguments": '{"x": 2.0}'}]})
+    message = reply_of(chat(http, history, tools=TOOLS, headers=headers))
+    [call] = message["tool_calls"]
+    call["function"]["arguments"] = '{"x":2}'
+    history.append(message)
+    history.append({"role": "tool", "tool_call_id": call["id"], "content": "3"})
+    history.append(reply_of(chat(http, history, tools=TOOLS, headers=headers)))
+    history.append({"role": "user", "content": unique("thanks")})
+    chat(http, history, tools=TOOLS, headers=headers)
+
+    found = await stored(engine, system)
+    assert len(found) == 1
+    [messages] = found.values()
+    assert not superseded(messages)
+    assert [m["role"] for m in messages] == [
+        "system",
+        "user",
+        "assistant",
+        "tool",
+        "assistant",
+        "user",
+        "assistant",
+    ]
 
 
 # -- retries ---------------------------------------------------------------------------------

@@ -1,6 +1,6 @@
 """The database layer: transactions over a pool whose connections may have died, the migrations'
 indexes as the schema declares them, the migration that keeps each conversation's system prompt
-fingerprint, and the one that rehashes chains."""
+fingerprint, and the ones that rehash chains."""
 
 import asyncio
 import hashlib
@@ -232,8 +232,12 @@ async def test_migration_0005_fingerprints_the_newest_system_prompt(empty_databa
 
 
 def _migration_0009() -> ModuleType:
-    path = ALEMBIC_INI.parent / "migrations" / "versions" / "0009_branches.py"
-    spec = importlib.util.spec_from_file_location("migration_0009", path)
+    return _migration("0009_branches")
+
+
+def _migration(name: str) -> ModuleType:
+    path = ALEMBIC_INI.parent / "migrations" / "versions" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"migration_{name}", path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -322,5 +326,117 @@ async def test_migration_0009_rehashes_chains_so_old_conversations_keep_matching
                 {"c": conversation},
             )
             assert list(hashes) == old_hashes
+    finally:
+        await engine.dispose()
+
+
+async def test_migration_0015_rehashes_tool_arguments_numbers_across_branches(
+    empty_database: str,
+) -> None:
+    """A conversation stored when `{"x": 2.0}` and `{"x":2}` hashed apart, with a regenerated
+    answer (a branch) and a response ending at its head: after the migration a history that
+    writes the arguments the other way extends it, and the response is still at the head; the
+    downgrade puts the old hashes back."""
+    old = _migration("0015_tool_argument_numbers")
+    call = {"id": "c1", "type": "function", "function": {"name": "add", "arguments": '{"x": 2.0}'}}
+    # seq 3, the first answer, was regenerated: seq 4 follows seq 2.
+    stored: list[tuple[dict[str, Any], int | None, bool]] = [
+        ({"role": "user", "content": "add one to two"}, None, False),
+        ({"role": "assistant", "content": None, "tool_calls": [call]}, None, False),
+        ({"role": "tool", "tool_call_id": "c1", "content": "3"}, None, False),
+        ({"role": "assistant", "content": "three"}, None, True),
+        ({"role": "assistant", "content": "3!"}, 2, False),
+    ]
+    old_hashes: list[str] = []
+    for message, follows, _ in stored:
+        parent_seq = len(old_hashes) - 1 if follows is None else follows
+        parent = old_hashes[parent_seq] if parent_seq >= 0 else ""
+        old_hashes.append(old._hash(parent, old._canonical(message, doubles=False)))
+    engine = connect(empty_database)
+    try:
+        async with engine.connect() as conn:
+            await conn.run_sync(_upgrade_to("0014"))
+            await conn.commit()
+        async with transaction(engine) as conn:
+            tenant = await conn.scalar(text("INSERT INTO tenants (name) VALUES ('t') RETURNING id"))
+            conversation = await conn.scalar(
+                text(
+                    "INSERT INTO conversations (tenant_id, external_id, head_hash, head_seq, "
+                    "next_seq) VALUES (:tenant, 'old', :head, 4, 5) RETURNING id"
+                ),
+                {"tenant": tenant, "head": old_hashes[-1]},
+            )
+            await conn.execute(
+                text(
+                    "INSERT INTO responses (tenant_id, response_id, conversation_id, last_seq, "
+                    "head_hash, body, input_items) VALUES (:tenant, 'resp_1', :conversation, 4, "
+                    "CAST(:head AS text), '{}', '[]')"
+                ),
+                {"tenant": tenant, "conversation": conversation, "head": old_hashes[-1]},
+            )
+            for seq, ((message, follows, superseded), digest) in enumerate(
+                zip(stored, old_hashes, strict=True)
+            ):
+                await conn.execute(
+                    text(
+                        "INSERT INTO nodes (tenant_id, conversation_id, level, seq, span_start, "
+                        "span_end, role, content, tool_calls, tool_call_id, text, chain_hash, "
+                        "follows_seq, superseded_at) VALUES (:tenant, :conversation, 0, :seq, "
+                        ":seq, :seq, :role, CAST(:content AS jsonb), CAST(:calls AS jsonb), "
+                        ":call_id, '', :hash, :follows, CASE WHEN :superseded THEN now() END)"
+                    ),
+                    {
+                        "tenant": tenant,
+                        "conversation": conversation,
+                        "seq": seq,
+                        "role": message["role"],
+                        "content": json.dumps(message["content"]),
+                        "calls": json.dumps(message.get("tool_calls")),
+                        "call_id": message.get("tool_call_id"),
+                        "hash": digest,
+                        "follows": follows,
+                        "superseded": superseded,
+                    },
+                )
+        await migrate(engine)
+        branch = [stored[0][0], stored[1][0], stored[2][0], stored[4][0]]
+        assert old_hashes[-1] != chains.chain(branch)[-1]  # the form did change
+        javascript = {**call, "function": {"name": "add", "arguments": '{"x":2}'}}
+        resent = [
+            branch[0],
+            {**branch[1], "tool_calls": [javascript]},
+            *branch[2:],
+            {"role": "user", "content": "and again"},
+        ]
+        async with transaction(engine) as conn:
+            head = await conn.scalar(
+                select(conversations.c.head_hash).where(conversations.c.id == conversation)
+            )
+            assert head == chains.chain(branch)[-1]
+            abandoned = await conn.scalar(
+                text("SELECT chain_hash FROM nodes WHERE conversation_id = :c AND seq = 3"),
+                {"c": conversation},
+            )
+            assert abandoned == chains.chain([*branch[:3], stored[3][0]])[-1]
+            found = await identity.identify(
+                conn, tenant_id=tenant, external_id=None, user=None, messages=resent
+            )
+            assert (found.row.id, found.start, found.branch) == (conversation, 4, None)
+            response_head = await conn.scalar(
+                text("SELECT head_hash FROM responses WHERE response_id = 'resp_1'")
+            )
+            assert response_head == head
+        async with engine.connect() as conn:
+            await conn.run_sync(_upgrade_to("0014", down=True))
+            await conn.commit()
+            hashes = await conn.scalars(
+                text("SELECT chain_hash FROM nodes WHERE conversation_id = :c ORDER BY seq"),
+                {"c": conversation},
+            )
+            assert list(hashes) == old_hashes
+            response_head = await conn.scalar(
+                text("SELECT head_hash FROM responses WHERE response_id = 'resp_1'")
+            )
+            assert response_head == old_hashes[-1]
     finally:
         await engine.dispose()

@@ -9,7 +9,9 @@ tool calls and `tool_call_id` (and the deprecated `function_call`), where
   texts joined by newlines (the other keys of a text part are left out); a list holding other
   parts keeps them, compared as JSON;
 * a tool call is its `id`, function name and arguments, the arguments compared as parsed JSON
-  (`{"x":1}` and `{"x": 1}` are alike; arguments that do not parse are compared as written);
+  (`{"x":1}` and `{"x": 1}` are alike; arguments that do not parse are compared as written),
+  their numbers as JavaScript reads them, doubles (`{"x": 2.0}` and `{"x":2}` are alike: a
+  JavaScript client that keeps the arguments parsed writes the one back as the other);
 * field order never matters, and fields a client may add or drop when it resends a message it
   received (`refusal`, `annotations`, `audio`, `reasoning_content`, a tool call's `type`) are
   left out.
@@ -18,7 +20,6 @@ tool calls and `tool_call_id` (and the deprecated `function_call`), where
 keeps the one of its newest system prompt (`system_hash`) to recognise a client that repeats it.
 """
 
-import contextlib
 import functools
 import hashlib
 import json
@@ -78,9 +79,27 @@ def _call(call: Any) -> dict[str, Any]:
 def _function(function: Mapping[str, Any]) -> dict[str, Any]:
     arguments = function.get("arguments")
     if isinstance(arguments, str):
-        with contextlib.suppress(ValueError):  # arguments that do not parse: as written
+        try:
             arguments = json.loads(arguments)
-    return {"name": function.get("name"), "arguments": arguments}
+        except ValueError:  # arguments that do not parse: as written
+            return {"name": function.get("name"), "arguments": arguments}
+    return {"name": function.get("name"), "arguments": _as_doubles(arguments)}
+
+
+def _as_doubles(value: Any) -> Any:
+    """`value` with its numbers as doubles, written without a fraction when they have none
+    (`2.0`, `2` and `2e0` alike, and the integers a double cannot tell apart)."""
+    if isinstance(value, dict):
+        return {key: _as_doubles(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_as_doubles(item) for item in value]
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        try:
+            double = float(value)
+        except OverflowError:  # an integer past any double: as written
+            return value
+        return int(double) if double.is_integer() else double
+    return value
 
 
 def canonical_json(value: Any) -> bytes:
