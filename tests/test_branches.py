@@ -315,6 +315,47 @@ async def test_a_retry_with_the_same_idempotency_key_is_stored_once(
     assert [len(prompt) for prompt in sent_prompts(upstream)] == [2, 2]
 
 
+def streamed(http: httpx.Client, messages: list[Message], headers: dict[str, str]) -> bytes:
+    body = {"model": "m", "messages": messages, "stream": True}
+    with http.stream("POST", "/chat/completions", json=body, headers=headers) as response:
+        assert response.status_code == 200
+        return b"".join(response.iter_bytes())
+
+
+@pytest.mark.parametrize("named", [False, True], ids=["no-header", "header"])
+async def test_a_retry_after_a_cut_stream_keeps_the_whole_answer(
+    http: httpx.Client, engine: AsyncEngine, upstream: UpstreamServer, named: bool
+) -> None:
+    """The stream of the first answer is cut (its part is kept, marked incomplete); the client
+    retries the request and gets the whole answer: that answer is the one memory keeps on
+    the current branch, the cut one superseded (the retry's answer was dropped, the first one
+    taken as given, and the next turn's prompt went on from the cut answer)."""
+    system = unique("Cut, then retried.")
+    headers = {"Idempotency-Key": uuid.uuid4().hex}
+    if named:
+        headers[HEADER] = f"cut-retry-{uuid.uuid4().hex}"
+    history = [{"role": "system", "content": system}, {"role": "user", "content": unique("q")}]
+    whole = "one two three four five six"
+    upstream.script({"reply": whole, "cut_after": 2}, {"reply": whole})
+    assert b"upstream_stream_interrupted" in streamed(http, history, headers)
+    assert b"[DONE]" in streamed(http, history, headers)  # the retry
+
+    [messages] = (await stored(engine, system)).values()
+    assert current(messages) == [
+        *((m["role"], m["content"]) for m in history),
+        ("assistant", whole),
+    ]
+    assert superseded(messages) == [("assistant", "one two")]
+    follow = {"role": "user", "content": unique("and then?")}
+    sent = [follow] if named else [*history, {"role": "assistant", "content": whole}, follow]
+    chat(http, sent, headers={HEADER: headers[HEADER]} if named else {})
+    assert [(m["role"], m["content"]) for m in sent_prompts(upstream)[-1]] == [
+        *((m["role"], m["content"]) for m in history),
+        ("assistant", whole),
+        ("user", follow["content"]),
+    ]
+
+
 @pytest.mark.parametrize("named", [False, True], ids=["no-header", "header"])
 async def test_concurrent_duplicates_are_stored_once(
     gateway: GatewayProcess, engine: AsyncEngine, upstream: UpstreamServer, named: bool

@@ -31,7 +31,9 @@ window, or, without one, when its body is the same JSON as that of the request t
 conversation's head came from and either it resends the whole history, or that request is
 still unanswered, or the client says it is retrying (`X-Stainless-Retry-Count`, sent by the
 OpenAI SDKs). A client that sends only its new messages may say the same thing twice on
-purpose ("continue"): that is not taken for a retry on its bytes alone.
+purpose ("continue"): that is not taken for a retry on its bytes alone. A retry of a request
+whose answer was cut (a stream cut: the reply stored incomplete, still the head) moves the
+current branch back before that answer (`Found.branch`), so the retry's answer takes its place.
 """
 
 import hashlib
@@ -136,7 +138,8 @@ class Found:
     """The history's messages before `start` are the whole current branch (once `branch` is
     applied): the request resent the history rather than only its new messages."""
     retry: bool = False
-    """The request repeats an earlier one: nothing is stored, nothing branches."""
+    """The request repeats an earlier one: nothing is stored, and nothing branches but a cut
+    answer to it that is the head (superseded: `branch`)."""
 
 
 async def identify(
@@ -532,20 +535,47 @@ async def _as_retry(
             and await _sent_with(conn, conversation_id, request.value, window) is None
         ):
             return None
-        return replace(found, start=count, branch=None, retry=True)
+        return await _past_cut(
+            conn, replace(found, start=count, branch=None, retry=True), request.value
+        )
     earlier = await _sent_with(
         conn, conversation_id, request.value, window if request.explicit else None
     )
     if earlier is None or earlier.replied:
         return None  # the first stored no message of its own to answer again
-    return replace(
-        found,
-        start=count,
-        branch=None,
-        retry=True,
-        parent=earlier.chain_hash,
-        parent_seq=earlier.seq,
+    return await _past_cut(
+        conn,
+        replace(
+            found,
+            start=count,
+            branch=None,
+            retry=True,
+            parent=earlier.chain_hash,
+            parent_seq=earlier.seq,
+        ),
+        request.value,
     )
+
+
+async def _past_cut(conn: AsyncConnection, retry: Found, key: str) -> Found:
+    """`retry`, branching back to the message it answers when the head is an answer to the
+    same request (`key`) that was cut (stored incomplete) right after that message: its reply
+    then replaces the cut one, which was dropped as the first answer already recorded."""
+    row = retry.row
+    if not row.head_replied or row.head_request != key:
+        return retry
+    head = (
+        await conn.execute(
+            select(nodes.c.status, nodes.c.follows_seq).where(
+                nodes.c.conversation_id == row.id, nodes.c.level == 0, nodes.c.seq == row.head_seq
+            )
+        )
+    ).one()
+    follows = row.head_seq - 1 if head.follows_seq is None else head.follows_seq
+    answers = -1 if retry.parent_seq is None else retry.parent_seq
+    if head.status != "incomplete" or follows != answers:
+        return retry
+    return replace(retry, branch=Branch(fork_seq=retry.parent_seq))
 
 
 async def _sent_with(

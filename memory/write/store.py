@@ -120,8 +120,9 @@ async def store_new(
 ) -> Appended:
     """Store the part of an incoming history that is new to the conversation `identity.identify`
     found (and locked): `messages` from `found.start` on, after moving the current branch when
-    the history branches; nothing for a retry. `created_at`, if given, holds one timestamp (or
-    None: now) per message of `messages`; `request_key` is recorded with what is stored."""
+    the history branches (or a retry moves past a cut answer); nothing for a retry.
+    `created_at`, if given, holds one timestamp (or None: now) per message of `messages`;
+    `request_key` is recorded with what is stored."""
     conv = found.row
     ref = ConversationRef(id=conv.id, external_id=conv.external_id, created=found.created)
     start = len(messages) if found.retry else found.start
@@ -147,7 +148,7 @@ async def store_new(
         )
     await tree.enqueue(conn, tenant_id=tenant_id, conversation_id=conv.id)
     moved = branches.Moved(branched_at=None, tokens=0)
-    if found.branch is not None and not found.retry:
+    if found.branch is not None:  # a retry's too: it moves past a cut answer (`identity`)
         moved = await branches.move(
             conn,
             conversation_id=conv.id,
@@ -165,7 +166,7 @@ async def store_new(
         request_key=request_key,
     )
     head = inserted.head or (found.parent, found.parent_seq)
-    if inserted.node_ids or (found.branch is not None and not found.retry):
+    if inserted.node_ids or found.branch is not None:
         systems = [m for m in messages[start:] if m.get("role") in appends.SYSTEM_ROLES]
         await _move_head(
             conn,
