@@ -414,3 +414,33 @@ def test_continuing_the_latest_response_with_its_opening_words_is_a_new_turn(
     ]
     last = [(m.get("role"), m.get("content")) for m in way.prompts()[-1]]
     assert last[-3:] == [("user", ask), ("assistant", f"echo: {ask}"), ("user", ask)]
+
+
+def test_continuing_a_response_of_an_abandoned_branch_continues_its_own_history(
+    way: Way, client: openai.OpenAI, http: httpx.Client
+) -> None:
+    """A client forks from an earlier response, then goes back to the response it forked away
+    from: that response's own history is continued (it was read from the current branch, which
+    no longer held it, so the turn went on after the fork point without it)."""
+    texts = [unique(f"question {n}") for n in range(4)]
+    first = client.responses.with_raw_response.create(model="gpt-4o-mini", input=texts[0])
+    conversation = first.headers[HEADER]
+    r1 = first.parse().id
+    r2 = client.responses.create(model="gpt-4o-mini", input=texts[1], previous_response_id=r1)
+    client.responses.create(model="gpt-4o-mini", input=texts[2], previous_response_id=r1)
+    back = client.responses.create(model="gpt-4o-mini", input=texts[3], previous_response_id=r2.id)
+    assert back.output_text == f"echo: {texts[3]}"
+
+    def pairs(numbers: list[int]) -> list[tuple[str, str]]:
+        return [
+            m for n in numbers for m in (("user", texts[n]), ("assistant", f"echo: {texts[n]}"))
+        ]
+
+    messages = http.get(f"/admin/conversations/{conversation}/messages").json()["messages"]
+    assert [(m["role"], m["content"]) for m in messages if m["superseded_at"] is None] == pairs(
+        [0, 1, 3]
+    )
+    assert [(m["role"], m["content"]) for m in messages if m["superseded_at"]] == pairs([2])
+    assert len(messages) == 8  # nothing stored twice
+    last = [(m.get("role"), m.get("content")) for m in way.prompts()[-1]]
+    assert last == [*pairs([0, 1]), ("user", texts[3])]

@@ -8,8 +8,9 @@ the turn. The conversation is the one `previous_response_id` names (404 if it na
 this tenant's), else the one `X-Memstrata-Conversation` names, else the one whose stored chain
 the messages extend: a client that resends the whole input each time (openai-agents does) is
 recognised as a chat client is. Continuing a response that is no longer its conversation's
-latest sends its history and the new input whole, so the write path continues the conversation
-from that point; continuing the latest one, its input is new, whatever it repeats. A retry is
+latest sends its own history (even from a branch the conversation left since) and the new
+input whole, so the write path continues the conversation from that point, as a branch if it
+must; continuing the latest one, its input is new, whatever it repeats. A retry is
 told as on the chat path (`Idempotency-Key`, `X-Stainless-Retry-Count`, the same body) and
 stores nothing. `store: false` stores nothing: the request reads memory (the history of
 `previous_response_id`, if named) and goes upstream, and the response cannot be retrieved or
@@ -57,7 +58,7 @@ from memory import tokens
 from memory.db import transaction
 from memory.errors import StorageUnavailable
 from memory.recall.assemble import Budget, StoredTurn, leading_system
-from memory.write import identity, store
+from memory.write import identity
 from memory.write import responses as stored_responses
 
 log = logging.getLogger(__name__)
@@ -204,11 +205,8 @@ async def _store(
             found = await _previous(conn, turn, previous, lock=True)
             new_only = found.at_head
             if not found.at_head:
-                history = await store.history(
-                    conn,
-                    tenant_id=turn.tenant_id,
-                    conversation_id=found.conversation_id,
-                    before_seq=found.last_seq + 1,
+                history = await stored_responses.history(
+                    conn, tenant_id=turn.tenant_id, found=found
                 )
                 new = messages[len(leading_system(messages)) if leading_system(history) else 0 :]
                 messages = [*history, *new]

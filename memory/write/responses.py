@@ -2,7 +2,8 @@
 
 A response is kept beside the messages it stored (they are stored as any chat turn's are), so
 that a later request naming it as `previous_response_id` continues its conversation from that
-point, and so that it can be read back as the client saw it (`body`, its `input_items`). Every
+point (`history`: the path to it, whichever branch holds it now), and so that it can be read
+back as the client saw it (`body`, its `input_items`). Every
 function is scoped by `tenant_id`: another tenant's response behaves as missing. `save` runs
 in the transaction that recorded the reply, after the conversation's row was locked by it, so
 the point it records (`last_seq`, `head_hash`) is the one the reply made.
@@ -16,7 +17,8 @@ from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from memory.errors import NotFound
-from memory.schema import conversations, responses
+from memory.schema import conversations, nodes, responses
+from memory.write import store
 
 
 @dataclass(frozen=True)
@@ -95,3 +97,37 @@ async def find(
         body=row.body,
         input_items=row.input_items,
     )
+
+
+async def history(
+    conn: AsyncConnection, *, tenant_id: int, found: ResponseRecord
+) -> list[dict[str, Any]]:
+    """The messages of the response `found`'s conversation up to its last one, as a prompt
+    carries them (`store.prompt_message`): the path from the root to that message, followed
+    across branches. The current branch may no longer hold it (the client forked from an
+    earlier response since): read from the current branch, a response of an abandoned
+    branch was continued without its own turns."""
+    rows = await conn.execute(
+        select(
+            nodes.c.seq,
+            nodes.c.follows_seq,
+            nodes.c.role,
+            nodes.c.content,
+            nodes.c.name,
+            nodes.c.tool_calls,
+            nodes.c.tool_call_id,
+            nodes.c.meta,
+        ).where(
+            nodes.c.tenant_id == tenant_id,
+            nodes.c.conversation_id == found.conversation_id,
+            nodes.c.level == 0,
+            nodes.c.seq <= found.last_seq,
+        )
+    )
+    by_seq = {row.seq: row for row in rows}
+    path = []
+    seq = found.last_seq
+    while (row := by_seq.get(seq)) is not None:
+        path.append(row)
+        seq = row.seq - 1 if row.follows_seq is None else row.follows_seq
+    return [store.prompt_message(row) for row in reversed(path)]
