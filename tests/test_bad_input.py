@@ -472,6 +472,26 @@ async def test_hostile_bodies_are_400_before_anything_is_stored(
     assert error["code"] in ("invalid_value", "invalid_json")
 
 
+# Fields the gateway does not check are the upstream's to judge, whatever their shape.
+ODD_TOOLS = {
+    "name an object": [{"type": "function", "function": {"name": {"a": 1}}}],
+    "name a list": [{"type": "function", "function": {"name": ["memory_search"]}}],
+}
+
+
+@pytest.mark.parametrize("tools", ODD_TOOLS.values(), ids=ODD_TOOLS.keys())
+async def test_odd_client_tools_are_forwarded_not_a_500(
+    client: httpx.AsyncClient, upstream: UpstreamServer, tools: list[dict[str, Any]]
+) -> None:
+    """Checking the client's tool names against the memory tools' hashed each name: a name
+    that is not a string (unhashable) was a 500 before anything went upstream."""
+    body = {"model": "m", "messages": _user(f"tools {uuid.uuid4().hex}"), "tools": tools}
+    response = await client.post(CHAT, json=body)
+    assert response.status_code == 200, response.text
+    (sent,) = upstream.requests(CHAT)
+    assert sent["body"]["tools"] == tools
+
+
 async def test_text_that_only_looks_unstorable_is_accepted(client: httpx.AsyncClient) -> None:
     """Escapes of other characters, a surrogate pair (an emoji) and a backslash before "u0000"
     are text Postgres holds: read whole (the escapes send the body down the full check) and

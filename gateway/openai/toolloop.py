@@ -92,9 +92,12 @@ def _offerable(body: Mapping[str, Any]) -> bool:
     return not {_tool_name(tool) for tool in client_tools or []} & tools.TOOL_NAMES
 
 
-def _tool_name(tool: Any) -> Any:
+def _tool_name(tool: Any) -> str | None:
     function = tool.get("function") if isinstance(tool, dict) else None
-    return function.get("name") if isinstance(function, dict) else None
+    name = function.get("name") if isinstance(function, dict) else None
+    # Only a string can name a tool; anything else (a list is unhashable) is the upstream's to
+    # refuse, not a reason to fail here.
+    return name if isinstance(name, str) else None
 
 
 class ToolLoop:
