@@ -6,6 +6,7 @@ Each test checks what the client received, what the upstream received, and what 
 (the admin API). Conversations are told apart by unique text.
 """
 
+import json
 import time
 import uuid
 from collections.abc import Iterator
@@ -336,6 +337,49 @@ def test_a_cut_stream_keeps_the_partial_reply(way: Way, http: httpx.Client) -> N
         ("assistant", "incomplete"),
     ]
     assert f"echo: {text}".startswith(messages[1]["content"])
+
+
+def test_an_error_event_in_a_translated_stream_ends_it_incomplete(
+    ways: dict[str, Way],
+) -> None:
+    """A chat stream that sends an error event and stops is not a completed response: the
+    client gets the error, then no `response.completed`; the partial reply and the response
+    are kept as incomplete."""
+    way = ways["translate"]
+    way.upstream.reset()
+    chunk = {
+        "id": "chatcmpl-cut",
+        "object": "chat.completion.chunk",
+        "created": 0,
+        "model": "m",
+        "choices": [
+            {
+                "index": 0,
+                "delta": {"role": "assistant", "content": "partial"},
+                "finish_reason": None,
+            }
+        ],
+    }
+    failure = {
+        "error": {"message": "overloaded", "type": "server_error", "param": None, "code": None}
+    }
+    way.upstream.script({"path": way.path, "sse": [json.dumps(chunk), json.dumps(failure)]})
+    with httpx.Client(base_url=way.gateway.root_url, timeout=15) as http:
+        with http.stream(
+            "POST", "/v1/responses", json={"model": "m", "input": unique("hi"), "stream": True}
+        ) as response:
+            conversation = response.headers[HEADER]
+            body = b"".join(response.iter_bytes()).decode()
+        events = [line[7:] for line in body.splitlines() if line.startswith("event: ")]
+        assert "error" in events, body
+        assert events[events.index("error") + 1 :] == [], events
+        created = json.loads(body.split("data: ", 1)[1].split("\n", 1)[0])
+        kept = http.get(f"/v1/responses/{created['response']['id']}").json()
+        assert kept["status"] == "incomplete", kept
+        messages = http.get(f"/admin/conversations/{conversation}/messages").json()["messages"]
+    assert [(m["role"], m["content"], m["status"]) for m in messages[1:]] == [
+        ("assistant", "partial", "incomplete")
+    ]
 
 
 def test_auto_learns_once_that_the_upstream_has_no_responses(ways: dict[str, Way]) -> None:

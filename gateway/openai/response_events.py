@@ -16,7 +16,8 @@ item (`output_item.added`, `content_part.added`, one `output_text.delta` per chu
 `function_call` item (`output_item.added`, `function_call_arguments.delta` per fragment,
 `function_call_arguments.done`, `output_item.done`); then `response.completed` (or
 `response.incomplete` for a `finish_reason` of `length` or `content_filter`) with the usage. An
-error event of the chat stream becomes an `error` event. Every event carries its
+error event of the chat stream becomes an `error` event and ends the stream (`failed`): nothing
+follows it, no final response, so the reply is kept as incomplete. Every event carries its
 `sequence_number`.
 """
 
@@ -116,6 +117,8 @@ class ChatEvents:
         self._open_call: int | None = None
         self._finish: str | None = None
         self._usage: Any = None
+        self.failed = False
+        """The chat stream sent an error: the response ends there (see the module docstring)."""
 
     def start(self) -> bytes:
         snapshot = copy.deepcopy(self._response)
@@ -125,13 +128,14 @@ class ChatEvents:
 
     def event(self, event: Event) -> bytes:
         """What the client is sent for one event of the chat stream."""
-        if event.data is None or event.data.strip() == "[DONE]":
+        if self.failed or event.data is None or event.data.strip() == "[DONE]":
             return b""
         chunk = _payload(event)
         if chunk is None:
             return b""
         if isinstance(chunk.get("error"), dict):
             error = chunk["error"]
+            self.failed = True
             return self._emit(
                 "error",
                 code=error.get("code"),

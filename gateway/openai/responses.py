@@ -415,6 +415,10 @@ class _Forward:
             for event in reader.close():
                 if out := events.event(event):
                     yield sent(out)
+            if events.failed:
+                # Not a completed response: no final event, and the reply is recorded (by the
+                # turn, as the stream ends) as incomplete.
+                return
             final = events.finish()
             reply.feed(final)
             yield REPLY_COMPLETE
