@@ -543,6 +543,17 @@ async def test_a_body_that_is_not_json_is_415_everywhere(
 # -- other routes --------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("suffix", ["", "/input_items"])
+async def test_a_response_id_postgres_cannot_hold_is_404(
+    client: httpx.AsyncClient, suffix: str
+) -> None:
+    """A NUL in a response id (`%00` in the path) was sent to Postgres, which refused the text:
+    a 500. No stored response has such an id."""
+    response = await client.get(f"/v1/responses/resp_a%00b{suffix}")
+    error = _assert_openai_error(response, 404)
+    assert error["code"] == "not_found"
+
+
 async def test_unknown_route_is_404_openai_shape(client: httpx.AsyncClient) -> None:
     _assert_openai_error(await client.get("/v1/nothing-here"), 404)
 

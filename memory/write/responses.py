@@ -74,6 +74,10 @@ async def find(
 ) -> ResponseRecord:
     """The response `response_id` of this tenant, or `NotFound`; `lock` locks its
     conversation's row until the transaction ends."""
+    if "\x00" in response_id:
+        # Postgres text cannot hold a NUL, so no stored response has such an id; asked for
+        # one, Postgres would refuse the statement.
+        raise NotFound(f"Response with id {response_id!r} not found.")
     query = (
         select(
             responses,
