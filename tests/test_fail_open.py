@@ -6,6 +6,7 @@ fail-closed. Each is used while the database is up, then the server is stopped, 
 sent, the server is started again, and requests work as before.
 """
 
+import dataclasses
 import time
 import uuid
 from collections.abc import Iterator
@@ -17,8 +18,12 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from devkit.gateway import GatewayProcess
 from devkit.postgres import throwaway_postgres
+from devkit.service import free_port
 from devkit.upstream import UpstreamServer
+from gateway.settings import Settings
+from memory.db import connect
 from memory.postgres import EmbeddedPostgres
+from tests.inprocess import App, running_app
 
 CHAT = "/v1/chat/completions"
 UPSTREAM_KEY = "sk-upstream-of-the-gateway"
@@ -196,3 +201,36 @@ def test_database_stopped_mid_run(
     missing = httpx.get(f"{opened.root_url}/admin/conversations/mine-1/messages", timeout=10)
     assert missing.status_code == 404
     assert post(keyed, body("after"), Authorization=f"Bearer {unseen}").status_code == 200
+
+
+async def test_a_response_forwarded_while_the_database_is_down_is_marked_degraded(
+    database_url: str, upstream: UpstreamServer
+) -> None:
+    """The Responses API forwards without memory too; its answer said nothing of it (the chat
+    path's `X-Memstrata-Degraded` was missing), so a client could not tell that the turn was
+    not kept."""
+    settings = Settings(
+        database_url=database_url,
+        upstream_base_url=upstream.url,
+        workers=0,
+        fail_open="on",
+        upstream_responses="on",
+    )
+    unreachable = connect(f"postgresql+asyncpg://nobody@127.0.0.1:{free_port()}/none")
+    try:
+        async with running_app(settings) as running:
+            down = App(running.app, dataclasses.replace(running.state, engine=unreachable))
+            async with down.client() as client:
+                named = {"X-Memstrata-Conversation": "down-1"}
+                for stream in (False, True):
+                    payload = {"model": "m", "input": f"while down {stream}", "stream": stream}
+                    response = await client.post("/v1/responses", json=payload, headers=named)
+                    assert response.status_code == 200, response.text
+                    assert response.headers["x-memstrata-degraded"] == "1"
+                    assert response.headers["x-memstrata-conversation"] == "down-1"
+                chat = await client.post(CHAT, json=body("while down"))
+                assert chat.headers["x-memstrata-degraded"] == "1"
+    finally:
+        await unreachable.dispose()
+    sent = [request["body"] for request in upstream.requests("/v1/responses")]
+    assert [request["input"] for request in sent] == ["while down False", "while down True"]

@@ -14,7 +14,9 @@ must; continuing the latest one, its input is new, whatever it repeats. A retry 
 told as on the chat path (`Idempotency-Key`, `X-Stainless-Retry-Count`, the same body) and
 stores nothing. `store: false` stores nothing: the request reads memory (the history of
 `previous_response_id`, if named) and goes upstream, and the response cannot be retrieved or
-continued later. The memory tools are not offered on this path.
+continued later. The memory tools are not offered on this path. With the database down and
+`MEMSTRATA_FAIL_OPEN=on`, a request that names no `previous_response_id` goes upstream as the
+client sent it, unrecorded, its answer marked `X-Memstrata-Degraded` as on the chat path.
 
 Upstream, the request goes as a Responses request when the upstream serves the API: the
 client's own body when the prompt is its input unchanged, else with the assembled prompt as
@@ -48,6 +50,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 from gateway.bodies import read_json
 from gateway.errors import GatewayError
 from gateway.openai import chat, translate
+from gateway.openai.degraded import DEGRADED_HEADER
 from gateway.openai.response_events import ChatEvents, ResponseReply
 from gateway.openai.streams import EventReader, sse_error
 from gateway.openai.turn import CONVERSATION_HEADER, REPLY_COMPLETE, Chunks, Turn
@@ -83,11 +86,15 @@ class ResponseTurn(Turn):
     input_items: list[dict[str, Any]] = field(default_factory=list)
     response: dict[str, Any] | None = None
     streamed: ResponseReply | None = None
+    degraded: bool = False
+    """Forwarded without memory, the database being down (fail-open)."""
 
     def headers(self) -> dict[str, str]:
         headers = super().headers()
         if not self.external_id:
             del headers[CONVERSATION_HEADER]
+        if self.degraded:
+            headers[DEGRADED_HEADER] = "1"
         return headers
 
     async def record(
@@ -171,7 +178,7 @@ async def create(request: Request, state: State, *, tenant_id: int) -> Response:
             raise
         log.warning("database unavailable, forwarding a response request without memory")
         state.metrics.degraded.inc()
-        turn.store, assembled = False, None
+        turn.store, turn.degraded, assembled = False, True, None
     if assembled is not None:
         turn.sent(assembled)
     else:
