@@ -314,6 +314,38 @@ def test_bad_requests_are_400_and_store_nothing(
     assert way.upstream.requests() == []
 
 
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        ({"tools": [{"type": "web_search"}]}, "tools"),
+        ({"tool_choice": {"type": "web_search"}}, "tool_choice"),
+        ({"tools": 5}, "tools"),  # was a 500
+    ],
+)
+def test_what_chat_completions_cannot_carry_is_400_before_anything_is_stored(
+    ways: dict[str, Way], extra: dict[str, Any], param: str
+) -> None:
+    """With an upstream known not to serve the Responses API, a built-in tool cannot be
+    translated: refused with 400, as it was, but only after the input had been stored (and
+    `tools` that are not a list were a 500)."""
+    way = ways["translate"]
+    with httpx.Client(base_url=way.gateway.root_url, timeout=15) as http:
+        # Once the gateway has learnt that the upstream has no Responses API.
+        assert http.post("/v1/responses", json={"model": "m", "input": "probe"}).is_success
+        way.upstream.reset()
+        conversation = f"builtin-{uuid.uuid4().hex[:10]}"
+        response = http.post(
+            "/v1/responses",
+            json={"model": "m", "input": unique("search the web"), **extra},
+            headers={HEADER: conversation},
+        )
+        assert response.status_code == 400, response.text
+        assert response.json()["error"]["param"] == param
+        missing = http.get(f"/admin/conversations/{conversation}/messages")
+        assert missing.status_code == 404, missing.text
+    assert way.upstream.requests() == []
+
+
 def test_upstream_errors_are_relayed(way: Way, client: openai.OpenAI) -> None:
     way.upstream.script({"path": way.path, "status": 429, "headers": {"Retry-After": "7"}})
     with pytest.raises(openai.RateLimitError) as limited:

@@ -128,6 +128,9 @@ async def create(request: Request, state: State, *, tenant_id: int) -> Response:
     except ValidationError as exc:
         raise RequestValidationError(exc.errors()) from exc
     messages = translate.input_messages(body)
+    if state.upstream.serves_responses is False:
+        # It can only go upstream translated: what cannot be is refused before it is stored.
+        translate.check_translatable(body)
     header = request.headers.get(CONVERSATION_HEADER)
     external_id = identity.validate_conversation_id(header) if header is not None else None
     budget = Budget.of(

@@ -27,8 +27,8 @@ completion request (function tools, `tool_choice`, `text.format` → `response_f
 `max_output_tokens` → `max_tokens`, `reasoning.effort` → `reasoning_effort`, `temperature`,
 `top_p`, `parallel_tool_calls`, `user`, `service_tier`, `top_logprobs`, `prompt_cache_key`,
 `safety_identifier`; a tool of another type than `function` is refused with 400: chat
-completions have no built-in tools), and `response_object` turns the completion into a
-response object; `gateway.openai.response_events` does the same for streams.
+completions have no built-in tools, `check_translatable`), and `response_object` turns the
+completion into a response object; `gateway.openai.response_events` does the same for streams.
 """
 
 import json
@@ -315,8 +315,21 @@ _SAME_FIELDS = (
 )
 
 
+def check_translatable(body: Mapping[str, Any]) -> None:
+    """Refuse (400) a Responses `body` that `chat_request` cannot translate: its tools and
+    `tool_choice`, checked before anything of the request is stored."""
+    tools = body.get("tools")
+    if tools and not isinstance(tools, list):
+        raise _invalid("tools must be a list", "tools")
+    for tool in tools or []:
+        _chat_tool(tool)
+    if "tool_choice" in body:
+        _chat_tool_choice(body["tool_choice"])
+
+
 def chat_request(body: Mapping[str, Any], messages: list[Message]) -> dict[str, Any]:
     """The chat completion request for a Responses `body` whose prompt is `messages`."""
+    check_translatable(body)
     chat: dict[str, Any] = {key: body[key] for key in _SAME_FIELDS if key in body}
     chat["messages"] = messages
     if body.get("tools"):
