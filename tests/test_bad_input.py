@@ -472,6 +472,30 @@ async def test_hostile_bodies_are_400_before_anything_is_stored(
     assert error["code"] in ("invalid_value", "invalid_json")
 
 
+async def test_tool_call_arguments_nested_deeper_than_the_parser_goes_are_accepted(
+    client: httpx.AsyncClient,
+) -> None:
+    """Arguments are a string, compared as parsed JSON where they parse: 1,800 levels of
+    nesting in them made the parser raise RecursionError, a 500 (the body's own nesting limit
+    does not reach inside a string). They are compared as written, as unparsable ones are."""
+    deep = "[" * 1800 + "]" * 1800  # within MAX_BODY, past the parser's recursion limit
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": deep}}
+    messages = [
+        *_user(f"deep {uuid.uuid4().hex}"),
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c1", "content": "ok"},
+    ]
+    response = await client.post(CHAT, json={"model": "m", "messages": messages})
+    assert response.status_code == 200, response.text
+    items = [
+        {"role": "user", "content": f"deep {uuid.uuid4().hex}"},
+        {"type": "function_call", "call_id": "c1", "name": "f", "arguments": deep},
+        {"type": "function_call_output", "call_id": "c1", "output": "ok"},
+    ]
+    response = await client.post("/v1/responses", json={"model": "m", "input": items})
+    assert response.status_code == 200, response.text
+
+
 # Fields the gateway does not check are the upstream's to judge, whatever their shape.
 ODD_TOOLS = {
     "name an object": [{"type": "function", "function": {"name": {"a": 1}}}],

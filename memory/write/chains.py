@@ -77,13 +77,12 @@ def _call(call: Any) -> dict[str, Any]:
 
 
 def _function(function: Mapping[str, Any]) -> dict[str, Any]:
-    arguments = function.get("arguments")
-    if isinstance(arguments, str):
-        try:
-            arguments = json.loads(arguments)
-        except ValueError:  # arguments that do not parse: as written
-            return {"name": function.get("name"), "arguments": arguments}
-    return {"name": function.get("name"), "arguments": _as_doubles(arguments)}
+    written = function.get("arguments")
+    try:
+        arguments = _as_doubles(json.loads(written) if isinstance(written, str) else written)
+    except (ValueError, RecursionError):  # not JSON, or nested past what Python reads: as written
+        arguments = written
+    return {"name": function.get("name"), "arguments": arguments}
 
 
 def _as_doubles(value: Any) -> Any:

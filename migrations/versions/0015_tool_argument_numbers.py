@@ -71,13 +71,12 @@ def _as_doubles(value: Any) -> Any:
     return value
 
 
-def _arguments(arguments: Any, *, doubles: bool) -> Any:
-    if isinstance(arguments, str):
-        try:
-            arguments = json.loads(arguments)
-        except ValueError:
-            return arguments
-    return _as_doubles(arguments) if doubles else arguments
+def _arguments(written: Any, *, doubles: bool) -> Any:
+    try:
+        parsed = json.loads(written) if isinstance(written, str) else written
+        return _as_doubles(parsed) if doubles else parsed
+    except (ValueError, RecursionError):
+        return written
 
 
 def _canonical(message: Mapping[str, Any], *, doubles: bool) -> dict[str, Any]:
