@@ -89,12 +89,16 @@ class ChatMessage(_Storable):
         if self.role == "tool" and not self.tool_call_id:
             raise ValueError("a tool message needs tool_call_id")
         if self.role == "assistant":
+            extra = self.model_extra or {}
+            # As OpenAI's: content may be left out for tool calls, a refusal, or the
+            # deprecated `function_call`.
             if (
                 self.content is None
                 and not self.tool_calls
-                and "refusal" not in (self.model_extra or {})
+                and "refusal" not in extra
+                and not extra.get("function_call")
             ):
-                raise ValueError("an assistant message needs content or tool_calls")
+                raise ValueError("an assistant message needs content, tool_calls or function_call")
         elif self.content is None:
             raise ValueError(f"a {self.role} message needs content")
         return self

@@ -472,6 +472,26 @@ async def test_hostile_bodies_are_400_before_anything_is_stored(
     assert error["code"] in ("invalid_value", "invalid_json")
 
 
+async def test_a_legacy_function_call_history_is_accepted(
+    client: httpx.AsyncClient, upstream: UpstreamServer
+) -> None:
+    """OpenAI's assistant message needs content "unless tool_calls or function_call is
+    specified": one with the deprecated `function_call` and no content was refused with 400."""
+    messages = [
+        *_user(f"weather {uuid.uuid4().hex}"),
+        {
+            "role": "assistant",
+            "content": None,
+            "function_call": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+        },
+        {"role": "function", "name": "get_weather", "content": "sunny"},
+    ]
+    response = await client.post(CHAT, json={"model": "m", "messages": messages})
+    assert response.status_code == 200, response.text
+    (sent,) = upstream.requests(CHAT)
+    assert sent["body"]["messages"] == messages
+
+
 async def test_tool_call_arguments_nested_deeper_than_the_parser_goes_are_accepted(
     client: httpx.AsyncClient,
 ) -> None:
