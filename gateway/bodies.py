@@ -6,8 +6,9 @@ Every JSON body the gateway reads itself (chat completions, embeddings, response
 * a `Content-Type` that is not JSON (415; a body without one is read as JSON, as OpenAI does);
 * a body over `MEMSTRATA_MAX_BODY_BYTES` (413), refused from its declared length before it is
   read when it declares one;
-* text that is not JSON, `NaN`/`Infinity`, and numbers too large for a double (`1e400`) (400:
-  none of them can be sent upstream as JSON);
+* text that is not JSON in UTF-8 (a UTF-8 byte order mark is ignored; UTF-16 and UTF-32, which
+  the parser would detect, and surrogates encoded as UTF-8 bytes are refused), `NaN`/`Infinity`,
+  and numbers too large for a double (`1e400`) (400: none of them can be sent upstream as JSON);
 * nesting deeper than `MAX_DEPTH` (400);
 * unpaired surrogates (`"\\ud800"`) anywhere, which no UTF-8 request can carry upstream (400).
 
@@ -98,7 +99,10 @@ def loads(raw: bytes, *, unsafe: bool = True) -> Any:
     """`raw` as JSON, refusing what cannot be forwarded as JSON (see the module docstring);
     its strings are read only if `unsafe` (`unsafe_escapes`)."""
     try:
-        body = json.loads(raw, parse_constant=_no_constant, parse_float=_finite)
+        # Decoded here, strictly: given bytes, the parser also reads UTF-16 and UTF-32 (whose
+        # escapes `unsafe_escapes` cannot see) and lets surrogates encoded as UTF-8 through.
+        text = raw.decode("utf-8-sig")
+        body = json.loads(text, parse_constant=_no_constant, parse_float=_finite)
     except RecursionError as exc:
         raise _too_deep() from exc
     except ValueError as exc:  # UnicodeDecodeError and JSONDecodeError included

@@ -458,6 +458,16 @@ HOSTILE = {
     # Finite in JSON's grammar, infinite as a double.
     "1e400": b"{" + VALID + b', "temperature": 1e400}',
     "-1e400": b"{" + VALID + b', "top_p": -1e400}',
+    # An unpaired surrogate as raw (CESU-8) bytes rather than an escape: the parser's UTF-8
+    # decoding let it through, and no escape sent the body down the full check.
+    "surrogate as raw bytes": (
+        b'{"model": "m", "messages": [{"role": "user", "content": "\xed\xa0\x80"}]}'
+    ),
+    # UTF-16 and UTF-32 (which the parser detects) hide the escapes from that check too.
+    "utf-16 surrogate escape": json.dumps({"model": "m", "messages": _user("a\ud800")}).encode(
+        "utf-16-le"
+    ),
+    "utf-32 NUL escape": json.dumps({"model": "m", "messages": _user("a\u0000")}).encode("utf-32"),
     # Nesting: 1,000 levels raised RecursionError; the documented limit is 64.
     "1000 levels": b"{" + VALID + b', "metadata": ' + b"[" * 1000 + b"]" * 1000 + b"}",
     "65 levels": b"{" + VALID + b', "x": ' + b"[" * 64 + b"]" * 64 + b"}",
