@@ -414,6 +414,40 @@ def test_an_error_event_in_a_translated_stream_ends_it_incomplete(
     ]
 
 
+def test_a_translated_stream_that_stops_short_is_not_completed(ways: dict[str, Way]) -> None:
+    """A chat stream that ends with neither a finish_reason nor `[DONE]` was cut: it was
+    announced as `response.completed` and recorded complete; the client now gets the error
+    event a cut stream gets, and the partial reply is kept as incomplete."""
+    way = ways["translate"]
+    way.upstream.reset()
+    chunk = {
+        "id": "chatcmpl-short",
+        "object": "chat.completion.chunk",
+        "created": 0,
+        "model": "m",
+        "choices": [
+            {
+                "index": 0,
+                "delta": {"role": "assistant", "content": "partial"},
+                "finish_reason": None,
+            }
+        ],
+    }
+    way.upstream.script({"path": way.path, "sse": [json.dumps(chunk)]})
+    with httpx.Client(base_url=way.gateway.root_url, timeout=15) as http:
+        with http.stream(
+            "POST", "/v1/responses", json={"model": "m", "input": unique("hi"), "stream": True}
+        ) as response:
+            conversation = response.headers[HEADER]
+            body = b"".join(response.iter_bytes()).decode()
+        assert "response.completed" not in body, body
+        assert "upstream_stream_interrupted" in body, body
+        messages = http.get(f"/admin/conversations/{conversation}/messages").json()["messages"]
+    assert [(m["role"], m["content"], m["status"]) for m in messages[1:]] == [
+        ("assistant", "partial", "incomplete")
+    ]
+
+
 def test_auto_learns_once_that_the_upstream_has_no_responses(ways: dict[str, Way]) -> None:
     way = ways["translate"]
     with openai.OpenAI(base_url=way.gateway.url, api_key=CLIENT_KEY, max_retries=0) as sdk:

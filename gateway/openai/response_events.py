@@ -17,7 +17,9 @@ item (`output_item.added`, `content_part.added`, one `output_text.delta` per chu
 `function_call_arguments.done`, `output_item.done`); then `response.completed` (or
 `response.incomplete` for a `finish_reason` of `length` or `content_filter`) with the usage. An
 error event of the chat stream becomes an `error` event and ends the stream (`failed`): nothing
-follows it, no final response, so the reply is kept as incomplete. Every event carries its
+follows it, no final response, so the reply is kept as incomplete. A chat stream that ends with
+neither a `finish_reason` nor `[DONE]` was cut short (`finished` is false): it gets no final
+response either. Every event carries its
 `sequence_number`.
 """
 
@@ -119,6 +121,7 @@ class ChatEvents:
         self._usage: Any = None
         self.failed = False
         """The chat stream sent an error: the response ends there (see the module docstring)."""
+        self._done = False
 
     def start(self) -> bytes:
         snapshot = copy.deepcopy(self._response)
@@ -128,7 +131,10 @@ class ChatEvents:
 
     def event(self, event: Event) -> bytes:
         """What the client is sent for one event of the chat stream."""
-        if self.failed or event.data is None or event.data.strip() == "[DONE]":
+        if self.failed or event.data is None:
+            return b""
+        if event.data.strip() == "[DONE]":
+            self._done = True
             return b""
         chunk = _payload(event)
         if chunk is None:
@@ -159,6 +165,11 @@ class ChatEvents:
         if choice.get("finish_reason"):
             self._finish = choice["finish_reason"]
         return out
+
+    @property
+    def finished(self) -> bool:
+        """Whether the chat stream reached its end: a `finish_reason` or `[DONE]`."""
+        return self._done or self._finish is not None
 
     def finish(self) -> bytes:
         """The events that close the stream: open items done, then the final response."""

@@ -384,7 +384,7 @@ class _Forward:
                 reply.feed(event.raw)
                 yield event.raw
         except httpx.HTTPError as exc:
-            yield self._interrupted(exc)
+            yield self._interrupted(type(exc).__name__)
         finally:
             await response.aclose()
 
@@ -429,24 +429,26 @@ class _Forward:
                 # Not a completed response: no final event, and the reply is recorded (by the
                 # turn, as the stream ends) as incomplete.
                 return
+            if not events.finished:  # cut short, though without a transport error
+                yield sent(self._interrupted("the stream ended early"))
+                return
             final = events.finish()
             reply.feed(final)
             yield REPLY_COMPLETE
             yield final
         except httpx.HTTPError as exc:
-            yield sent(self._interrupted(exc))
+            yield sent(self._interrupted(type(exc).__name__))
         finally:
             await response.aclose()
 
-    def _interrupted(self, exc: httpx.HTTPError) -> bytes:
+    def _interrupted(self, cause: str) -> bytes:
         log.warning(
             "upstream stream interrupted: %s",
-            type(exc).__name__,
+            cause,
             extra={"conversation": self._turn.external_id},
         )
         return sse_error(
-            f"the upstream stream was interrupted ({type(exc).__name__}); "
-            "the partial reply was kept",
+            f"the upstream stream was interrupted ({cause}); the partial reply was kept",
             code="upstream_stream_interrupted",
         )
 
