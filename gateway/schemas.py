@@ -113,9 +113,10 @@ class ChatCompletionRequest(BaseModel):
     stream: StrictBool | None = None
     user: str | None = None
 
-    @field_validator("user")
+    # Both are stored: `user` with the conversation, `model` with the reply.
+    @field_validator("model", "user")
     @classmethod
-    def _storable_user(cls, value: str | None) -> str | None:
+    def _storable_text(cls, value: str | None) -> str | None:
         if not _storable(value):
             raise ValueError(_UNSTORABLE)
         return value

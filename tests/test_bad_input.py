@@ -468,6 +468,9 @@ HOSTILE = {
         "utf-16-le"
     ),
     "utf-32 NUL escape": json.dumps({"model": "m", "messages": _user("a\u0000")}).encode("utf-32"),
+    # The model is stored with the reply: with a NUL in it the reply could not be, and was
+    # dropped from memory while the client got its answer.
+    "NUL in model": b'{"model": "m\\u0000x", "messages": [{"role": "user", "content": "x"}]}',
     # Nesting: 1,000 levels raised RecursionError; the documented limit is 64.
     "1000 levels": b"{" + VALID + b', "metadata": ' + b"[" * 1000 + b"]" * 1000 + b"}",
     "65 levels": b"{" + VALID + b', "x": ' + b"[" * 64 + b"]" * 64 + b"}",
