@@ -8,12 +8,13 @@ message recorded, streamed or not, the deprecated `function_call` included.
 """
 
 import base64
+import dataclasses
 import io
 import json
 import time
 import uuid
 import wave
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import httpx
@@ -22,6 +23,8 @@ import pytest
 
 from devkit.gateway import GatewayProcess
 from devkit.upstream import UpstreamServer
+from gateway.upstream import Upstream
+from tests.inprocess import App
 
 HEADER = "X-Memstrata-Conversation"
 OPENAI_HEADERS = {
@@ -298,3 +301,52 @@ def test_a_streamed_deprecated_function_call_is_recorded(
     [_, reply] = exported(http, answer.headers[HEADER], 2)
     assert reply["function_call"] == {"name": "get_weather", "arguments": '{"city": "Oslo"}'}
     assert reply["content"] is None
+
+
+async def test_a_stream_cut_inside_an_event_ends_with_a_well_formed_error_event(
+    app: App,
+) -> None:
+    """A client that asked for the usage was relayed the upstream's bytes as they came, so a
+    stream cut in the middle of an event left that event's first half on the wire and the
+    error event was glued to it: one line `data: {"id": …data: {"error": …}`, which no client
+    can parse (the OpenAI SDK raised a JSON error, not the APIError). Only whole events are
+    relayed: the half event is dropped, and every event the client gets parses."""
+    whole = {
+        "id": "chatcmpl-cut",
+        "object": "chat.completion.chunk",
+        "created": 0,
+        "model": "m",
+        "choices": [{"index": 0, "delta": {"role": "assistant", "content": "hel"}}],
+    }
+
+    async def pieces() -> AsyncIterator[bytes]:
+        yield f"data: {json.dumps(whole)}\n\n".encode()
+        yield b'data: {"id": "chatcmpl-cut", "choi'
+        raise httpx.ReadError("connection reset")
+
+    class Cut(httpx.AsyncByteStream):
+        def __aiter__(self) -> AsyncIterator[bytes]:
+            return pieces()
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, headers={"content-type": "text/event-stream"}, stream=Cut())
+
+    mock = httpx.AsyncClient(transport=httpx.MockTransport(answer))
+    upstream = Upstream([mock], base_url="http://upstream.test/v1", api_key=None)
+    cut = App(app.app, dataclasses.replace(app.state, upstream=upstream))
+    body = {
+        "model": "m",
+        "messages": [{"role": "user", "content": f"cut {uuid.uuid4().hex}"}],
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    try:
+        async with cut.client() as client:
+            response = await client.post("/v1/chat/completions", json=body)
+    finally:
+        await mock.aclose()
+    assert response.status_code == 200
+    events = [event for event in response.text.split("\n\n") if event.strip()]
+    payloads = [json.loads(event.removeprefix("data: ")) for event in events]
+    assert payloads[0]["choices"][0]["delta"]["content"] == "hel"
+    assert payloads[-1]["error"]["code"] == "upstream_stream_interrupted"

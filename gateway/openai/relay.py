@@ -1,10 +1,11 @@
 """Forwarding a chat completion upstream and relaying the answer to the client.
 
 The upstream answer is relayed unchanged: an error keeps its status, body and `Retry-After`; a
-stream is passed on chunk by chunk as it arrives while a `StreamedReply` rebuilds the message
-beside it. The reply is recorded by the turn (`gateway.openai.turn`): a stream's when it
-ends, before the client is sent `[DONE]`, marked incomplete if the stream was cut, even when
-the client has gone. When the memory tools are offered (`gateway.openai.toolloop.offer`), the
+stream is passed on event by event as it arrives (never half an event: a stream cut inside one
+ends with a well-formed error event) while a `StreamedReply` rebuilds the message beside it.
+The reply is recorded by the turn (`gateway.openai.turn`): a stream's when it ends, before the
+client is sent `[DONE]`, marked incomplete if the stream was cut, even when the client has
+gone. When the memory tools are offered (`gateway.openai.toolloop.offer`), the
 request goes through the tool loop instead, with the same guarantees. The answer's `usage` is
 kept on the turn; a stream's usage chunk, when the gateway asked for it and the client did not
 (`Turn.hide_usage`), is kept from the client (the other chunks then carry `"usage": null`).
@@ -69,14 +70,16 @@ async def forward(
 
 
 async def _relay(response: httpx.Response, reply: StreamedReply, turn: Turn) -> Chunks:
-    """Pass the upstream stream on as it comes, feeding `reply`; the reply is complete just
-    before the chunk that ends the stream. With `turn.hide_usage`, the stream is passed on
-    event by event, its usage chunk held back."""
+    """Pass the upstream stream on as it comes, event by event, feeding `reply`; the reply is
+    complete just before the chunk that ends the stream. With `turn.hide_usage`, its usage
+    chunk is held back."""
     complete = False
-    events = EventReader() if turn.hide_usage else None
+    # Whole events only: were a stream cut inside one, its first half would have been sent
+    # already and the error event glued to it, a line no client can parse.
+    events = EventReader()
     try:
         async for data in response.aiter_bytes():
-            chunk = data if events is None else b"".join(_shown(events.feed(data), turn))
+            chunk = b"".join(_shown(events.feed(data), turn))
             reply.feed(chunk)
             if reply.done and not complete:
                 complete = True
@@ -84,7 +87,7 @@ async def _relay(response: httpx.Response, reply: StreamedReply, turn: Turn) -> 
                 yield REPLY_COMPLETE
             if chunk:
                 yield chunk
-        if events is not None and (rest := b"".join(_shown(events.close(), turn))):
+        if rest := b"".join(_shown(events.close(), turn)):
             reply.feed(rest)
             yield rest
     except httpx.HTTPError as exc:
@@ -103,9 +106,9 @@ async def _relay(response: httpx.Response, reply: StreamedReply, turn: Turn) -> 
 
 
 def _shown(events: Iterable[Event], turn: Turn) -> Iterator[bytes]:
-    """The events' bytes, a usage-only chunk's kept on the turn instead."""
+    """The events' bytes, a usage-only chunk's kept on the turn instead with `hide_usage`."""
     for event in events:
-        usage = usage_of(event)
+        usage = usage_of(event) if turn.hide_usage else None
         if usage is None:
             yield event.raw
         else:
