@@ -399,6 +399,21 @@ async def test_a_turn_larger_than_the_budget_is_400_and_stores_nothing(
     assert response.status_code == 200, response.text
 
 
+async def test_an_unknown_model_may_ask_for_more_output_than_the_assumed_window(
+    client: httpx.AsyncClient, upstream: UpstreamServer
+) -> None:
+    # A model the gateway has no limits for (served through LiteLLM, vLLM, Ollama ...) may have
+    # a far larger window than MEMSTRATA_CONTEXT_WINDOW guesses: its client knows, the upstream
+    # judges. Counted against the guess, this max_tokens left no budget and was refused here.
+    upstream.reset()
+    for field in ("max_tokens", "max_completion_tokens"):
+        body = {"model": "claude-sonnet-x", "messages": _user(), field: 64_000}
+        response = await client.post(CHAT, json=body)
+        assert response.status_code == 200, response.text
+    sent = [request["body"] for request in upstream.requests("/v1/chat/completions")]
+    assert [sent[0].get("max_tokens"), sent[1].get("max_completion_tokens")] == [64_000, 64_000]
+
+
 async def test_longest_valid_conversation_id_is_accepted(client: httpx.AsyncClient) -> None:
     conversation = ("A-z0.9_:" + uuid.uuid4().hex) * 8
     conversation = conversation[:128]

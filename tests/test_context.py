@@ -364,6 +364,14 @@ def test_budget_is_capped_by_the_models_window() -> None:
     assert prompt.budget_for("llama-3-8b", requested=50_000, **defaults) == 32768 - 4096
     assert prompt.budget_for("gpt-4", requested=8000, max_output=192, **defaults) == 8000
     assert prompt.budget_for("gpt-4", requested=8000, max_output=7000, **defaults) == 1192
+    # An unknown model's window is a guess: a larger output than the default reserve asks for
+    # cuts the budget no further (a smaller one still frees room).
+    assert prompt.budget_for("llama-3-8b", requested=50_000, max_output=64_000, **defaults) == (
+        32768 - 4096
+    )
+    assert prompt.budget_for("llama-3-8b", requested=50_000, max_output=96, **defaults) == (
+        32768 - 96
+    )
 
 
 def state_for(engine: AsyncEngine, **overrides: Any) -> State:

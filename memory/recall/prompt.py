@@ -119,11 +119,16 @@ class BuiltPrompt:
     why: list[explain.Why] = field(default_factory=list)
 
 
-def model_limits(model: str, *, default_window: int, default_reserve: int) -> tuple[int, int]:
-    """(context window, output reserve) of `model`; the defaults for unknown models."""
+def _limits(model: str) -> tuple[int, int] | None:
+    """(context window, output reserve) of `model` by `MODEL_LIMITS`; None when unknown."""
     name = model.strip().lower().rsplit("/", 1)[-1].removeprefix("ft:")
     best = max((prefix for prefix in MODEL_LIMITS if name.startswith(prefix)), key=len, default="")
-    return MODEL_LIMITS[best] if best else (default_window, default_reserve)
+    return MODEL_LIMITS[best] if best else None
+
+
+def model_limits(model: str, *, default_window: int, default_reserve: int) -> tuple[int, int]:
+    """(context window, output reserve) of `model`; the defaults for unknown models."""
+    return _limits(model) or (default_window, default_reserve)
 
 
 def budget_for(
@@ -135,12 +140,14 @@ def budget_for(
     max_output: int | None = None,
 ) -> int:
     """`requested`, capped by the model's window minus its output reserve (the request's own
-    `max_tokens` / `max_completion_tokens` when it gives one)."""
-    window, reserve = model_limits(
-        model, default_window=default_window, default_reserve=default_reserve
-    )
+    `max_tokens` / `max_completion_tokens` when it gives one). For a model not in
+    `MODEL_LIMITS` the window is only the configured guess, so a request's output larger than
+    the default reserve cuts the budget no further: a client asking an unknown model for 64k
+    tokens knows its window, and the upstream judges (it was refused here, whatever its prompt)."""
+    known = _limits(model)
+    window, reserve = known or (default_window, default_reserve)
     if max_output is not None and max_output > 0:
-        reserve = max_output
+        reserve = max_output if known else min(max_output, default_reserve)
     return max(0, min(requested, window - reserve))
 
 
