@@ -128,7 +128,12 @@ def install_handlers(app: FastAPI) -> None:
     async def on_http(_: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, StarletteHTTPException)
         type_ = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return error_response(GatewayError(exc.status_code, str(exc.detail), type=type_))
+        # A 405's `Allow` (the methods the path takes) goes with it, as HTTP asks.
+        return error_response(
+            GatewayError(
+                exc.status_code, str(exc.detail), type=type_, headers=dict(exc.headers or {})
+            )
+        )
 
     async def on_unexpected(_: Request, exc: Exception) -> JSONResponse:
         # A bug: answered in OpenAI's shape with the request id to quote; the traceback is

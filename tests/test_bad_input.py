@@ -633,7 +633,9 @@ async def test_unknown_route_is_404_openai_shape(client: httpx.AsyncClient) -> N
 async def test_wrong_method_is_405_openai_shape(client: httpx.AsyncClient) -> None:
     # Not a /v1 path: every method of those is the upstream's to answer (GET /v1/chat/completions
     # lists OpenAI's stored completions), so they are relayed.
-    _assert_openai_error(await client.post("/healthz"), 405)
+    response = await client.post("/healthz")
+    _assert_openai_error(response, 405)
+    assert response.headers["allow"] == "GET"
 
 
 async def test_healthz_and_readyz(client: httpx.AsyncClient) -> None:

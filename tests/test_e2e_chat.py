@@ -212,6 +212,8 @@ def test_sync_stream(client: openai.OpenAI, http: httpx.Client, upstream: Upstre
         stream_options={"include_usage": True},
     )
     assert raw.headers["content-type"].startswith("text/event-stream")
+    # One cache-control, not the upstream's beside the gateway's.
+    assert raw.headers.get_list("cache-control") == ["no-cache"]
     conversation = raw.headers[HEADER]
     parts: list[str] = []
     usage = None

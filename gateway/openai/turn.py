@@ -43,6 +43,8 @@ log = logging.getLogger(__name__)
 
 CONVERSATION_HEADER = "X-Memstrata-Conversation"
 RECORD_RETRY_SECONDS = 120.0
+# Headers a relayed stream sets itself, in place of the upstream's.
+_STREAM_HEADERS = frozenset({"cache-control", "x-accel-buffering"})
 
 
 class Mark(enum.Enum):
@@ -146,7 +148,13 @@ class Turn:
             self._recording(state, chunks, reply),
             status_code=response.status_code,
             headers={
-                **relayed_headers(response),
+                # The upstream's own `cache-control` would go out beside the gateway's (the
+                # names differ in case): one header, the gateway's.
+                **{
+                    name: value
+                    for name, value in relayed_headers(response).items()
+                    if name.lower() not in _STREAM_HEADERS
+                },
                 **self.headers(),
                 "Cache-Control": "no-cache",
                 "X-Accel-Buffering": "no",
