@@ -7,7 +7,7 @@ gateway drives it (store the turn, assemble under the conversation's lock, recor
 * compaction keeps the budget and loses nothing: every compacted message is under a summary
   the prompt tags, and the summary expands;
 * masked tool results expand back to the original;
-* a branch inside the context rebuilds it;
+* a branch inside the context rebuilds it, also when the turn that made it fit its budget;
 * a prepared recall candidate is used, a stale one ignored;
 * prepared candidates come back best first, each with its own similarity (its message's or
   its best passage's);
@@ -495,6 +495,68 @@ async def test_a_branch_inside_the_context_rebuilds_it(engine: AsyncEngine, tena
     assert rebuilt.context_version == state.version + 1
     assert (await conversation.state()).notes == ()
     assert rebuilt.messages[-1] == edit
+
+
+async def test_a_branch_a_forwarded_turn_made_rebuilds_the_context(
+    engine: AsyncEngine, tenant_id: int
+) -> None:
+    """An edit inside the context on a turn that fits its budget (here: the client asks for a
+    larger one) is forwarded as sent, without the context; the next turn past the budget
+    rebuilds it rather than send stable memory of the branch the edit abandoned (summaries it
+    deleted)."""
+    limit = 1500
+    recall = Recall(embedder=EMBEDDER, policy=Policy())
+    history = [SYSTEM, *synthetic.messages(200, seed=7)]
+    conversation = await Conversation.start(engine, tenant_id, history[1:])
+    async with engine.begin() as conn:  # replies the gateway recorded: the client saw them
+        await conn.execute(
+            update(nodes)
+            .where(nodes.c.conversation_id == conversation.id, nodes.c.role == "assistant")
+            .values(model=MODEL)
+        )
+    await conversation.build_tree()
+
+    async def send(messages: list[Message], budget: int) -> Assembled:
+        async with engine.begin() as conn:
+            stored, _ = await chat.store_turn(
+                conn,
+                tenant_id=tenant_id,
+                external_id=conversation.external_id,
+                user=None,
+                messages=messages,
+                model=MODEL,
+                budget=Budget(limit=budget, reserved=0),
+            )
+            return await assemble(
+                conn, stored, Budget(limit=budget, reserved=0), recall, tools_guide=False
+            )
+
+    history.append({"role": "user", "content": "what about the invoice?"})
+    first = await send(history, limit)
+    await conversation.reply({"role": "assistant", "content": "checking"}, first)
+    built = await conversation.state()
+    fork = next(
+        seq for seq in range(built.verbatim_from // 2, 0, -1) if history[seq]["role"] == "user"
+    )
+    edited = [*history[:fork], {"role": "user", "content": "actually, the hotel?"}]
+    forwarded = await send(edited, 10**6)
+    assert not forwarded.rebuilt and forwarded.messages == edited
+    await conversation.reply({"role": "assistant", "content": "the hotel"}, forwarded)
+    edited += [
+        {"role": "assistant", "content": "the hotel"},
+        {"role": "user", "content": "and the flight?"},
+    ]
+    after = await send(edited, limit)
+    check_prompt(after, limit)
+    tags = {int(tag) for m in after.messages for tag in re.findall(r"\[#(\d+)", str(m["content"]))}
+    async with engine.begin() as conn:
+        found = set(
+            await conn.scalars(
+                select(nodes.c.id).where(nodes.c.id.in_(tags), nodes.c.superseded_at.is_(None))
+            )
+        )
+    assert tags and tags <= found, f"tags of messages gone from the branch: {tags - found}"
+    assert f"its first {built.verbatim_from:,} messages" not in json.dumps(after.messages)
 
 
 def gateway_state(engine: AsyncEngine, tenant_id: int) -> State:

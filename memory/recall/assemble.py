@@ -2,16 +2,17 @@
 
 `assemble(conn, turn, budget, recall, …)` returns the messages to send upstream and their
 figures. A conversation that fits its budget goes as the client sent it (or, when the client
-sent only its new messages, as stored). Otherwise the prompt comes from the conversation's
-working context (`memory.recall.working_context`): compacted first when the turn would pass the
-high-water mark (`memory.recall.compaction`: the compaction prepared in the background when
-there is one, else computed now), then the turn's recall note (`memory.recall.recall_note`,
-from the candidates prepared after the last reply when they cover the new message:
-`memory.recall.anticipation`) and the new messages; the context is saved with the turn, in the
-caller's transaction. With `Recall.mode` `rebuild`, the prompt is instead rebuilt for each
-turn's query by the prompt builder (`memory.recall.prompt`). Every prompt is measured against
-the previous one (`memory.recall.reuse`). `dry_run` is the same for a question that is not
-stored, and saves nothing.
+sent only its new messages, as stored); when such a turn moved the branch inside the working
+context, the context is dropped, to be built afresh (`working_context.forget`). Otherwise the
+prompt comes from the conversation's working context (`memory.recall.working_context`):
+compacted first when the turn would pass the high-water mark (`memory.recall.compaction`: the
+compaction prepared in the background when there is one, else computed now), then the turn's
+recall note (`memory.recall.recall_note`, from the candidates prepared after the last reply
+when they cover the new message: `memory.recall.anticipation`) and the new messages; the
+context is saved with the turn, in the caller's transaction. With `Recall.mode` `rebuild`, the
+prompt is instead rebuilt for each turn's query by the prompt builder (`memory.recall.prompt`).
+Every prompt is measured against the previous one (`memory.recall.reuse`). `dry_run` is the
+same for a question that is not stored, and saves nothing.
 
 A `StoredTurn` is how a request's messages divide once the write path has stored them: the
 leading system prompt, the messages new to the conversation (stored from `first_seq` on) and,
@@ -34,7 +35,7 @@ from memory import tokens
 from memory.db import transaction
 from memory.embeddings import Embedder
 from memory.errors import ContextOverflow
-from memory.recall import context_prompt, explain, prompt, reuse
+from memory.recall import context_prompt, explain, prompt, reuse, working_context
 from memory.recall.recall_note import embed_query, note_query, query_of, related_conversations
 from memory.recall.working_context import Policy
 from memory.schema import conversations
@@ -276,6 +277,15 @@ async def assemble(
             ]
         counts = tokens.count_each(verbatim, model=turn.model)
         if sum(counts) + tokens.REPLY_PRIMING_TOKENS <= budget.limit:
+            if persist and turn.branched_at is not None:
+                # The working context does not see this turn's branch: dropped if it held
+                # the messages the branch left (`working_context.forget`).
+                await working_context.forget(
+                    conn,
+                    tenant_id=turn.tenant_id,
+                    conversation_id=turn.conversation_id,
+                    branched_at=turn.branched_at,
+                )
             head = len(leading_system(verbatim))
             labels = ["system"] * head + ["history"] * (len(verbatim) - head)
             return _measured(turn, verbatim, counts, labels, full=full, rebuilt=False)

@@ -26,7 +26,8 @@ or a branch: `version` then grows).
 
 `load` reads the state (the caller holds the conversation's row lock when it means to change
 it); `save` writes it back, and `advance` writes what a turn that kept the prefix changed (its
-counts, how far it reaches, its notes) without rewriting the stable memory.
+counts, how far it reaches, its notes) without rewriting the stable memory. `forget` drops a
+context that a branch moved inside of on a turn that did not use it (one that fit its budget).
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ __all__ = [
     "State",
     "advance",
     "canonical",
+    "forget",
     "load",
     "masked",
     "read_items",
@@ -515,4 +517,20 @@ async def advance(conn: AsyncConnection, state: State) -> None:
             "new_upto": state.upto,
             "new_notes": _notes_json(state.notes),
         },
+    )
+
+
+async def forget(
+    conn: AsyncConnection, *, tenant_id: int, conversation_id: int, branched_at: int
+) -> None:
+    """Drop the conversation's working context if it holds messages from seq `branched_at` on,
+    for a turn that moved the current branch there without reading the context (it fit its
+    budget): the next turn past the budget cannot tell, and would send stable memory and notes
+    of the abandoned branch; without a context, it builds one over the current branch."""
+    await conn.execute(
+        working_contexts.delete().where(
+            working_contexts.c.conversation_id == conversation_id,
+            working_contexts.c.tenant_id == tenant_id,
+            working_contexts.c.upto > branched_at,
+        )
     )
