@@ -4,6 +4,7 @@ gateway drives it (store the turn, assemble under the conversation's lock, recor
 
 * consecutive prompts share a byte-identical prefix until a compaction, the budget is kept and
   a tool call is never split from its results (a property test over random conversations);
+* tool results whose call alone passes the budget are refused, not sent past it;
 * compaction keeps the budget and loses nothing: every compacted message is under a summary
   the prompt tags, and the summary expands;
 * masked tool results expand back to the original;
@@ -43,6 +44,7 @@ from memory.build import tree
 from memory.build.segments import SegmentPolicy
 from memory.build.summarize import ExtractiveSummarizer
 from memory.embeddings import LocalEmbedder
+from memory.errors import ContextOverflow
 from memory.recall import anticipation, browsing, explain, recall_note, tools
 from memory.recall import working_context as wc
 from memory.recall.assemble import Assembled, Budget, Recall, StoredTurn, assemble
@@ -312,6 +314,34 @@ async def test_results_past_the_budget_keep_their_call(engine: AsyncEngine, tena
     assert assembled.context_version is not None
     check_tool_pairs(assembled.messages)
     assert [m["role"] for m in assembled.messages[-2:]] == ["assistant", "tool"]
+
+
+async def test_a_call_too_large_for_the_budget_with_its_results_is_refused(
+    engine: AsyncEngine, tenant_id: int
+) -> None:
+    """Tool results whose call (an assistant message with large arguments) alone passes the
+    budget: the call cannot be compacted away from its results, so the turn is refused
+    (`ContextOverflow`: a 400) rather than sent past the budget."""
+    conversation = await Conversation.start(engine, tenant_id, synthetic.messages(10, seed=3))
+    policy = Policy(low=0.3, high=0.7, note=0.0, keep_notes=False)
+    recall = Recall(embedder=EMBEDDER, policy=policy)
+    first = await conversation.turn(
+        [{"role": "user", "content": "write it down"}], limit=500, recall=recall
+    )
+    text = " ".join(["alpha salary offer candidate"] * 200)
+    arguments = json.dumps({"text": text})
+    call = {
+        "id": "call_1",
+        "type": "function",
+        "function": {"name": "save", "arguments": arguments},
+    }
+    await conversation.reply({"role": "assistant", "content": None, "tool_calls": [call]}, first)
+    with pytest.raises(ContextOverflow):
+        await conversation.turn(
+            [{"role": "tool", "tool_call_id": "call_1", "content": "saved"}],
+            limit=500,
+            recall=recall,
+        )
 
 
 # -- compaction on a real tree -----------------------------------------------------------------

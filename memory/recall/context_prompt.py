@@ -9,7 +9,8 @@ that does not fit its budget, in the caller's transaction:
    (the compaction prepared in the background, when there is one and it is enough, else one
    computed now); a prompt that does not fit the budget even so (the new messages take most of
    it) is compacted as far as it goes, and sent without its stable memory if that still does
-   not fit;
+   not fit; a turn that still does not fit (tool results whose call alone is too large) is
+   refused (`ContextOverflow`);
 3. the new message is embedded meanwhile (`recall.embedder` may have started it while the turn
    was stored: `memory.recall.early`; again without the participants' names once the verbatim
    turns tell them, when it names one), and the recall note is chosen
@@ -41,6 +42,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from memory import db, stages, tokens
+from memory.errors import ContextOverflow
 from memory.recall import anticipation, compaction, explain, recall_note, retrieval
 from memory.recall import working_context as wc
 from memory.recall.compaction import Fixed
@@ -123,6 +125,14 @@ async def build(
             context = wc.render(state, items, policy=policy, model=model)
             if fixed.system + context.tokens + fixed.new > limit:
                 context = wc.render(replace(state, stable=()), items, policy=policy, model=model)
+            need = fixed.system + context.tokens + fixed.new
+            if need > limit:
+                # What is left is the call the new messages answer, which no compaction splits
+                # from them: sent as is, the prompt would pass the budget.
+                raise ContextOverflow(
+                    f"the system prompt, the new tool results and the tool call they answer "
+                    f"need {need} tokens, more than the budget of {limit} leaves for messages"
+                )
         scope = [turn.conversation_id, *related]
         participants = {item.name for item in items if item.name}
         unnamed = retrieval.without_names(query, participants) if vector_task else query
