@@ -798,6 +798,40 @@ def test_merged_stream_rewrites_rounds_into_one() -> None:
     ]
 
 
+def test_merged_stream_keeps_the_first_rounds_created_and_model() -> None:
+    # A later round is another completion upstream, made seconds later (or by a snapshot the
+    # alias now points to): the client's one stream still shows one completion.
+    merged = MergedStream()
+
+    def event(delta: dict[str, Any], created: int, model: str, finish: str | None = None) -> bytes:
+        chunk = {
+            "id": f"chatcmpl-{created}",
+            "object": "chat.completion.chunk",
+            "created": created,
+            "model": model,
+            "choices": [{"index": 0, "delta": delta, "finish_reason": finish}],
+        }
+        return f"data: {json.dumps(chunk)}\n\n".encode()
+
+    call = {"index": 0, "id": "m", "function": {"name": "memory_browse", "arguments": "{}"}}
+    first = event({"role": "assistant", "content": "Hm."}, 100, "gpt-4o-2024-08-06")
+    first += event({"tool_calls": [call]}, 100, "gpt-4o-2024-08-06", "tool_calls")
+    sent, continues = play(merged, first, final=False)
+    assert continues
+    second = event({"role": "assistant", "content": "Yes."}, 103, "gpt-4o-2024-11-20")
+    second += event({}, 103, "gpt-4o-2024-11-20", "stop")
+    more, _ = play(merged, second, final=False)
+    chunks = [
+        json.loads(line[6:])
+        for line in (sent + more).decode().splitlines()
+        if line.startswith("data: {")
+    ]
+    assert len(chunks) == 3
+    assert {(c["id"], c["created"], c["model"]) for c in chunks} == {
+        ("chatcmpl-100", 100, "gpt-4o-2024-08-06")
+    }
+
+
 def test_merged_stream_round_without_a_finish_does_not_continue() -> None:
     merged = MergedStream()
     memory_fragment = {

@@ -9,7 +9,8 @@ ends are all understood.
 through `MergedStream.round(final=...)`, whose `event()` returns what the client must see of
 each event (often the raw bytes unchanged, sometimes a rewritten chunk, sometimes nothing):
 
-* one stream: every chunk carries the first round's completion `id`; the assistant `role` is
+* one stream: every chunk carries the first round's completion `id`, `created` and `model` (a
+  later round is another completion upstream, made seconds later); the assistant `role` is
   announced once; `[DONE]` is sent once, at the very end (`MergedStream.done()`);
 * content is relayed as it comes, in every round;
 * calls to memory tools (`memory.recall.tools.TOOL_NAMES`) never reach the client: their fragments
@@ -35,6 +36,8 @@ from gateway.errors import error_body
 from gateway.openai.replies import StreamedReply
 from memory.recall.tools import TOOL_NAMES
 
+# What makes the chunks of a stream one completion's.
+_IDENTITY = ("id", "created", "model")
 _EVENT_END = re.compile(rb"\r\n\r\n|\n\n|\r\r")
 _LINE = re.compile(rb"\r\n|\n|\r")
 
@@ -129,7 +132,8 @@ class MergedStream:
         self.hide_usage = hide_usage
         self.usage: dict[str, Any] | None = None  # of the rounds already over
         self.total: dict[str, Any] | None = None  # of every round, once the last is over
-        self.completion_id: str | None = None  # the first round's: every chunk carries it
+        # The first chunk's `id`, `created` and `model`: every chunk carries them.
+        self.identity: dict[str, Any] | None = None
         self.role_sent = False
         self.ended = False  # the last round ended with [DONE]
 
@@ -210,11 +214,13 @@ class Round:
         """Rewrite `chunk` in place: True if changed, False if not, None to drop it."""
         changed = False
         stream = self._stream
-        if stream.completion_id is None:
-            stream.completion_id = chunk.get("id")
-        elif chunk.get("id") != stream.completion_id:
-            chunk["id"] = stream.completion_id
-            changed = True
+        if stream.identity is None:
+            stream.identity = {key: chunk[key] for key in _IDENTITY if key in chunk}
+        else:
+            for key, value in stream.identity.items():
+                if chunk.get(key) != value:
+                    chunk[key] = value
+                    changed = True
         usage = chunk.get("usage")
         if usage:
             # Held back until the last round, which shows the sum of all of them.
