@@ -647,6 +647,36 @@ def test_upstream_error_in_a_later_round_stream(
     assert (kept[1]["content"], kept[1]["status"]) == ("Checking.", "incomplete")
 
 
+def test_a_stream_failing_in_a_later_round_records_the_usage_of_the_rounds_before(
+    client: openai.OpenAI, http: httpx.Client, upstream: UpstreamServer
+) -> None:
+    # The first round was billed: the partial reply is recorded with its usage, not with none.
+    conversation = new_conversation()
+    upstream.script(
+        {
+            "reply": "Checking.",
+            "tool_calls": [memory_call("memory_browse", {"level": 0}, "call_m1")],
+        },
+        {"status": 503},
+    )
+    with pytest.raises(openai.APIError):
+        for _chunk in client.chat.completions.create(
+            model="m",
+            messages=[{"role": "user", "content": unique("busy?")}],
+            stream=True,
+            extra_headers={HEADER: conversation},
+        ):
+            pass
+    assert stored(http, conversation, 2)[1]["status"] == "incomplete"
+    first, _failed = upstream.requests(CHAT)
+    billed = fake_usage(first["body"], 1 + len(json.dumps({"level": 0}).split()) + 1)
+    assert stored_usage(http, conversation, wait_for=True) == {
+        "upstream_prompt_tokens": billed["prompt_tokens"],
+        "upstream_completion_tokens": billed["completion_tokens"],
+        "tokens_cached": 0,
+    }
+
+
 def test_stream_cut_in_a_later_round_keeps_the_partial_reply(
     client: openai.OpenAI, http: httpx.Client, upstream: UpstreamServer
 ) -> None:

@@ -188,6 +188,9 @@ class ToolLoop:
                     if done := merged.done():
                         yield done
                     return
+                # Those rounds are billed whatever becomes of the next: a failure or a client
+                # that leaves still records their usage with the partial reply.
+                self._turn.usage = merged.usage
                 message = current.assistant_message()
                 await self._run(message["content"], message["tool_calls"])
         except httpx.HTTPError as exc:
