@@ -600,6 +600,58 @@ def test_tools_not_offered(
     assert sent["body"] == body
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_tool_call_named_by_a_non_string_is_relayed_not_a_crash(
+    http: httpx.Client, upstream: UpstreamServer, stream: bool
+) -> None:
+    # An upstream's mistake the plain relay passes on as it came: the loop must not fail on it.
+    call = {"id": "call_bad", "type": "function", "function": {"name": ["x"], "arguments": "{}"}}
+    if stream:
+        chunk = {
+            "id": "chatcmpl-bad",
+            "object": "chat.completion.chunk",
+            "created": 1,
+            "model": "m",
+            "choices": [
+                {
+                    "index": 0,
+                    "delta": {"role": "assistant", "tool_calls": [{"index": 0, **call}]},
+                    "finish_reason": "tool_calls",
+                }
+            ],
+        }
+        upstream.script({"sse": [json.dumps(chunk), "[DONE]"]})
+    else:
+        message = {"role": "assistant", "content": None, "tool_calls": [call]}
+        upstream.script(
+            {
+                "body": {
+                    "id": "chatcmpl-bad",
+                    "object": "chat.completion",
+                    "created": 1,
+                    "model": "m",
+                    "choices": [{"index": 0, "message": message, "finish_reason": "tool_calls"}],
+                }
+            }
+        )
+    response = http.post(
+        CHAT,
+        json={
+            "model": "m",
+            "messages": [{"role": "user", "content": unique("hi")}],
+            "stream": stream,
+        },
+    )
+    assert response.status_code == 200, response.text
+    if stream:
+        chunks, payloads = sse_chunks(response)
+        assert payloads[-1] == "[DONE]"
+        assert chunks[0]["choices"][0]["delta"]["tool_calls"] == [{"index": 0, **call}]
+    else:
+        assert response.json()["choices"][0]["message"]["tool_calls"] == [call]
+    assert len(upstream.requests(CHAT)) == 1
+
+
 def test_upstream_error_in_a_later_round_non_stream(
     client: openai.OpenAI, http: httpx.Client, upstream: UpstreamServer
 ) -> None:

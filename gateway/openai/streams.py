@@ -121,7 +121,13 @@ def usage_of(event: Event) -> dict[str, Any] | None:
 
 def is_memory_call(call: Any) -> bool:
     function = call.get("function") if isinstance(call, dict) else None
-    return isinstance(function, dict) and function.get("name") in TOOL_NAMES
+    return isinstance(function, dict) and _is_memory_name(function.get("name"))
+
+
+def _is_memory_name(name: Any) -> bool:
+    # An upstream may name a call with anything (a list is unhashable): only a string names
+    # a memory tool, anything else is relayed as it came.
+    return isinstance(name, str) and name in TOOL_NAMES
 
 
 class MergedStream:
@@ -280,7 +286,7 @@ class Round:
             return fragment  # malformed: relayed as it came, nothing of a memory call
         if index not in self._memory and index not in self._client:
             function = fragment.get("function") or {}
-            if isinstance(function, dict) and function.get("name") in TOOL_NAMES:
+            if isinstance(function, dict) and _is_memory_name(function.get("name")):
                 self._memory[index] = {
                     "id": None,
                     "type": "function",
