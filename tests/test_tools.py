@@ -397,3 +397,28 @@ async def test_bad_calls_are_errors_for_the_model(
 ) -> None:
     result = await run(engine, stored.scope, name, arguments)
     assert result.startswith(error), result
+
+
+@pytest.mark.parametrize(
+    ("name", "arguments", "expected"),
+    [
+        ("memory_expand", {"node_id": "--5"}, "error: node_id must be an integer"),
+        ("memory_expand", {"node_id": "\u00b2"}, "error: node_id must be an integer"),
+        ("memory_expand", {"node_id": "9" * 5000}, "error: node_id must be an integer"),
+        ("memory_expand", {"node_id": 2**70}, f"error: node {2**70} does not exist"),
+        ("memory_expand", {"node_id": -(2**70)}, f"error: node {-(2**70)} does not exist"),
+        ("memory_expand", {"node_id": 1e300}, "error: node 1000000000000000052504760255204"),
+        ("memory_browse", {"level": 2**70}, f"no level-{2**70} nodes in 0-49;"),
+        ("memory_browse", {"level": 0, "start": 2**63}, "no level-0 nodes in"),
+        ("memory_browse", {"level": 0, "end": 2**70}, "messages 0-7:"),
+        ("memory_find", {"pattern": "Zurich", "start_seq": -(2**70), "end_seq": 2**70}, "1 "),
+        ("memory_find", {"pattern": "Zurich", "start_seq": 2**70}, "0 messages match"),
+    ],
+)
+async def test_odd_numbers_are_answers_not_crashes(
+    engine: AsyncEngine, stored: Stored, name: str, arguments: object, expected: str
+) -> None:
+    """Numbers a model may write that no column holds (or no int() reads) are an answer or a
+    mistake to correct, never an exception out of the tool."""
+    result = await run(engine, stored.scope, name, arguments)
+    assert result.startswith(expected), result

@@ -51,6 +51,11 @@ SNIPPET_CHARS: Final = 400
 _FIND_BATCH: Final = 500
 MARK: Final = "→ "
 DEFAULT_SEARCH_LIMIT: Final = 8
+# The widest values of the columns a tool's numbers are compared with (a model may write any
+# number; Postgres refuses a parameter its column type cannot hold).
+_MAX_ID: Final = 2**63 - 1  # nodes.id, bigint
+_MAX_LEVEL: Final = 2**15 - 1  # nodes.level, smallint
+_MAX_SEQ: Final = 2**31 - 1  # nodes.seq, integer
 
 
 @dataclass(frozen=True)
@@ -91,7 +96,8 @@ async def expand(
     limits: Limits = DEFAULT_LIMITS,
 ) -> str:
     """A summary with its children, or a message with its neighbours."""
-    found = await _nodes(conn, scope, nodes.c.id == node_id, everywhere=True)
+    in_range = -_MAX_ID <= node_id <= _MAX_ID
+    found = await _nodes(conn, scope, nodes.c.id == node_id, everywhere=True) if in_range else []
     if not found:
         raise NotFound(f"node {node_id} does not exist")
     node = found[0]
@@ -136,11 +142,16 @@ async def browse(
     """The nodes of `level` whose sequence numbers lie in `start..end`."""
     if level < 0:
         raise InvalidInput("level must be 0 (messages) or more (summaries)")
-    start = max(start, 0)
+    start = min(max(start, 0), _MAX_SEQ)
     end = start + MAX_BROWSE - 1 if end is None else min(end, start + MAX_BROWSE - 1)
     if end < start:
         raise InvalidInput("end must not be before start")
-    found = await _nodes(conn, scope, nodes.c.level == level, nodes.c.seq.between(start, end))
+    end = min(end, _MAX_SEQ)
+    found = (
+        await _nodes(conn, scope, nodes.c.level == level, nodes.c.seq.between(start, end))
+        if level <= _MAX_LEVEL
+        else []
+    )
     if not found:
         counts = await _level_counts(conn, scope)
         held = ", ".join(f"level {lvl}: {count} nodes (0-{count - 1})" for lvl, count in counts)
@@ -163,7 +174,9 @@ async def find(
     """Messages matching `pattern`, in order, at most `MAX_MATCHES`."""
     compiled = _compile(pattern)
     deadline = time.monotonic() + limits.regex_timeout
-    after = (start_seq if start_seq is not None else 0) - 1
+    after = min(max(start_seq or 0, 0), _MAX_SEQ) - 1
+    if end_seq is not None:
+        end_seq = min(max(end_seq, -1), _MAX_SEQ)
     matches: list[str] = []
     stopped: str | None = None
     while len(matches) < MAX_MATCHES:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 from collections.abc import Mapping
 from typing import Any, Final
 
@@ -246,6 +247,9 @@ def _arguments(raw: str | Mapping[str, Any] | None) -> Mapping[str, Any]:
     return parsed
 
 
+_INTEGER: Final = re.compile(r"-?[0-9]{1,30}")
+
+
 def _optional_int(args: Mapping[str, Any], key: str) -> int | None:
     value = args.get(key)
     if value is None:
@@ -257,9 +261,10 @@ def _optional_int(args: Mapping[str, Any], key: str) -> int | None:
     if isinstance(value, float) and value.is_integer():
         return int(value)
     if isinstance(value, str):
-        # Models copy tags: "812", "#812" and "[#812]" all mean node 812.
+        # Models copy tags: "812", "#812" and "[#812]" all mean node 812. ASCII digits only,
+        # and few: `int()` refuses "--5", "²" and numbers of more than 4,300 digits.
         cleaned = value.strip().strip("[]").lstrip("#").strip()
-        if cleaned.lstrip("-").isdigit():
+        if _INTEGER.fullmatch(cleaned):
             return int(cleaned)
     raise InvalidInput(f"{key} must be an integer, got {value!r}")
 
