@@ -9,6 +9,8 @@ Tests then search it as the prompt builder and the memory tools do.
 
 from __future__ import annotations
 
+import re
+import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -430,6 +432,28 @@ def test_identifiers_are_the_words_with_digits() -> None:
         "2025-11-15",
     ]
     assert retrieval.identifiers("nothing here") == []
+
+
+def test_identifiers_of_a_long_word_take_linear_time() -> None:
+    """A long run of word characters (a pasted blob, a path) is read once, not once per
+    character: the search a model or a chat turn asks for must not stall the event loop."""
+    began = time.monotonic()
+    for word in ("x" * 50_000, "9" + "x" * 50_000, "x" * 50_000 + "7", "a/" * 25_000):
+        retrieval.identifiers(f"see {word} now")
+    assert time.monotonic() - began < 1.0
+    assert retrieval.identifiers("x" * 50_000 + "7") == ["x" * 50_000 + "7"]
+
+
+_OLD_IDENTIFIER = re.compile(r"[\w][\w./:#-]*\d[\w./:#-]*|[\w][\w./:#-]*[./:#-]\d+")
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.text(alphabet="ab1_./:#- ,?é٣", max_size=30))
+def test_identifiers_are_what_the_plain_pattern_finds(query: str) -> None:
+    found = (word.strip(".,;:!?#-/") for word in _OLD_IDENTIFIER.findall(query))
+    assert retrieval.identifiers(query) == list(
+        dict.fromkeys(word for word in found if len(word) >= 4)
+    )
 
 
 def test_names_are_found_and_stripped() -> None:
