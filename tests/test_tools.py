@@ -422,3 +422,17 @@ async def test_odd_numbers_are_answers_not_crashes(
     mistake to correct, never an exception out of the tool."""
     result = await run(engine, stored.scope, name, arguments)
     assert result.startswith(expected), result
+
+
+@pytest.mark.parametrize(
+    "query", ["Zurich\x00flight", "\x00", "\ud800 Zurich", "Zurich " + "x" * 100_000]
+)
+async def test_search_reads_any_text_a_model_writes(
+    engine: AsyncEngine, stored: Stored, query: str
+) -> None:
+    """A NUL or an unpaired surrogate (JSON escapes carry both; Postgres and encoders refuse
+    them) is searched as stored messages hold it, escaped; a huge query is answered."""
+    began = time.monotonic()
+    result = await run(engine, stored.scope, "memory_search", {"query": query})
+    assert not result.startswith("error"), result
+    assert time.monotonic() - began < 10

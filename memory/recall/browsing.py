@@ -40,6 +40,7 @@ from memory.embeddings import Embedder
 from memory.errors import InvalidInput, NotFound, PatternRejected
 from memory.recall import retrieval
 from memory.schema import nodes
+from memory.text import escape_unstorable
 from memory.write import conversations
 
 MAX_PATTERN_CHARS: Final = 500
@@ -212,6 +213,9 @@ async def search(
     the vector legs beside it in a spare connection when one is free (the tools' transactions
     write nothing the legs read)."""
     limit = min(max(limit, 1), MAX_SEARCH)
+    # Postgres and encoders refuse a NUL or an unpaired surrogate; stored text holds them
+    # escaped, so the escaped query is also the one that finds them.
+    query, _ = escape_unstorable(query)
     embedding = asyncio.ensure_future(embedder.embed([query]))
     fulltext = asyncio.ensure_future(
         retrieval.fulltext_candidates(
