@@ -436,3 +436,15 @@ async def test_search_reads_any_text_a_model_writes(
     result = await run(engine, stored.scope, "memory_search", {"query": query})
     assert not result.startswith("error"), result
     assert time.monotonic() - began < 10
+
+
+@pytest.mark.parametrize("arguments", [5, ["node_id", 1], True])
+async def test_arguments_neither_text_nor_object_are_an_error_for_the_model(
+    engine: AsyncEngine, stored: Stored, arguments: Any
+) -> None:
+    """An upstream may relay a model's arguments as any JSON value, not only OpenAI's string."""
+    async with engine.connect() as conn:
+        result = await tools.run_tool(
+            conn, stored.scope, name="memory_expand", arguments=arguments, embedder=FakeEmbedder()
+        )
+    assert result == "error: the arguments must be a JSON object", result

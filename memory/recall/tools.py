@@ -238,6 +238,8 @@ def _arguments(raw: str | Mapping[str, Any] | None) -> Mapping[str, Any]:
         return {}
     if isinstance(raw, Mapping):
         return raw
+    if not isinstance(raw, str):  # what an upstream relays is any JSON value
+        raise InvalidInput("the arguments must be a JSON object")
     try:
         parsed = json.loads(raw)
     except ValueError as exc:
