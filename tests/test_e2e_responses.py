@@ -371,12 +371,21 @@ def test_a_cut_stream_keeps_the_partial_reply(way: Way, http: httpx.Client) -> N
     assert f"echo: {text}".startswith(messages[1]["content"])
 
 
-def test_an_error_event_in_a_translated_stream_ends_it_incomplete(
-    ways: dict[str, Way],
+_OVERLOADED = {
+    "error": {"message": "overloaded", "type": "server_error", "param": None, "code": None}
+}
+
+
+@pytest.mark.parametrize(
+    "ending", [[_OVERLOADED], []], ids=["an error event", "nothing: it stops short"]
+)
+def test_a_translated_stream_that_fails_is_not_completed(
+    ways: dict[str, Way], ending: list[dict[str, Any]]
 ) -> None:
-    """A chat stream that sends an error event and stops is not a completed response: the
-    client gets the error, then no `response.completed`; the partial reply and the response
-    are kept as incomplete."""
+    """A chat stream that sends an error event and stops, or ends with neither a
+    finish_reason nor `[DONE]`, is not a completed response (both were announced as
+    `response.completed` and recorded complete): the client gets the error, and the partial
+    reply and the response are kept as incomplete."""
     way = ways["translate"]
     way.upstream.reset()
     chunk = {
@@ -392,10 +401,8 @@ def test_an_error_event_in_a_translated_stream_ends_it_incomplete(
             }
         ],
     }
-    failure = {
-        "error": {"message": "overloaded", "type": "server_error", "param": None, "code": None}
-    }
-    way.upstream.script({"path": way.path, "sse": [json.dumps(chunk), json.dumps(failure)]})
+    sse = [json.dumps(event) for event in (chunk, *ending)]
+    way.upstream.script({"path": way.path, "sse": sse})
     with httpx.Client(base_url=way.gateway.root_url, timeout=15) as http:
         with http.stream(
             "POST", "/v1/responses", json={"model": "m", "input": unique("hi"), "stream": True}
@@ -403,45 +410,14 @@ def test_an_error_event_in_a_translated_stream_ends_it_incomplete(
             conversation = response.headers[HEADER]
             body = b"".join(response.iter_bytes()).decode()
         events = [line[7:] for line in body.splitlines() if line.startswith("event: ")]
-        assert "error" in events, body
-        assert events[events.index("error") + 1 :] == [], events
+        assert "response.completed" not in events, body
+        if ending:  # the upstream's error, last
+            assert events[-1] == "error", body
+        else:  # the error a cut stream gets
+            assert "upstream_stream_interrupted" in body, body
         created = json.loads(body.split("data: ", 1)[1].split("\n", 1)[0])
         kept = http.get(f"/v1/responses/{created['response']['id']}").json()
         assert kept["status"] == "incomplete", kept
-        messages = http.get(f"/admin/conversations/{conversation}/messages").json()["messages"]
-    assert [(m["role"], m["content"], m["status"]) for m in messages[1:]] == [
-        ("assistant", "partial", "incomplete")
-    ]
-
-
-def test_a_translated_stream_that_stops_short_is_not_completed(ways: dict[str, Way]) -> None:
-    """A chat stream that ends with neither a finish_reason nor `[DONE]` was cut: it was
-    announced as `response.completed` and recorded complete; the client now gets the error
-    event a cut stream gets, and the partial reply is kept as incomplete."""
-    way = ways["translate"]
-    way.upstream.reset()
-    chunk = {
-        "id": "chatcmpl-short",
-        "object": "chat.completion.chunk",
-        "created": 0,
-        "model": "m",
-        "choices": [
-            {
-                "index": 0,
-                "delta": {"role": "assistant", "content": "partial"},
-                "finish_reason": None,
-            }
-        ],
-    }
-    way.upstream.script({"path": way.path, "sse": [json.dumps(chunk)]})
-    with httpx.Client(base_url=way.gateway.root_url, timeout=15) as http:
-        with http.stream(
-            "POST", "/v1/responses", json={"model": "m", "input": unique("hi"), "stream": True}
-        ) as response:
-            conversation = response.headers[HEADER]
-            body = b"".join(response.iter_bytes()).decode()
-        assert "response.completed" not in body, body
-        assert "upstream_stream_interrupted" in body, body
         messages = http.get(f"/admin/conversations/{conversation}/messages").json()["messages"]
     assert [(m["role"], m["content"], m["status"]) for m in messages[1:]] == [
         ("assistant", "partial", "incomplete")
