@@ -10,7 +10,6 @@ Tests then search it as the prompt builder and the memory tools do.
 from __future__ import annotations
 
 import re
-import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -434,14 +433,14 @@ def test_identifiers_are_the_words_with_digits() -> None:
     assert retrieval.identifiers("nothing here") == []
 
 
-def test_identifiers_of_a_long_word_take_linear_time() -> None:
+def test_identifiers_of_a_long_word_are_read_once() -> None:
     """A long run of word characters (a pasted blob, a path) is read once, not once per
-    character: the search a model or a chat turn asks for must not stall the event loop."""
-    began = time.monotonic()
-    for word in ("x" * 50_000, "9" + "x" * 50_000, "x" * 50_000 + "7", "a/" * 25_000):
-        retrieval.identifiers(f"see {word} now")
-    assert time.monotonic() - began < 1.0
-    assert retrieval.identifiers("x" * 50_000 + "7") == ["x" * 50_000 + "7"]
+    character: the search a model or a chat turn asks for must not stall the event loop. Read
+    once per character, these words take hours (8,000 characters took 4 s), past the suite's
+    timeout; no time is asserted here."""
+    words = ("x" * 500_000, "9" + "x" * 500_000, "a/" * 250_000)
+    assert [retrieval.identifiers(f"see {word} now") for word in words] == [[], [], []]
+    assert retrieval.identifiers("x" * 500_000 + "7") == ["x" * 500_000 + "7"]
 
 
 _OLD_IDENTIFIER = re.compile(r"[\w][\w./:#-]*\d[\w./:#-]*|[\w][\w./:#-]*[./:#-]\d+")
