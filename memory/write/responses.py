@@ -112,16 +112,7 @@ async def history(
     earlier response since): read from the current branch, a response of an abandoned
     branch was continued without its own turns."""
     rows = await conn.execute(
-        select(
-            nodes.c.seq,
-            nodes.c.follows_seq,
-            nodes.c.role,
-            nodes.c.content,
-            nodes.c.name,
-            nodes.c.tool_calls,
-            nodes.c.tool_call_id,
-            nodes.c.meta,
-        ).where(
+        select(nodes.c.seq, nodes.c.follows_seq, *store.PROMPT_COLUMNS).where(
             nodes.c.tenant_id == tenant_id,
             nodes.c.conversation_id == found.conversation_id,
             nodes.c.level == 0,

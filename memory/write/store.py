@@ -385,20 +385,24 @@ async def list_messages(
     return [_message_record(row) for row in await conn.execute(query)]
 
 
+PROMPT_COLUMNS = (
+    nodes.c.role,
+    nodes.c.content,
+    nodes.c.name,
+    nodes.c.tool_calls,
+    nodes.c.tool_call_id,
+    nodes.c.meta,
+)
+"""The columns of `nodes` that `prompt_message` reads."""
+
+
 async def history(
     conn: AsyncConnection, *, tenant_id: int, conversation_id: int, before_seq: int
 ) -> list[dict[str, Any]]:
     """The current branch's messages before seq `before_seq`, as a prompt carries them back
     upstream (`prompt_message`; only the columns a prompt needs: the request path reads this)."""
     rows = await conn.execute(
-        select(
-            nodes.c.role,
-            nodes.c.content,
-            nodes.c.name,
-            nodes.c.tool_calls,
-            nodes.c.tool_call_id,
-            nodes.c.meta,
-        )
+        select(*PROMPT_COLUMNS)
         .where(
             nodes.c.tenant_id == tenant_id,
             nodes.c.conversation_id == conversation_id,
