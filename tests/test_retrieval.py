@@ -1,8 +1,9 @@
 """Retrieval (`memory.recall.retrieval`) against a real Postgres with real local embeddings.
 
-The main fixture imports a 5,000-message synthetic conversation (`devkit/synthetic.py`) with the
-importer, plants two messages of our own in it (one to be found by meaning with no word in
-common with the query, one holding an exact identifier), and builds its summary tree
+The main fixture imports a 2,000-message synthetic conversation (`devkit/synthetic.py`) with the
+importer, plants four messages of our own in it (one to be found by meaning with no word in
+common with the query, one holding an exact identifier, one sentence buried in a long message,
+and a late travel episode), and builds its summary tree
 (embeddings, segments, roll-ups) with the local MiniLM model and the extractive summarizer.
 Tests then search it as the prompt builder and the memory tools do.
 """
@@ -33,18 +34,18 @@ from memory.recall.query import Route
 from memory.schema import nodes, tenants
 from memory.write import identity, store, tree_nodes
 
-# Embedding 5,000 texts on a busy 2-core machine can take minutes.
+# Embedding ~4,600 texts (messages, passages, summaries) on a busy 2-core machine takes minutes.
 pytestmark = pytest.mark.timeout(900)
 
-N_MESSAGES = 5000
+N_MESSAGES = 2000
 MEANING_AT = 1234
-IDENTIFIER_AT = 3456
+IDENTIFIER_AT = 1789
 MEANING = (
     "My grandmother's secret lasagna recipe puts a pinch of nutmeg into the bechamel, "
     "that is what makes it taste like home."
 )
 MEANING_QUERY = "Which spice goes in grandma's white sauce for the baked pasta?"
-BURIED_AT = 2345
+BURIED_AT = 1567
 BURIED = (
     "Morning! The weather turned grey again and the bus was late, as usual. "
     "I spent most of the afternoon sorting laundry and answering emails. "
@@ -52,6 +53,9 @@ BURIED = (
     "Anyway, dinner tonight is leftover soup, nothing fancy."
 )
 BURIED_QUERY = "Which dog did the cousin take home from the rescue?"
+# A late travel episode, for sequential questions to prefer over the generator's older ones.
+LATE_AT = 1970
+LATE = "Travel update: the flight to Porto is booked now, seat 14C, leaving Friday morning."
 IDENTIFIER = "ZQX-88412-B"
 IDENTIFIER_TEXT = f"The escrow reference is {IDENTIFIER}; keep it for the bank transfer."
 
@@ -94,17 +98,18 @@ async def corpus(engine: AsyncEngine) -> AsyncIterator[Corpus]:
     messages[MEANING_AT] = {"role": "user", "content": MEANING}
     messages[IDENTIFIER_AT] = {"role": "user", "content": IDENTIFIER_TEXT}
     messages[BURIED_AT] = {"role": "user", "content": BURIED}
+    messages[LATE_AT] = {"role": "user", "content": LATE}
     await importer.import_messages(
         engine,
         tenant_id=tenant,
-        external_id="retrieval-5000",
+        external_id="retrieval-2000",
         messages=messages,
         created_at=conversation.created_at,
         model="gpt-4o",
         batch=1000,
     )
     async with engine.connect() as conn:
-        ref = await store.find_conversation(conn, tenant_id=tenant, external_id="retrieval-5000")
+        ref = await store.find_conversation(conn, tenant_id=tenant, external_id="retrieval-2000")
     embedder = LocalEmbedder()
     config = tree.TreeConfig(embedder=embedder, summarizer=ExtractiveSummarizer())
     await tree.build(engine, tenant_id=tenant, conversation_id=ref.id, config=config, final=True)
@@ -140,7 +145,7 @@ async def search(
         )
 
 
-# -- the planted facts in 5,000 messages ----------------------------------------------------
+# -- the planted facts in 2,000 messages ----------------------------------------------------
 
 
 async def test_finds_a_planted_fact_by_meaning(engine: AsyncEngine, corpus: Corpus) -> None:
@@ -183,7 +188,7 @@ async def test_an_index_scan_that_reaches_little_of_its_scope_is_run_exactly(
 ) -> None:
     """A scope whose messages the HNSW scan does not reach gets the exact scan's rows from the
     vector leg, not the few the index gave. Here the scope is 300 messages whose vectors sit
-    opposite the query (each a little apart), beside the corpus's 5,000: the scan, stopped
+    opposite the query (each a little apart), beside the corpus's 2,000: the scan, stopped
     after its first pass (`hnsw.max_scan_tuples`), finds the query's nearest, none of them."""
     [query] = await corpus.embedder.embed([MEANING_QUERY])
     away = [[-x for x in query] for _ in range(300)]
@@ -317,8 +322,9 @@ async def test_sequential_queries_prefer_recent_episodes(
     assert retrieval.route(query) is Route.SEQUENTIAL
     flat = await search(engine, corpus, query, which=Route.FLAT, limit=10)
     recent = await search(engine, corpus, query, limit=10)
+    assert recent[0].span_end == LATE_AT
+    assert flat[0].span_end < LATE_AT
     assert mean_end(recent) > mean_end(flat)
-    assert max(hit.span_end for hit in recent) >= max(hit.span_end for hit in flat)
 
 
 async def test_messages_not_embedded_yet_are_found_by_full_text(
