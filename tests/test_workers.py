@@ -13,6 +13,7 @@ its test ends (SIGTERM, then SIGKILL).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import itertools
 import json
@@ -95,8 +96,12 @@ async def wait_for(
         await asyncio.sleep(0.2)
 
 
-async def listeners(engine: AsyncEngine, *, at_least: int) -> bool:
-    """Whether `at_least` sessions of this database hold a worker's LISTEN connection."""
+async def listening(engine: AsyncEngine, workers: list[WorkerProcess]) -> bool:
+    """Whether every one of `workers` says it runs, and as many LISTEN connections are open.
+
+    The count alone could be met by another process's listener on this database."""
+    if not all(f":{worker.pid}:" in worker.logs() for worker in workers):
+        return False
     async with engine.connect() as conn:
         count = await conn.scalar(
             text(
@@ -104,7 +109,7 @@ async def listeners(engine: AsyncEngine, *, at_least: int) -> bool:
                 " WHERE datname = current_database() AND application_name = 'memstrata-listen'"
             )
         )
-    return int(count or 0) >= at_least
+    return int(count or 0) >= len(workers)
 
 
 async def check_no_duplicates(engine: AsyncEngine, tenant_id: int) -> None:
@@ -165,10 +170,16 @@ KILLED_POLICY = SegmentPolicy(token_cap=KILLED_TOKEN_CAP)
 
 
 async def test_two_workers_run_every_job_once(
-    engine: AsyncEngine, database_url: str, tenant_id: int, workers: list[WorkerProcess]
+    engine: AsyncEngine,
+    database_url: str,
+    tenant_id: int,
+    workers: list[WorkerProcess],
+    paced_upstream: UpstreamServer,
 ) -> None:
     settings = {
-        "summary_mode": "extractive",
+        "summary_mode": "llm",
+        "summary_model": "slow-model",
+        "upstream_base_url": paced_upstream.url,
         "job_lease_seconds": 10,
         "segment_token_cap": TOKEN_CAP,
     }
@@ -176,7 +187,7 @@ async def test_two_workers_run_every_job_once(
     # Both listening before any job exists: on a busy machine one process may start seconds
     # after the other, which would then do every job alone.
     await wait_for(
-        functools.partial(listeners, engine, at_least=len(workers)),
+        functools.partial(listening, engine, workers),
         within=120,
         what="both workers listening",
         workers=workers,
@@ -210,7 +221,9 @@ async def test_two_workers_run_every_job_once(
     assert len(rows) >= CONVERSATIONS
     # Both processes took part.
     for worker in workers:
-        assert any(worker.owns(row.locked_by) for row in rows), f"worker {worker.pid} idle"
+        assert any(worker.owns(row.locked_by) for row in rows), (
+            f"worker {worker.pid} idle:\n{worker.logs()[-3000:]}"
+        )
 
     await check_no_duplicates(engine, tenant_id)
     for number in range(CONVERSATIONS):
@@ -218,12 +231,12 @@ async def test_two_workers_run_every_job_once(
             ref = await store.find_conversation(
                 conn, tenant_id=tenant_id, external_id=f"conversation-{number}"
             )
-        await check_tree(engine, tenant_id, ref.id, MESSAGES, "extractive", POLICY)
+        await check_tree(engine, tenant_id, ref.id, MESSAGES, "llm", POLICY)
 
 
-@pytest.fixture
-def slow_upstream() -> Iterator[UpstreamServer]:
-    """Summaries that take a second each."""
+@contextlib.contextmanager
+def summaries_taking(seconds: float) -> Iterator[UpstreamServer]:
+    """An upstream whose every summary takes `seconds`."""
     with UpstreamServer() as server:
         reply = {
             "narrative": "A slow summary.",
@@ -234,7 +247,25 @@ def slow_upstream() -> Iterator[UpstreamServer]:
             "decisions": [],
             "open_questions": [],
         }
-        server.set_default({"path": "/v1/chat/completions", "delay": 1, "reply": json.dumps(reply)})
+        server.set_default(
+            {"path": "/v1/chat/completions", "delay": seconds, "reply": json.dumps(reply)}
+        )
+        yield server
+
+
+@pytest.fixture
+def paced_upstream() -> Iterator[UpstreamServer]:
+    """Summaries that take 0.2 s each: builds stay queued while conversations are imported, so
+    that two workers both have jobs to take. With instant ones, a busy machine may import slower
+    than one worker builds, and that worker takes every job (it wins each NOTIFY's race)."""
+    with summaries_taking(0.2) as server:
+        yield server
+
+
+@pytest.fixture
+def slow_upstream() -> Iterator[UpstreamServer]:
+    """Summaries that take a second each."""
+    with summaries_taking(1) as server:
         yield server
 
 
