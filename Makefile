@@ -36,7 +36,7 @@ test: install browser
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
-	$(BIN)/pytest -q -p no:cacheprovider
+	$(BIN)/pytest -q -p no:cacheprovider --numprocesses auto --dist loadfile
 
 lint: install
 	$(BIN)/ruff check .

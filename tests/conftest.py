@@ -1,5 +1,8 @@
 """Shared fixtures: one real embedded Postgres + pgvector per test session, migrated once.
 
+`make test` runs the files in parallel (pytest-xdist, `--dist loadfile`): each worker process is
+a session of its own, with its own Postgres, and a file's module fixtures are set up once.
+
 Tests isolate themselves by tenant: the `tenant_id` fixture makes a fresh tenant, so no test
 sees another's rows and nothing needs truncating. `app` is the gateway's app in-process
 (`tests.inprocess`) for a module's admin API tests, and `admin` a loopback client of it.
