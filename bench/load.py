@@ -27,10 +27,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-import asyncpg
-
 from bench import harness as h
 from bench import traffic
+from devkit.postgres import fresh_database
 from devkit.service import Service
 
 TOPICS = (
@@ -184,23 +183,12 @@ async def run_target(
     return result
 
 
-async def fresh_database(stack: h.Stack, name: str) -> str:
-    """A new, empty database in the stack's cluster; its SQLAlchemy URL."""
-    connection = await asyncpg.connect(stack.dsn)
-    try:
-        await connection.execute(f'DROP DATABASE IF EXISTS "{name}"')
-        await connection.execute(f'CREATE DATABASE "{name}"')
-    finally:
-        await connection.close()
-    return stack.database_url.rsplit("/", 1)[0] + "/" + name
-
-
 async def _gateway_target(
     client: traffic.Client, stack: h.Stack, config: LoadConfig, *, workers: int
 ) -> dict[str, Any]:
     """One `serve` process on a database of its own, with or without its in-process worker."""
     suffix = "" if workers == 0 else "_workers"
-    url = await fresh_database(stack, f"bench_load{suffix}")
+    url = await fresh_database(stack.database_url, f"bench_load{suffix}")
     gateway = stack.gateway(
         name=f"load{suffix.replace('_', '-')}", database_url=url, workers=workers
     )

@@ -59,7 +59,7 @@ import numpy as np
 from sqlalchemy import func, insert, select
 
 from devkit import synthetic
-from devkit.postgres import throwaway_postgres
+from devkit.postgres import fresh_database, throwaway_postgres
 from devkit.upstream import UpstreamServer
 from gateway import background, importer
 from gateway.settings import Settings
@@ -221,17 +221,6 @@ def parse_runs(text: str) -> list[Run]:
         concurrency, _, conversations = part.strip().partition("x")
         runs.append(Run(int(concurrency), int(conversations or 1)))
     return runs
-
-
-async def fresh_database(server_url: str, name: str) -> str:
-    dsn = server_url.replace("postgresql+asyncpg://", "postgresql://")
-    connection = await asyncpg.connect(dsn)
-    try:
-        await connection.execute(f'DROP DATABASE IF EXISTS "{name}"')
-        await connection.execute(f'CREATE DATABASE "{name}"')
-    finally:
-        await connection.close()
-    return server_url.rsplit("/", 1)[0] + "/" + name
 
 
 def postgres_cpu_seconds(pgdata: Path) -> float:

@@ -7,6 +7,10 @@
 stops the server and removes the folder. `durable=False` (the default) trades crash safety for
 speed (fsync off); a benchmark of what `memstrata serve` runs passes `durable=True`. `folder`
 uses that folder instead, and keeps it (and the data in it) on exit.
+
+`await fresh_database(server_url, name)` makes an empty database `name` on a running server
+(dropping one of that name first) and returns its SQLAlchemy URL: a test or benchmark whose
+workers must see no other test's jobs gets a database of its own.
 """
 
 from __future__ import annotations
@@ -16,6 +20,8 @@ import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+
+import asyncpg
 
 from memory.postgres import EmbeddedPostgres
 
@@ -37,3 +43,25 @@ def throwaway_postgres(
         server.stop()
         if own:
             shutil.rmtree(where, ignore_errors=True)
+
+
+async def _on_server(server_url: str, *statements: str) -> None:
+    connection = await asyncpg.connect(server_url.replace("postgresql+asyncpg://", "postgresql://"))
+    try:
+        for statement in statements:
+            await connection.execute(statement)
+    finally:
+        await connection.close()
+
+
+async def fresh_database(server_url: str, name: str) -> str:
+    """An empty database `name` on the server of `server_url` (a SQLAlchemy URL); its URL."""
+    await _on_server(
+        server_url, f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)', f'CREATE DATABASE "{name}"'
+    )
+    return server_url.rsplit("/", 1)[0] + "/" + name
+
+
+async def drop_database(server_url: str, name: str) -> None:
+    """Drop database `name` from the server of `server_url`, closing its sessions."""
+    await _on_server(server_url, f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')

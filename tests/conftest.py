@@ -16,7 +16,7 @@ import pytest
 from sqlalchemy import insert
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from devkit.postgres import throwaway_postgres
+from devkit.postgres import drop_database, fresh_database, throwaway_postgres
 from devkit.upstream import UpstreamServer
 from gateway.settings import Settings
 from memory.db import connect, migrate
@@ -41,6 +41,29 @@ def database_url(postgres: EmbeddedPostgres) -> str:
 async def engine(database_url: str) -> AsyncIterator[AsyncEngine]:
     """A migrated engine on the session's server."""
     engine = connect(database_url)
+    await migrate(engine)
+    yield engine
+    await engine.dispose()
+
+
+@pytest.fixture(scope="module")
+async def module_database_url(postgres: EmbeddedPostgres) -> AsyncIterator[str]:
+    """A database of the module's own on the session's server, dropped after the module.
+
+    For modules whose workers run every queued job: the session's database holds the builds
+    that other tests' apps (which run no workers) left queued. Such a module overrides
+    `database_url` and `engine` with this and `module_engine`."""
+    name = f"module_{uuid.uuid4().hex[:12]}"
+    try:
+        yield await fresh_database(postgres.url, name)
+    finally:
+        await drop_database(postgres.url, name)
+
+
+@pytest.fixture(scope="module")
+async def module_engine(module_database_url: str) -> AsyncIterator[AsyncEngine]:
+    """A migrated engine on `module_database_url`."""
+    engine = connect(module_database_url)
     await migrate(engine)
     yield engine
     await engine.dispose()

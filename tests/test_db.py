@@ -12,7 +12,6 @@ from collections.abc import AsyncIterator, Callable
 from types import ModuleType
 from typing import Any
 
-import asyncpg
 import pytest
 from alembic import command
 from alembic.config import Config
@@ -20,6 +19,7 @@ from sqlalchemy import Index, Table, select, text
 from sqlalchemy.engine import Connection
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from devkit.postgres import drop_database, fresh_database
 from memory.db import ALEMBIC_INI, connect, migrate, transaction
 from memory.errors import StorageUnavailable
 from memory.schema import conversations, metadata
@@ -65,14 +65,10 @@ async def test_a_pool_with_no_free_connection_is_storage_unavailable(database_ur
 async def empty_database(database_url: str) -> AsyncIterator[str]:
     """A database of its own on the session's server, nothing migrated."""
     name = f"test_{uuid.uuid4().hex[:12]}"
-    dsn = database_url.replace("postgresql+asyncpg://", "postgresql://")
-    server = await asyncpg.connect(dsn)
     try:
-        await server.execute(f'CREATE DATABASE "{name}"')
-        yield database_url.rsplit("/", 1)[0] + "/" + name
+        yield await fresh_database(database_url, name)
     finally:
-        await server.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-        await server.close()
+        await drop_database(database_url, name)
 
 
 def _upgrade_to(revision: str, *, down: bool = False) -> Callable[[Connection], None]:

@@ -78,6 +78,17 @@ class MemoEmbedder:
 
 
 @pytest.fixture(scope="module")
+def database_url(module_database_url: str) -> str:
+    """This module's own database: its workers run every queued job (see `module_database_url`)."""
+    return module_database_url
+
+
+@pytest.fixture(scope="module")
+def engine(module_engine: AsyncEngine) -> AsyncEngine:
+    return module_engine
+
+
+@pytest.fixture(scope="module")
 async def embedder() -> MemoEmbedder:
     local = LocalEmbedder()
     await local.warmup()
@@ -125,8 +136,7 @@ async def store_messages(
 
 
 def worker(engine: AsyncEngine, config: tree.TreeConfig) -> Worker:
-    # Jobs are global: this worker may also run other tests' leftover builds, which is
-    # harmless; assertions look at this test's tenant only.
+    # Jobs are global: this worker runs every queued build of the module's own database.
     return Worker(
         engine,
         {tree.JOB_KIND: tree.handler(engine, config)},

@@ -49,6 +49,17 @@ from tests.test_hierarchy import (
 pytestmark = pytest.mark.timeout(600)
 
 
+@pytest.fixture(scope="module")
+def database_url(module_database_url: str) -> str:
+    """This module's own database: its workers run every queued job (see `module_database_url`)."""
+    return module_database_url
+
+
+@pytest.fixture(scope="module")
+def engine(module_engine: AsyncEngine) -> AsyncEngine:
+    return module_engine
+
+
 @pytest.fixture
 def workers() -> Iterator[list[WorkerProcess]]:
     """Worker processes a test starts; all stopped when it ends."""
