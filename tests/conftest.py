@@ -8,6 +8,7 @@ sees another's rows and nothing needs truncating. `app` is the gateway's app in-
 (`tests.inprocess`) for a module's admin API tests, and `admin` a loopback client of it.
 """
 
+import contextlib
 import uuid
 from collections.abc import AsyncIterator, Iterator
 
@@ -46,13 +47,22 @@ def database_url(postgres: EmbeddedPostgres) -> str:
     return postgres.url
 
 
+@contextlib.asynccontextmanager
+async def migrated(database_url: str) -> AsyncIterator[AsyncEngine]:
+    """An engine on `database_url`, migrated; disposed on exit."""
+    engine = connect(database_url)
+    try:
+        await migrate(engine)
+        yield engine
+    finally:
+        await engine.dispose()
+
+
 @pytest.fixture(scope="session")
 async def engine(database_url: str) -> AsyncIterator[AsyncEngine]:
     """A migrated engine on the session's server."""
-    engine = connect(database_url)
-    await migrate(engine)
-    yield engine
-    await engine.dispose()
+    async with migrated(database_url) as engine:
+        yield engine
 
 
 @pytest.fixture(scope="module")
@@ -72,10 +82,8 @@ async def module_database_url(postgres: EmbeddedPostgres) -> AsyncIterator[str]:
 @pytest.fixture(scope="module")
 async def module_engine(module_database_url: str) -> AsyncIterator[AsyncEngine]:
     """A migrated engine on `module_database_url`."""
-    engine = connect(module_database_url)
-    await migrate(engine)
-    yield engine
-    await engine.dispose()
+    async with migrated(module_database_url) as engine:
+        yield engine
 
 
 @pytest.fixture(scope="module")
