@@ -10,7 +10,7 @@ uses that folder instead, and keeps it (and the data in it) on exit.
 
 `await fresh_database(server_url, name)` makes an empty database `name` on a running server
 (dropping one of that name first) and returns its SQLAlchemy URL: a test or benchmark whose
-workers must see no other test's jobs gets a database of its own.
+workers must see no other test's jobs gets a database of its own; `drop_database` removes it.
 """
 
 from __future__ import annotations
