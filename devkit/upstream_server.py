@@ -30,6 +30,8 @@ OpenAI surface (every request under ``/v1`` is recorded and consumes one scripte
 * ``POST /v1/embeddings`` -- deterministic unit vectors seeded by the SHA-256 of each input,
   dimension ``dimensions`` or 384, ``encoding_format`` ``float`` or ``base64`` (float32
   little-endian, which the official SDK requests by default), with ``index`` and ``usage``.
+* ``/v1/files`` and ``/v1/batches`` -- one account's files and batches
+  (``devkit/upstream_files.py``).
 * Any other ``/v1`` path answers 404 in OpenAI's error shape. Errors are always
   ``{"error": {"message", "type", "param", "code"}}``.
 
@@ -72,6 +74,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response, Strea
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
+from devkit.upstream_files import files_routes
 from devkit.upstream_responses import responses_endpoint
 from devkit.upstream_script import (
     DEFAULT_EMBEDDING_DIMENSIONS,
@@ -565,6 +568,7 @@ def create_upstream_app(
             Route("/v1/models", models, methods=["GET"]),
             Route("/v1/models/{model}", model, methods=["GET"]),
             Route("/v1/audio/speech", speech, methods=["POST"]),
+            *files_routes(lambda request: record(request, lambda _b: "")),
             Route(
                 "/v1/{rest:path}",
                 unknown_v1,

@@ -107,16 +107,28 @@ class Settings(BaseSettings):
     metrics_token: SecretStr | None = None
     key_grace_seconds: float = Field(default=300.0, ge=0)
     trusted_proxies: Annotated[tuple[IPvAnyNetwork, ...] | None, NoDecode] = None
+    relay_open_paths: Annotated[tuple[str, ...], NoDecode] = (
+        "models",
+        "moderations",
+        "audio",
+        "images",
+        "completions",
+        "responses/input_tokens",
+        "rerank",
+        "score",
+        "tokenize",
+        "detokenize",
+    )
 
     # Operations
     fail_open: OnOff = "off"
     log_format: Literal["json", "text"] = "json"
     metrics_refresh_seconds: float = Field(default=5.0, ge=0)
 
-    @field_validator("trusted_proxies", mode="before")
+    @field_validator("trusted_proxies", "relay_open_paths", mode="before")
     @classmethod
-    def _networks(cls, value: Any) -> Any:
-        """A comma-separated list of addresses or networks (`10.0.0.5, 172.16.0.0/12`)."""
+    def _comma_separated(cls, value: Any) -> Any:
+        """A comma-separated list (`10.0.0.5, 172.16.0.0/12`; `models, audio`)."""
         if isinstance(value, str):
             return tuple(part.strip() for part in value.split(",") if part.strip())
         return value

@@ -111,7 +111,7 @@ class Upstream:
         *,
         headers: Mapping[str, str],
         json: Any = None,
-        content: AsyncIterable[bytes] | None = None,
+        content: bytes | AsyncIterable[bytes] | None = None,
         query: str = "",
         stream: bool = False,
         observed_as: str | None = None,

@@ -265,6 +265,18 @@ responses = Table(
     Index("ix_responses_conversation", "conversation_id"),
 )
 
+upstream_objects = Table(
+    "upstream_objects",
+    metadata,
+    # An object the upstream keeps (a file, a batch, a vector store, ...) and the tenant that
+    # made it through the gateway: with authentication on, only that tenant reaches it
+    # (`gateway.openai.tenancy`, migration 0016). Upstream ids are unique, so one owner each.
+    Column("object_id", Text, primary_key=True),
+    Column("tenant_id", BigInteger, ForeignKey("tenants.id", ondelete="CASCADE"), nullable=False),
+    _created_at(),
+    Index("ix_upstream_objects_tenant", "tenant_id"),
+)
+
 working_contexts = Table(
     "working_contexts",
     metadata,

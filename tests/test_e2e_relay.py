@@ -102,13 +102,13 @@ def test_an_unknown_path_is_relayed_with_its_query_and_headers(
     assert answer.status_code == 200
     assert answer.json() == {"id": "modr-1", "results": []}
     assert answer.headers["x-upstream-request-id"].startswith("req_")
-    missing = http.delete("/v1/files/file-123?api-version=2024-10-21")
+    missing = http.delete("/v1/vector_stores/vs_123?api-version=2024-10-21")
     assert missing.status_code == 404  # the upstream's own answer, relayed
-    assert missing.json()["error"]["message"] == "Invalid URL (DELETE /v1/files/file-123)"
+    assert missing.json()["error"]["message"] == "Invalid URL (DELETE /v1/vector_stores/vs_123)"
     moderated, deleted = upstream.requests()
     assert (moderated["method"], moderated["query"]) == ("POST", "api-version=2024-10-21&x=1")
     assert moderated["body"] == {"input": "hello"}
-    assert (deleted["method"], deleted["path"]) == ("DELETE", "/v1/files/file-123")
+    assert (deleted["method"], deleted["path"]) == ("DELETE", "/v1/vector_stores/vs_123")
     for recorded in (moderated, deleted):
         assert_openai_headers(recorded)
 

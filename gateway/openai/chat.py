@@ -38,7 +38,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 from gateway import background
 from gateway.bodies import read_json
 from gateway.errors import GatewayError
-from gateway.openai import degraded, relay, toolloop
+from gateway.openai import degraded, relay, tenancy, toolloop
 from gateway.openai.turn import CONVERSATION_HEADER, Turn
 from gateway.schemas import ChatCompletionRequest, storable_context
 from gateway.settings import Settings
@@ -74,6 +74,7 @@ async def complete(request: Request, state: State, *, tenant_id: int) -> Respons
     """Handle `POST /v1/chat/completions`."""
     started = time.perf_counter()
     body, chat = await parse(request, state.settings)
+    await tenancy.check_references(state, tenant_id=tenant_id, body=body)
     header = request.headers.get(CONVERSATION_HEADER)
     external_id = identity.validate_conversation_id(header) if header is not None else None
     # Room kept for the memory tools' definitions, when the gateway offers them.

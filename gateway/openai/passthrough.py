@@ -36,17 +36,40 @@ async def relay(
     """Send the client's request to `path` upstream and relay the answer as it comes; `json`:
     a body the gateway has read and checked already (else the client's is streamed through);
     `observed_as`: the path the metrics report (`path` itself by default)."""
-    raw = json is None and (request.method not in _BODYLESS or "content-length" in request.headers)
-    response = await upstream.open(
+    return answer(await send(request, upstream, path, json=json, observed_as=observed_as))
+
+
+async def send(
+    request: Request,
+    upstream: Upstream,
+    path: str,
+    *,
+    json: object = None,
+    content: bytes | None = None,
+    query: str | None = None,
+    observed_as: str | None = None,
+) -> httpx.Response:
+    """Send the client's request to `path` upstream; the answer's body is unread. `content`:
+    the client's raw body, read already; `query`: another query string than the client's."""
+    raw = json is None and (
+        content is not None
+        or request.method not in _BODYLESS
+        or "content-length" in request.headers
+    )
+    return await upstream.open(
         request.method,
         path,
         headers=upstream.headers_for(request.headers, raw_body=raw),
         json=json,
-        content=request.stream() if raw else None,
-        query=request.url.query,
+        content=content if content is not None else request.stream() if raw else None,
+        query=request.url.query if query is None else query,
         stream=True,
         observed_as=observed_as,
     )
+
+
+def answer(response: httpx.Response) -> StreamingResponse:
+    """Relay an upstream answer to the client: its status, its headers, its body as it comes."""
     return StreamingResponse(
         _chunks(response), status_code=response.status_code, headers=relayed_headers(response)
     )

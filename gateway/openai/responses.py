@@ -49,7 +49,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 
 from gateway.bodies import read_json
 from gateway.errors import GatewayError
-from gateway.openai import chat, translate
+from gateway.openai import chat, tenancy, translate
 from gateway.openai.degraded import DEGRADED_HEADER
 from gateway.openai.response_events import ChatEvents, ResponseReply
 from gateway.openai.streams import EventReader, sse_error
@@ -131,6 +131,7 @@ async def create(request: Request, state: State, *, tenant_id: int) -> Response:
     if state.upstream.serves_responses is False:
         # It can only go upstream translated: what cannot be is refused before it is stored.
         translate.check_translatable(body)
+    await tenancy.check_references(state, tenant_id=tenant_id, body=body)
     header = request.headers.get(CONVERSATION_HEADER)
     external_id = identity.validate_conversation_id(header) if header is not None else None
     budget = Budget.of(

@@ -1,5 +1,6 @@
 """The OpenAI-compatible surface: chat completions and responses with memory; every other
-`/v1` path relayed to the upstream unchanged (`gateway.openai.passthrough`)."""
+`/v1` path relayed to the upstream unchanged (`gateway.openai.passthrough`), each tenant reaching
+only its own objects there while authentication is on (`gateway.openai.tenancy`)."""
 
 from typing import Annotated, Any, Literal
 
@@ -9,7 +10,7 @@ from fastapi.responses import Response
 from gateway.bodies import read_json
 from gateway.deps import StateDep, TenantDep, UpstreamDep, get_tenant_id
 from gateway.errors import GatewayError
-from gateway.openai import chat, passthrough, responses
+from gateway.openai import chat, passthrough, responses, tenancy
 
 router = APIRouter(prefix="/v1", tags=["openai"])
 
@@ -59,9 +60,8 @@ async def embeddings(request: Request, state: StateDep, upstream: UpstreamDep) -
     return await passthrough.relay(request, upstream, "/embeddings", json=body)
 
 
-async def relayed(path: str, request: Request, upstream: UpstreamDep) -> Response:
-    # Reported to the metrics as one path: the client's paths are any number of values.
-    return await passthrough.relay(request, upstream, f"/{path}", observed_as="/*")
+async def relayed(path: str, request: Request, state: StateDep, tenant_id: TenantDep) -> Response:
+    return await tenancy.relay(request, state, tenant_id=tenant_id, path=path)
 
 
 # One route per method, so that each has its own operation in the OpenAPI document.
