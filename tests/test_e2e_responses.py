@@ -450,6 +450,35 @@ def test_auto_probe_on_a_fresh_gateway(database_url: str) -> None:
         ]
 
 
+@pytest.mark.parametrize("responses", [False, True])
+def test_a_fresh_gateways_first_request_with_a_built_in_tool(
+    database_url: str, responses: bool
+) -> None:
+    """Auto mode, nothing learnt yet, a `web_search` tool: an upstream without the Responses API
+    means a 400 with nothing stored (it was stored, then refused); one with it gets the request.
+    Either is learnt from a request it must refuse, before the input is stored."""
+    conversation = f"first-builtin-{uuid.uuid4().hex[:10]}"
+    body = {"model": "m", "input": unique("search the web"), "tools": [{"type": "web_search"}]}
+    with (
+        UpstreamServer(responses=responses) as upstream,
+        GatewayProcess(database_url=database_url, upstream_url=upstream.url, workers=0) as gw,
+        httpx.Client(base_url=gw.root_url, timeout=15) as http,
+    ):
+        answer = http.post("/v1/responses", json=body, headers={HEADER: conversation})
+        stored = http.get(f"/admin/conversations/{conversation}/messages")
+        sent = [(r["path"], r["body"]) for r in upstream.requests()]
+    if responses:
+        assert answer.status_code == 200, answer.text
+        assert [path for path, _ in sent] == ["/v1/responses"] * 2
+        assert stored.status_code == 200
+    else:
+        assert answer.status_code == 400, answer.text
+        assert answer.json()["error"]["param"] == "tools"
+        assert stored.status_code == 404, stored.text
+        assert len(sent) == 1
+    assert sent[0] == ("/v1/responses", {})
+
+
 def test_the_openai_sdk_retries_are_stored_once(way: Way, http: httpx.Client) -> None:
     """A client that names its conversation and sends only its new input: the SDK retries a 500
     after the gateway stored the user's message; the message is stored once (the chat path's
@@ -500,6 +529,34 @@ def test_continuing_the_latest_response_with_its_opening_words_is_a_new_turn(
     ]
     last = [(m.get("role"), m.get("content")) for m in way.prompts()[-1]]
     assert last[-3:] == [("user", ask), ("assistant", f"echo: {ask}"), ("user", ask)]
+
+
+def test_store_false_on_an_abandoned_branch_reads_that_branch(
+    way: Way, client: openai.OpenAI, http: httpx.Client
+) -> None:
+    """`store: false` continuing a response the conversation has left (a fork from an earlier
+    one since): the upstream gets that response's own history (it got the current branch's,
+    whose turns had never led to it), and nothing is stored."""
+    texts = [unique(f"branch question {n}") for n in range(4)]
+    first = client.responses.with_raw_response.create(model="gpt-4o-mini", input=texts[0])
+    conversation = first.headers[HEADER]
+    r1 = first.parse().id
+    r2 = client.responses.create(model="gpt-4o-mini", input=texts[1], previous_response_id=r1)
+    client.responses.create(model="gpt-4o-mini", input=texts[2], previous_response_id=r1)
+    before = http.get(f"/admin/conversations/{conversation}/messages").json()["messages"]
+    client.responses.create(
+        model="gpt-4o-mini", input=texts[3], previous_response_id=r2.id, store=False
+    )
+    sent = [(m.get("role"), m.get("content")) for m in way.prompts()[-1]]
+    assert sent == [
+        ("user", texts[0]),
+        ("assistant", f"echo: {texts[0]}"),
+        ("user", texts[1]),
+        ("assistant", f"echo: {texts[1]}"),
+        ("user", texts[3]),
+    ]
+    after = http.get(f"/admin/conversations/{conversation}/messages").json()["messages"]
+    assert after == before
 
 
 def test_continuing_a_response_of_an_abandoned_branch_continues_its_own_history(

@@ -4,19 +4,20 @@
 A response request goes the chat path's way (`gateway.openai.chat`): its `instructions` and
 `input` are read as chat messages (`gateway.openai.translate`), then identified and stored
 (`chat.store_turn`), the prompt assembled (`chat.recall`), forwarded, and the reply recorded by
-the turn. The conversation is the one `previous_response_id` names (404 if it names none of
-this tenant's), else the one `X-Memstrata-Conversation` names, else the one whose stored chain
-the messages extend: a client that resends the whole input each time (openai-agents does) is
+the turn. The conversation is the one `previous_response_id` names (404 if it names none of this
+tenant's), else the one `X-Memstrata-Conversation` names, else the one whose stored chain the
+messages extend: a client that resends the whole input each time (openai-agents does) is
 recognised as a chat client is. Continuing a response that is no longer its conversation's
-latest sends its own history (even from a branch the conversation left since) and the new
-input whole, so the write path continues the conversation from that point, as a branch if it
-must; continuing the latest one, its input is new, whatever it repeats. A retry is
-told as on the chat path (`Idempotency-Key`, `X-Stainless-Retry-Count`, the same body) and
-stores nothing. `store: false` stores nothing: the request reads memory (the history of
-`previous_response_id`, if named) and goes upstream, and the response cannot be retrieved or
-continued later. The memory tools are not offered on this path. With the database down and
-`MEMSTRATA_FAIL_OPEN=on`, a request that names no `previous_response_id` goes upstream as the
-client sent it, unrecorded, its answer marked `X-Memstrata-Degraded` as on the chat path.
+latest sends its own history (even from a branch the conversation left since) and the new input
+whole, so the write path continues the conversation from that point, as a branch if it must;
+continuing the latest one, its input is new, whatever it repeats. A retry is told as on the chat
+path (`Idempotency-Key`, `X-Stainless-Retry-Count`, the same body) and stores nothing.
+`store: false` stores nothing: the request reads memory (the history of `previous_response_id`, if
+named: its own branch's, when that fits the budget) and goes upstream, and the response cannot
+be retrieved or continued later. The memory tools are not offered on this path. With the
+database down and `MEMSTRATA_FAIL_OPEN=on`, a request that names no `previous_response_id` goes
+upstream as the client sent it, unrecorded, its answer marked `X-Memstrata-Degraded` as on the
+chat path.
 
 Upstream, the request goes as a Responses request when the upstream serves the API: the
 client's own body when the prompt is its input unchanged, else with the assembled prompt as
@@ -24,8 +25,10 @@ client's own body when the prompt is its input unchanged, else with the assemble
 translated to a chat completion and the answer back to a response object or Responses events.
 Whether the upstream serves it is `MEMSTRATA_UPSTREAM_RESPONSES`: `on`, `off`, or `auto`: on
 for OpenAI's own API, else learnt from the first request: an answer of 404, 405 or 501 (other
-than an unknown model's) means it does not, remembered by the process. Upstream error answers
-are relayed with their status and body, as on the chat path.
+than an unknown model's) means it does not, remembered by the process. A first request that
+could not be translated (built-in tools) learns it before anything is stored, from a request
+the upstream must refuse (`{}`: 400 if it serves the API), so that it is refused unstored.
+Upstream error answers are relayed with their status and body, as on the chat path.
 
 What is stored for a response (`memory.write.responses`): the response object as the client
 saw it and the request's input items, beside the messages the conversation holds.
@@ -35,7 +38,7 @@ import json
 import logging
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from typing import Any, ClassVar
 from urllib.parse import urlsplit
@@ -57,6 +60,7 @@ from gateway.openai.turn import CONVERSATION_HEADER, REPLY_COMPLETE, Chunks, Tur
 from gateway.schemas import ResponsesRequest
 from gateway.settings import Settings
 from gateway.state import State
+from gateway.upstream import Upstream
 from memory import tokens
 from memory.db import transaction
 from memory.errors import StorageUnavailable
@@ -75,6 +79,28 @@ def serves_responses(settings: Settings) -> bool | None:
     if settings.upstream_responses != "auto":
         return settings.upstream_responses == "on"
     return True if urlsplit(settings.upstream_url).hostname == _OPENAI_HOST else None
+
+
+async def _probe(state: State, client_headers: Mapping[str, str]) -> None:
+    """Learn whether the upstream serves the Responses API from a request it must refuse
+    (no model, no input): it answers 400 if it serves it, else 404, 405 or 501. A failure to
+    reach it teaches nothing (the request then learns as any other)."""
+    upstream = state.upstream
+    try:
+        response = await upstream.open(
+            "POST", "/responses", headers=upstream.headers_for(client_headers), json={}
+        )
+        status = response.status_code
+        await upstream.read(response)
+    except GatewayError:
+        return
+    _learnt(upstream, served=status not in _NOT_SERVED)
+
+
+def _learnt(upstream: Upstream, *, served: bool) -> None:
+    if not served:
+        log.info("the upstream does not serve the Responses API: translating to chat completions")
+    upstream.serves_responses = served
 
 
 @dataclass
@@ -128,6 +154,9 @@ async def create(request: Request, state: State, *, tenant_id: int) -> Response:
     except ValidationError as exc:
         raise RequestValidationError(exc.errors()) from exc
     messages = translate.input_messages(body)
+    if state.upstream.serves_responses is None and not translate.translatable(body):
+        # Whether it can go upstream must be known before it is stored.
+        await _probe(state, request.headers)
     if state.upstream.serves_responses is False:
         # It can only go upstream translated: what cannot be is refused before it is stored.
         translate.check_translatable(body)
@@ -169,7 +198,7 @@ async def create(request: Request, state: State, *, tenant_id: int) -> Response:
                 request=request_key,
             )
         elif previous is not None:
-            stored = await _unstored(state, turn, messages, previous=previous)
+            stored = await _unstored(state, turn, messages, budget, previous=previous)
         else:
             stored = None
         assembled = (
@@ -240,15 +269,25 @@ async def _store(
 
 
 async def _unstored(
-    state: State, turn: ResponseTurn, messages: list[dict[str, Any]], *, previous: str
+    state: State,
+    turn: ResponseTurn,
+    messages: list[dict[str, Any]],
+    budget: Budget,
+    *,
+    previous: str,
 ) -> StoredTurn:
-    """`store: false` continuing a response: its history read, nothing written."""
+    """`store: false` continuing a response: its history read, nothing written. A response
+    the conversation has left (it forked from an earlier one since) is continued with its own
+    history, when that fits the budget; past it, memory is the conversation's as it is now."""
     async with transaction(state.engine) as conn:
         found = await _previous(conn, turn, previous, lock=False)
+        history = None
+        if not found.at_head:
+            history = await stored_responses.history(conn, tenant_id=turn.tenant_id, found=found)
     system = leading_system(messages)
     new = messages[len(system) :]
     turn.conversation_id = found.conversation_id
-    return StoredTurn(
+    unstored = StoredTurn(
         tenant_id=turn.tenant_id,
         conversation_id=found.conversation_id,
         model=turn.model,
@@ -258,6 +297,15 @@ async def _unstored(
         whole=None,
         unstored_tokens=tokens.count_messages(new, model=turn.model),
     )
+    if history is None:
+        return unstored
+    kept = leading_system(history)
+    whole = [*(system or kept), *history[len(kept) :], *new]
+    counted = tokens.count_messages(whole, model=turn.model)
+    if counted + tokens.REPLY_PRIMING_TOKENS > budget.limit:
+        return unstored
+    # Sent whole, as a history that fits is: none of it is what the conversation holds now.
+    return replace(unstored, whole=whole, stored_tokens=0, unstored_tokens=counted)
 
 
 async def _previous(
@@ -316,16 +364,15 @@ class _Forward:
         """Learn whether the upstream serves the Responses API from its first answer; the
         answer to relay when it had to be read to tell (an unknown model's 404), else None."""
         if response.status_code not in _NOT_SERVED:
-            self._upstream.serves_responses = True
+            _learnt(self._upstream, served=True)
             return None
         content = await self._read(response)
         error = _json(content)
         code = error.get("error", {}).get("code") if isinstance(error, dict) else None
         if isinstance(code, str) and code == "model_not_found":
-            self._upstream.serves_responses = True
+            _learnt(self._upstream, served=True)
             return await self._turn.answer(self._state, content, response)
-        log.info("the upstream does not serve the Responses API: translating to chat completions")
-        self._upstream.serves_responses = False
+        _learnt(self._upstream, served=False)
         return None
 
     def _responses_body(self, prompt: list[dict[str, Any]]) -> dict[str, Any]:

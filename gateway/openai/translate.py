@@ -327,6 +327,15 @@ def check_translatable(body: Mapping[str, Any]) -> None:
         _chat_tool_choice(body["tool_choice"])
 
 
+def translatable(body: Mapping[str, Any]) -> bool:
+    """Whether `check_translatable` lets `body` through."""
+    try:
+        check_translatable(body)
+    except GatewayError:
+        return False
+    return True
+
+
 def chat_request(body: Mapping[str, Any], messages: list[Message]) -> dict[str, Any]:
     """The chat completion request for a Responses `body` whose prompt is `messages`."""
     check_translatable(body)
