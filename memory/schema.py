@@ -128,7 +128,7 @@ nodes = Table(
     # Messages (migration 0009): when the message left the conversation's current branch (an
     # edit or a regenerated answer branched off before it; NULL: it is on the branch); the seq
     # of the message it follows when that is not the one stored just before it (-1: the
-    # root); the request that brought it (`identity.RequestKey`), for telling retries.
+    # root); the request that brought it (`retries.RequestKey`), for telling retries.
     Column("superseded_at", DateTime(timezone=True)),
     Column("follows_seq", Integer),
     Column("request_key", Text),

@@ -350,6 +350,44 @@ def test_resent_whole_history_stores_each_message_once(
     ]
 
 
+@pytest.mark.parametrize("named", [False, True], ids=["no-header", "header"])
+def test_a_system_prompt_that_changes_each_turn_keeps_one_conversation(
+    client: openai.OpenAI, http: httpx.Client, upstream: UpstreamServer, named: bool
+) -> None:
+    """A client that puts the time in its system prompt and resends its whole history: one
+    conversation, each message stored once, and the upstream gets each turn's own system
+    prompt. Before, every turn matched nothing (chain hashes chain the system prompt in): a new
+    conversation each turn holding the whole history again, or, with a conversation id, the
+    whole history appended again. A new chat under another system prompt that opens with the
+    same words is still a conversation of its own."""
+    opener = unique("What is on my calendar?")
+    headers = {HEADER: new_conversation_id()} if named else {}
+    turns: list[Any] = []
+    seen: set[str] = set()
+    for turn in range(3):
+        system: Any = {"role": "system", "content": f"You are helpful. It is 10:0{turn}."}
+        turns.append({"role": "user", "content": opener if turn == 0 else unique(f"then {turn}")})
+        raw = client.chat.completions.with_raw_response.create(
+            model="m", messages=[system, *turns], extra_headers=headers
+        )
+        seen.add(raw.headers[HEADER])
+        turns.append({"role": "assistant", "content": raw.parse().choices[0].message.content})
+        assert upstream.requests(CHAT)[-1]["body"]["messages"][0] == system
+    assert len(seen) == 1, "every turn must land in the same conversation"
+    [conversation] = seen
+    stored = wait_admin_messages(http, conversation, 1 + len(turns))
+    assert [(m["role"], m["content"]) for m in stored] == [
+        ("system", "You are helpful. It is 10:00."),
+        *((m["role"], m["content"]) for m in turns),
+    ]
+    if not named:
+        other: Any = {"role": "system", "content": "You are a pirate."}
+        raw = client.chat.completions.with_raw_response.create(
+            model="m", messages=[other, {"role": "user", "content": opener}]
+        )
+        assert raw.headers[HEADER] != conversation
+
+
 async def test_header_mode_with_only_new_messages(
     aclient: openai.AsyncOpenAI, engine: AsyncEngine, upstream: UpstreamServer
 ) -> None:

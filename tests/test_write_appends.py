@@ -17,7 +17,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from memory.build import jobs
 from memory.schema import conversations, nodes
 from memory.schema import jobs as jobs_table
-from memory.write import appends, identity, replies, store
+from memory.write import appends, identity, replies, retries, store
 from tests.inprocess import App
 
 MODEL = "gpt-4o"
@@ -51,7 +51,7 @@ async def stored_turn(
             external_id=external_id,
             user=None,
             messages=sent,
-            request=identity.RequestKey(value=key, explicit=True),
+            request=retries.RequestKey(value=key, explicit=True),
         )
         return await store.store_new(
             conn, tenant_id=tenant_id, found=found, messages=sent, model=MODEL, request_key=key
@@ -287,7 +287,7 @@ async def test_a_turn_that_finds_its_build_queued_holds_it_until_the_turn_commit
             external_id=first.conversation.external_id,
             user=None,
             messages=asked,
-            request=identity.RequestKey(value="two", explicit=True),
+            request=retries.RequestKey(value="two", explicit=True),
         )
         with statements(engine) as sent:
             await store.store_new(

@@ -10,7 +10,7 @@ from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from memory.schema import nodes
-from memory.write import identity, store
+from memory.write import identity, placement, retries, store
 
 MODEL = "gpt-4o"
 Message = dict[str, Any]
@@ -46,7 +46,7 @@ async def test_a_twin_that_waited_for_the_lock_is_a_retry(
     question: Message = {"role": "user", "content": "Is the ferry on time?"}
     # With an id the client sends its new message; without, its whole history.
     sent = [system, question] if named else [*opening, question]
-    request = identity.RequestKey.of(
+    request = retries.RequestKey.of(
         body={"model": MODEL, "messages": sent}, idempotency_key=None, retry_count=None
     )
 
@@ -60,7 +60,7 @@ async def test_a_twin_that_waited_for_the_lock_is_a_retry(
             request=request,
         )
 
-    def store_sent(conn: Any, found: identity.Found) -> Any:
+    def store_sent(conn: Any, found: placement.Found) -> Any:
         return store.store_new(
             conn,
             tenant_id=tenant_id,

@@ -60,7 +60,7 @@ from memory.recall.assemble import (
 )
 from memory.recall.assemble import dry_run as memory_dry_run
 from memory.recall.early import Early
-from memory.write import identity, store
+from memory.write import identity, placement, retries, store
 
 log = logging.getLogger(__name__)
 
@@ -98,8 +98,8 @@ async def complete(request: Request, state: State, *, tenant_id: int) -> Respons
         stream=bool(chat.stream),
         started=started,
     )
-    # What tells a retry of this request from a new one (`identity.RequestKey`).
-    request_key = identity.RequestKey.of(
+    # What tells a retry of this request from a new one (`retries.RequestKey`).
+    request_key = retries.RequestKey.of(
         body=body,
         idempotency_key=request.headers.get(IDEMPOTENCY_HEADER),
         retry_count=request.headers.get(RETRY_COUNT_HEADER),
@@ -205,9 +205,9 @@ async def store_turn(
     messages: list[dict[str, Any]],
     model: str,
     budget: Budget,
-    request: identity.RequestKey | None = None,
-    window: timedelta = identity.DEFAULT_WINDOW,
-    identified: Callable[[identity.Found], None] | None = None,
+    request: retries.RequestKey | None = None,
+    window: timedelta = retries.DEFAULT_WINDOW,
+    identified: Callable[[placement.Found], None] | None = None,
     new_only: bool = False,
 ) -> tuple[StoredTurn, store.Appended]:
     """Identify and store: the request's new `messages` stored in `conn`'s transaction (none
@@ -242,7 +242,7 @@ async def store_turn(
 
 def start_query(
     early: Early,
-    found: identity.Found,
+    found: placement.Found,
     *,
     messages: list[dict[str, Any]],
     budget: Budget,

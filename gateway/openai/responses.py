@@ -65,7 +65,7 @@ from memory import tokens
 from memory.db import transaction
 from memory.errors import StorageUnavailable
 from memory.recall.assemble import Budget, StoredTurn, leading_system
-from memory.write import identity
+from memory.write import identity, retries
 from memory.write import responses as stored_responses
 
 log = logging.getLogger(__name__)
@@ -181,7 +181,7 @@ async def create(request: Request, state: State, *, tenant_id: int) -> Response:
     previous = parsed.previous_response_id
     # What tells a retry of this request from a new one, as on the chat path: the SDKs retry
     # a response request too, and a client naming its conversation sends only its new input.
-    request_key = identity.RequestKey.of(
+    request_key = retries.RequestKey.of(
         body=body,
         idempotency_key=request.headers.get(chat.IDEMPOTENCY_HEADER),
         retry_count=request.headers.get(chat.RETRY_COUNT_HEADER),
@@ -234,7 +234,7 @@ async def _store(
     *,
     previous: str | None,
     user: str | None,
-    request: identity.RequestKey,
+    request: retries.RequestKey,
 ) -> StoredTurn:
     """Identify and store the request's messages (see the module docstring); a retry of
     `request` stores nothing."""

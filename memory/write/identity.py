@@ -13,7 +13,9 @@ that point are superseded, and messages of an abandoned branch the history holds
 restored. Such a divergence continues the conversation only when the shared part holds a reply
 the gateway recorded (proof the client saw this conversation), or when it leaves the current
 branch within its latest exchange (from its last user message on) and holds a user message:
-a new chat that merely opens like an old one (the same system prompt) is not taken for it.
+a new chat that merely opens like an old one (the same system prompt) is not taken for it. A
+resent history whose system prompt changed (the time in it) is found by its turns alone
+(`memory.write.system_prompts`).
 
 `identify` is the first step of the request path: it finds the conversation an incoming history
 belongs to (by the client's conversation id, else by the deepest stored message of its chain),
@@ -24,25 +26,16 @@ lock of the row, do not hold it up (`memory.build.tree`). Two requests that woul
 a new conversation with the same first message are serialized by an advisory lock, so the second
 finds the first's.
 
-**Retries.** A request is known by its `RequestKey`: the client's `Idempotency-Key`, else the
-sha256 of its body's JSON. It repeats an earlier request of the conversation (`Found.retry`:
-nothing is stored and nothing branches) when it carries the same `Idempotency-Key` within the
-window, or, without one, when its body is the same JSON as that of the request the
-conversation's head came from and either it resends the whole history, or that request is
-still unanswered, or the client says it is retrying (`X-Stainless-Retry-Count`, sent by the
-OpenAI SDKs). A client that sends only its new messages may say the same thing twice on
-purpose ("continue"): that is not taken for a retry on its bytes alone. A retry of a request
-whose answer was cut (a stream cut: the reply stored incomplete, still the head) moves the
-current branch back before that answer (`Found.branch`), so the retry's answer takes its place.
+**Retries** (`memory.write.retries`): a request that repeats an earlier one stores nothing.
 """
 
 import hashlib
 import re
 import uuid
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Final
+from typing import Any
 
 from sqlalchemy import Text, bindparam, func, insert, literal_column, select, text
 from sqlalchemy.dialects.postgresql import ARRAY
@@ -52,15 +45,13 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 from memory.db import AnyRow
 from memory.errors import InvalidConversationId
 from memory.schema import conversations, nodes
-from memory.write import chains
+from memory.write import chains, retries, system_prompts
+from memory.write.placement import Branch, Found
 
 CONVERSATION_ID_PATTERN = r"^[A-Za-z0-9._:-]*[A-Za-z0-9_:-][A-Za-z0-9._:-]*$"
 """Characters of A-Za-z0-9._:-, not dots alone (`.` and `..` name folders in paths and URLs)."""
 CONVERSATION_ID_MAX = 128
 _CONVERSATION_ID = re.compile(CONVERSATION_ID_PATTERN)
-_SYSTEM_ROLES = ("system", "developer")
-DEFAULT_WINDOW: Final = timedelta(hours=24)
-"""How long an `Idempotency-Key` names the request that first carried it."""
 
 
 def validate_conversation_id(value: str) -> str:
@@ -78,68 +69,7 @@ def new_conversation_id() -> str:
     return f"conv-{uuid.uuid4().hex}"
 
 
-# -- requests ----------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class RequestKey:
-    """What tells a retry from a new request (see the module docstring)."""
-
-    value: str
-    """`key:` and the sha256 of the client's `Idempotency-Key`, else `body:` and the sha256 of
-    the body's JSON (keys sorted: the same JSON however a client spaces or orders it)."""
-    explicit: bool
-    """The client named the request (`Idempotency-Key`)."""
-    retrying: bool = False
-    """The client says this is a retry of a request it sent."""
-
-    @classmethod
-    def of(cls, *, body: Any, idempotency_key: str | None, retry_count: str | None) -> "RequestKey":
-        """The key of a request with this JSON `body` and these header values."""
-        retrying = retry_count is not None and retry_count.strip() not in ("", "0")
-        if idempotency_key:
-            digest = hashlib.sha256(idempotency_key.encode()).hexdigest()
-            return cls(value=f"key:{digest}", explicit=True, retrying=retrying)
-        digest = hashlib.sha256(chains.canonical_json(body)).hexdigest()
-        return cls(value=f"body:{digest}", explicit=False, retrying=retrying)
-
-
 # -- where a history goes ----------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Branch:
-    """How the current branch changes before the new messages are stored: it keeps its
-    messages up to `fork_seq` (None: none) and continues with the superseded messages `restore`;
-    its other messages after `fork_seq` are superseded."""
-
-    fork_seq: int | None
-    restore: tuple[int, ...] = ()
-
-
-@dataclass(frozen=True)
-class Found:
-    """The conversation a history belongs to, locked until the transaction ends."""
-
-    row: AnyRow
-    """The conversation's row as locked (`memory.schema.conversations`), with the request key
-    of its head message (`head_request`) and whether that is a recorded reply
-    (`head_replied`)."""
-    start: int
-    """Where the history's new messages start."""
-    created: bool
-    parent: str = chains.ROOT_HASH
-    """The chain hash the new messages (and then the reply) continue from."""
-    parent_seq: int | None = None
-    """The seq of that message (None: the conversation's root)."""
-    branch: Branch | None = None
-    """Set when the history leaves the current branch."""
-    whole: bool = False
-    """The history's messages before `start` are the whole current branch (once `branch` is
-    applied): the request resent the history rather than only its new messages."""
-    retry: bool = False
-    """The request repeats an earlier one: nothing is stored, and nothing branches but a cut
-    answer to it that is the head (superseded: `branch`)."""
 
 
 async def identify(
@@ -149,8 +79,8 @@ async def identify(
     external_id: str | None,
     user: str | None,
     messages: Sequence[Mapping[str, Any]],
-    request: RequestKey | None = None,
-    window: timedelta = DEFAULT_WINDOW,
+    request: retries.RequestKey | None = None,
+    window: timedelta = retries.DEFAULT_WINDOW,
     new_only: bool = False,
 ) -> Found:
     """The conversation `messages` belongs to, where its new messages start, and how it
@@ -179,7 +109,7 @@ async def identify(
     else:
         found = await _match(conn, tenant_id=tenant_id, user=user, messages=messages, hashes=hashes)
     if request is not None and not found.created:
-        return await _as_retry(conn, found, len(messages), request, window) or found
+        return await retries.as_retry(conn, found, len(messages), request, window) or found
     return found
 
 
@@ -206,17 +136,6 @@ async def _as_committed(conn: AsyncConnection, row: AnyRow) -> AnyRow:
     if row.head_seq is None or row.head_replied is not None:
         return row
     return (await conn.execute(_LOCK_BY_ID, {"id": row.id})).one()
-
-
-def _repeated_system(system_hash: str | None, messages: Sequence[Mapping[str, Any]]) -> int:
-    """Clients that send only new turns usually repeat their system prompt: store it once
-    (1 to skip it, when it is the conversation's newest stored system prompt)."""
-    if system_hash is None or not messages:
-        return 0
-    first = messages[0]
-    if first.get("role") not in _SYSTEM_ROLES:
-        return 0
-    return 1 if chains.content_hash(first.get("content")) == system_hash else 0
 
 
 # The request and kind of the head message, read with the conversation's row (a retry is told
@@ -331,11 +250,7 @@ async def _match(
     # (`_may_branch`): a conversation sharing no more is not a candidate, and not locked. Every
     # chat opening with the same system prompt holds that message; locking the latest of them
     # made each new conversation wait for another's turn.
-    opening = next(
-        (i for i, message in enumerate(messages) if message.get("role") not in _SYSTEM_ROLES),
-        len(messages),
-    )
-    turns = list(hashes[opening:])
+    turns = list(hashes[system_prompts.opening(messages) :])
     for attempt in range(2):
         # A conversation whose head the history holds is the one it extends (`_place` always
         # takes it): no savepoint needed, the common case of a resent history costs no round
@@ -350,6 +265,8 @@ async def _match(
         )
         if found is None and turns:
             found = await _branch_candidate(conn, params, turns, messages, hashes)
+        if found is None:
+            found = await _prompt_changed(conn, tenant_id, user, messages, hashes)
         if found is not None:
             return found
         if attempt == 0:
@@ -379,16 +296,45 @@ async def _branch_candidate(
     hashes: Sequence[str],
 ) -> Found | None:
     """The conversation holding the deepest stored message of the history's `turns`, locked,
-    when the history may branch from it; else None, with its lock let go."""
+    when the history may branch from it; else None."""
     deepest = await conn.scalar(_DEEPEST, {**params, "chain": list(turns)})
-    if deepest is None:
-        return None
-    # A candidate the history does not belong to is let go (its row lock goes with the
-    # savepoint): held while this request waits for the opening lock, it deadlocked with the
-    # request holding that lock and locking the same candidate (64 clients sharing a system
-    # prompt: a third of their requests failed).
+    return None if deepest is None else await _lock_and_place(conn, deepest, messages, hashes)
+
+
+async def _prompt_changed(
+    conn: AsyncConnection,
+    tenant_id: int,
+    user: str | None,
+    messages: Sequence[Mapping[str, Any]],
+    hashes: Sequence[str],
+) -> Found | None:
+    """The conversation the history resends under another system prompt
+    (`memory.write.system_prompts`), locked; else None."""
+    for candidate in await system_prompts.candidates(
+        conn, tenant_id=tenant_id, user=user, messages=messages
+    ):
+        parent, head = candidate.parent, candidate.head_hash
+        if system_prompts.start_after(messages, hashes, parent=parent, head=head) is not None:
+            found = await _lock_and_place(conn, candidate.conversation_id, messages, hashes)
+            if found is not None:
+                return found
+    return None
+
+
+async def _lock_and_place(
+    conn: AsyncConnection,
+    conversation_id: int,
+    messages: Sequence[Mapping[str, Any]],
+    hashes: Sequence[str],
+) -> Found | None:
+    """Where the history goes in a candidate conversation, locked; None, with its lock let
+    go, when the history does not belong to it."""
+    # The lock goes with the savepoint: held while this request waits for the opening lock, it
+    # deadlocked with the request holding that lock and locking the same candidate (64 clients
+    # sharing a system prompt: a third of their requests failed).
     candidate = await conn.begin_nested()
-    row = await _as_committed(conn, (await conn.execute(_LOCK_BY_ID, {"id": deepest})).one())
+    locked = await conn.execute(_LOCK_BY_ID, {"id": conversation_id})
+    row = await _as_committed(conn, locked.one())
     found = await _place(conn, row, messages, hashes, created=False, named=False)
     if found is None:
         await candidate.rollback()
@@ -428,9 +374,7 @@ async def _place(
         return Found(row=row, start=0, created=created, whole=True)
     start = chains.after_head(hashes, head)
     if start is not None:
-        return Found(
-            row=row, start=start, created=created, parent=head, parent_seq=row.head_seq, whole=True
-        )
+        return _extends(row, start, created=created)
     path = await _path(conn, row.id, hashes)
     if path and await _may_branch(conn, row.id, path):
         # The path is current up to the fork (a current message's ancestors are), then runs
@@ -448,9 +392,27 @@ async def _place(
             ),
             whole=True,
         )
+    if system_prompts.resends(messages):
+        parent = await system_prompts.parent_of(conn, row.id)
+        start = system_prompts.start_after(messages, hashes, parent=parent, head=head)
+        if start is not None:
+            return _extends(row, start, created=created)
     if not named:
         return None
     return _after_head(row, messages, created=created)
+
+
+def _extends(row: AnyRow, start: int, *, created: bool) -> Found:
+    """A resent history that holds the head of the locked conversation `row`, its new
+    messages from `start` on."""
+    return Found(
+        row=row,
+        start=start,
+        created=created,
+        parent=row.head_hash,
+        parent_seq=row.head_seq,
+        whole=True,
+    )
 
 
 def _after_head(row: AnyRow, messages: Sequence[Mapping[str, Any]], *, created: bool) -> Found:
@@ -459,7 +421,7 @@ def _after_head(row: AnyRow, messages: Sequence[Mapping[str, Any]], *, created: 
         return Found(row=row, start=0, created=created, whole=True)
     return Found(
         row=row,
-        start=_repeated_system(row.system_hash, messages),
+        start=system_prompts.repeated(row.system_hash, messages),
         created=created,
         parent=row.head_hash,
         parent_seq=row.head_seq,
@@ -511,87 +473,3 @@ async def _may_branch(conn: AsyncConnection, conversation_id: int, path: Sequenc
     if not users:
         return True
     return len(users) == 1 and users[0] == await conn.scalar(after.limit(1))
-
-
-# -- retries -----------------------------------------------------------------------------------
-
-
-async def _as_retry(
-    conn: AsyncConnection, found: Found, count: int, request: RequestKey, window: timedelta
-) -> Found | None:
-    """`found` as a retry when the request repeats an earlier one (module docstring)."""
-    conversation_id = found.row.id
-    if found.whole and found.start < count:
-        return None  # new messages after a resent history: not what was sent before
-    if not request.explicit:
-        row = found.row
-        if row.head_request is None or row.head_request != request.value:
-            return None
-        if not found.whole and row.head_replied and not request.retrying:
-            return None
-    if found.whole:  # the resent history ends where the first request's did
-        if (
-            request.explicit
-            and await _sent_with(conn, conversation_id, request.value, window) is None
-        ):
-            return None
-        return await _past_cut(
-            conn, replace(found, start=count, branch=None, retry=True), request.value
-        )
-    earlier = await _sent_with(
-        conn, conversation_id, request.value, window if request.explicit else None
-    )
-    if earlier is None or earlier.replied:
-        return None  # the first stored no message of its own to answer again
-    return await _past_cut(
-        conn,
-        replace(
-            found,
-            start=count,
-            branch=None,
-            retry=True,
-            parent=earlier.chain_hash,
-            parent_seq=earlier.seq,
-        ),
-        request.value,
-    )
-
-
-async def _past_cut(conn: AsyncConnection, retry: Found, key: str) -> Found:
-    """`retry`, branching back to the message it answers when the head is an answer to the
-    same request (`key`) that was cut (stored incomplete) right after that message: its reply
-    then replaces the cut one, which was dropped as the first answer already recorded."""
-    row = retry.row
-    if not row.head_replied or row.head_request != key:
-        return retry
-    head = (
-        await conn.execute(
-            select(nodes.c.status, nodes.c.follows_seq).where(
-                nodes.c.conversation_id == row.id, nodes.c.level == 0, nodes.c.seq == row.head_seq
-            )
-        )
-    ).one()
-    follows = row.head_seq - 1 if head.follows_seq is None else head.follows_seq
-    answers = -1 if retry.parent_seq is None else retry.parent_seq
-    if head.status != "incomplete" or follows != answers:
-        return retry
-    return replace(retry, branch=Branch(fork_seq=retry.parent_seq))
-
-
-async def _sent_with(
-    conn: AsyncConnection, conversation_id: int, key: str, window: timedelta | None = None
-) -> AnyRow | None:
-    """The last message a request with `key` stored (its reply only if it stored nothing
-    else), within `window` when given."""
-    query = select(
-        nodes.c.seq, nodes.c.chain_hash, nodes.c.model.is_not(None).label("replied")
-    ).where(
-        nodes.c.conversation_id == conversation_id,
-        nodes.c.level == 0,
-        nodes.c.request_key == key,
-    )
-    if window is not None:
-        query = query.where(nodes.c.created_at > func.now() - window)
-    return (
-        await conn.execute(query.order_by(nodes.c.model.is_not(None), nodes.c.seq.desc()).limit(1))
-    ).one_or_none()

@@ -32,7 +32,7 @@ from memory.build import jobs, tree
 from memory.db import AnyRow
 from memory.errors import NotFound
 from memory.schema import DEFAULT_TENANT, conversations, nodes, tenants
-from memory.write import appends, branches, chains, identity
+from memory.write import appends, branches, chains, identity, placement
 from memory.write.branches import ReplyTo
 
 __all__ = ["ReplyTo"]  # re-exported: a turn keeps where its reply goes
@@ -112,7 +112,7 @@ async def store_new(
     conn: AsyncConnection,
     *,
     tenant_id: int,
-    found: identity.Found,
+    found: placement.Found,
     messages: Sequence[Mapping[str, Any]],
     model: str,
     created_at: Sequence[datetime | None] | None = None,
@@ -193,7 +193,7 @@ async def _one_after_head(
     conn: AsyncConnection,
     *,
     tenant_id: int,
-    found: identity.Found,
+    found: placement.Found,
     messages: Sequence[Mapping[str, Any]],
     model: str,
     created_at: Sequence[datetime | None] | None,

@@ -4,7 +4,7 @@ hashes over the canonical form, the request that brought each message.
 * `nodes.superseded_at`: when a message left its conversation's current branch (an edit or a
   regenerated answer branched off before it); `nodes.follows_seq`: the message it follows when
   that is not the one stored just before it; `nodes.request_key`: the request that brought it
-  (`memory.write.identity.RequestKey`); `conversations.head_seq`: the seq of the head.
+  (`memory.write.retries.RequestKey`); `conversations.head_seq`: the seq of the head.
 * `ix_nodes_chain` finds where an incoming history leaves a stored one; `ix_nodes_request` the
   messages of a retried request.
 * Chain hashes are now taken over the canonical form of a message (tool-call arguments as
