@@ -328,6 +328,17 @@ def count_text(text: str, *, model: str) -> int:
     return _count(_encoding_for_model(model), text)
 
 
+def head_within(text: str, max_tokens: int, *, model: str) -> str:
+    """The longest start of ``text`` that is at most ``max_tokens`` tokens in ``model``'s
+    encoding (``text`` itself when it fits)."""
+    enc = _encoding_for_model(model)
+    encoded = enc.encode_ordinary(text)
+    if len(encoded) <= max_tokens:
+        return text
+    # A cut inside a multi-byte character decodes to a replacement mark: dropped.
+    return enc.decode(encoded[: max(0, max_tokens)]).rstrip("\ufffd")
+
+
 compact_json: Final = json.JSONEncoder(
     ensure_ascii=False, separators=(",", ":"), default=str
 ).encode

@@ -10,6 +10,7 @@ the client sees only the final answer, and the stored conversation is exactly wh
 """
 
 import json
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
@@ -25,6 +26,8 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from devkit.gateway import GatewayProcess
 from devkit.upstream import UpstreamServer
 from gateway.openai.streams import EventReader, MergedStream, add_usage
+from memory import tokens
+from memory.recall import tools
 from memory.schema import tenants
 from memory.write import identity, store
 
@@ -492,6 +495,57 @@ def test_round_limit_then_an_answer_without_memory_tools(
         "tool",
     ]
     assert [m["content"] for m in stored(http, conversation, 2)] == [question, content]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["non-stream", "stream"])
+def test_tool_results_stay_within_the_models_window(
+    database_url: str, upstream: UpstreamServer, stream: bool
+) -> None:
+    """A model with a small window (2,048 tokens, 256 kept for its answer) reads a long memory:
+    the result is cut to the room the window has left, with a note, and the next request goes
+    without the memory tools, so that it answers. Before, every round appended its results
+    whole (16,000 characters a call): the second request was past the window, and the upstream
+    refused it."""
+    window, reserve = 2048, 256
+    code = unique("locker")
+    with (
+        GatewayProcess(
+            database_url=database_url,
+            upstream_url=upstream.url,
+            workers=0,
+            memory_tools="always",
+            max_tool_rounds=3,
+            context_window=window,
+            output_reserve=reserve,
+            context_budget=1000,  # room for what memory the model reads
+        ) as small,
+        openai.OpenAI(base_url=small.url, api_key="sk-loop", max_retries=0, timeout=20) as sdk,
+    ):
+        messages: list[Any] = []
+        for n in range(20):  # a history past the window, sent turn by turn
+            messages.append({"role": "user", "content": f"{n}: {code} " + "word " * 60})
+            answer = sdk.chat.completions.create(model="m", messages=messages)
+            messages.append({"role": "assistant", "content": answer.choices[0].message.content})
+        upstream.reset()
+        upstream.set_default({"tool_calls": [memory_call("memory_browse", {"level": 0}, "call_b")]})
+        question = unique("What is my locker code?")
+        messages.append({"role": "user", "content": question})
+        if stream:
+            chunks = sdk.chat.completions.create(model="m", messages=messages, stream=True)
+            content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        else:
+            answer = sdk.chat.completions.create(model="m", messages=messages)
+            content = answer.choices[0].message.content or ""
+    assert content == f"echo: {question}"
+    requests = upstream.requests(CHAT)
+    assert [tool_names(r["body"]) for r in requests] == [MEMORY_TOOLS, []]
+    for sent in requests:
+        prompt = tokens.count_messages(sent["body"]["messages"], model="m")
+        assert prompt + tools.tool_tokens("m") <= window - reserve
+    result = requests[1]["body"]["messages"][-1]
+    assert result["role"] == "tool"
+    # Cut with a note: the tool's own (what it left out), or the gateway's, at a token.
+    assert re.search(r"\[(\d+ more lines not shown|cut at \d+ of)", result["content"])
 
 
 def test_round_limit_with_client_tools_strips_late_memory_calls(

@@ -15,6 +15,11 @@ the client can answer its calls, and its next request then sends back a valid hi
 Running the memory calls and re-asking instead would throw away calls the model meant for the
 client; keeping them for later would make the stored conversation differ from the client's.
 
+The rounds' results stay within the model's window (less its output reserve and the tools'
+definitions, the room a prompt has in `memory.recall.assemble.Budget`): a result that would
+not fit is cut to what does, with a note, and once less than `MIN_ROOM` tokens are left the
+next request goes without the memory tools, so that the model answers with what it has read.
+
 Non-stream: every round is read whole; the final completion is returned with the memory calls
 removed and `usage` summed over the rounds (unchanged, byte for byte, when the first reply is
 final as it is). Stream: content is relayed as it arrives, in every round, as one coherent
@@ -27,10 +32,11 @@ incomplete. The reply recorded is always what the client was shown.
 
 import json
 import logging
+import sys
 import time
 import uuid
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import httpx
@@ -42,11 +48,23 @@ from gateway.openai.streams import EventReader, MergedStream, add_usage, is_memo
 from gateway.openai.turn import REPLY_COMPLETE, Chunks, Turn
 from gateway.settings import Settings
 from gateway.state import State
+from memory import tokens
 from memory.db import transaction
 from memory.errors import StorageUnavailable
 from memory.recall import tools
+from memory.recall.assemble import Budget, BudgetRules
 
 log = logging.getLogger(__name__)
+
+MIN_ROOM = 256
+"""Tokens of room in the model's window below which no more memory is read."""
+# Characters a result may take per token of room, before it is counted: more than most text
+# takes, so that the tool cuts where its note says what is left out; the count then cuts
+# exactly.
+_CHARS_PER_TOKEN = 3
+# A tool message's tokens beside its content, and the cut note's.
+_MESSAGE_TOKENS = 32
+_FULL = "error: the prompt has no room left in the model's window; answer with what you have"
 
 
 @dataclass(frozen=True)
@@ -126,12 +144,16 @@ class ToolLoop:
             result_chars=state.settings.tool_result_chars,
         )
         self._scope: tools.Scope | None = None
+        self._model = str(body.get("model", ""))
+        # Tokens the prompt may still grow by within the model's window (set at the first call).
+        self._room: int | None = None
 
     async def complete(self) -> Response:
         """Non-stream: the final completion."""
         usage: dict[str, Any] | None = None
         for round_ in range(self._max_rounds + 1):
-            response = await self._open(final=round_ == self._max_rounds, stream=False)
+            final = self._final(round_)
+            response = await self._open(final=final, stream=False)
             content = await self._read(response)
             if not response.is_success:
                 return await self._answer(content, response)
@@ -142,7 +164,7 @@ class ToolLoop:
             usage = add_usage(usage, completion.get("usage"))
             calls = message.get("tool_calls") or []
             memory = [call for call in calls if is_memory_call(call)]
-            if memory and len(memory) == len(calls) and round_ < self._max_rounds:
+            if memory and len(memory) == len(calls) and not final:
                 await self._run(message.get("content"), memory)
                 continue
             if memory or round_ > 0:
@@ -171,7 +193,7 @@ class ToolLoop:
                         yield merged.send(opened)
                         return
                     response = opened
-                current = merged.round(final=round_ == self._max_rounds)
+                current = merged.round(final=self._final(round_))
                 reader = EventReader()
                 async for data in response.aiter_bytes():
                     for event in reader.feed(data):
@@ -212,7 +234,7 @@ class ToolLoop:
     async def _next_round(self, round_: int) -> httpx.Response | bytes:
         """The next round's response, or the error event that ends the stream instead."""
         try:
-            response = await self._open(final=round_ == self._max_rounds, stream=True)
+            response = await self._open(final=self._final(round_), stream=True)
             if response.is_success:
                 return response
             content = await self._state.upstream.read(response)
@@ -223,6 +245,11 @@ class ToolLoop:
             return f"data: {json.dumps(error, ensure_ascii=False)}\n\n".encode()
         text = content.decode(errors="replace")[:500]
         return sse_error(f"the upstream answered {response.status_code}: {text}", code=None)
+
+    def _final(self, round_: int) -> bool:
+        """Whether round `round_` goes without the memory tools: the last one, or once the
+        window is (nearly) full."""
+        return round_ == self._max_rounds or (self._room is not None and self._room < MIN_ROOM)
 
     # -- one round -------------------------------------------------------------------------
 
@@ -266,17 +293,52 @@ class ToolLoop:
         began = time.perf_counter()
         for call in calls:
             call["id"] = call.get("id") or f"call_memstrata_{uuid.uuid4().hex[:20]}"
-        results = [await self._call(call) for call in calls]
-        self._messages.append(
-            {"role": "assistant", "content": content if content else None, "tool_calls": calls}
+        assistant = {"role": "assistant", "content": content if content else None}
+        room = self._window_room() - tokens.count_message(
+            {**assistant, "tool_calls": calls}, model=self._model
         )
-        self._messages.extend(
-            {"role": "tool", "tool_call_id": call["id"], "content": result}
-            for call, result in zip(calls, results, strict=True)
-        )
+        answered: list[dict[str, Any]] = []
+        for index, call in enumerate(calls):
+            # Each call gets an even share of what the ones before it left.
+            share = room // (len(calls) - index)
+            result = await self._call(call, room=share) if share >= MIN_ROOM else _FULL
+            answered.append({"role": "tool", "tool_call_id": call["id"], "content": result})
+            room -= tokens.count_message(answered[-1], model=self._model)
+        self._messages.extend([{**assistant, "tool_calls": calls}, *answered])
+        self._room = room
         self._turn.overhead += time.perf_counter() - began
 
-    async def _call(self, call: dict[str, Any]) -> str:
+    def _window_room(self) -> int:
+        """Tokens the prompt may still grow by within the model's window."""
+        if self._room is None:
+            settings = self._state.settings
+            whole = BudgetRules(
+                default=0, window=settings.context_window, output_reserve=settings.output_reserve
+            )
+            window = Budget.of(
+                self._body,
+                whole,
+                requested=sys.maxsize,
+                tools_room=reserved_tokens(settings, self._body),
+            )
+            prompt = self._turn.context_tokens
+            if prompt is None:
+                prompt = tokens.count_messages(self._messages, model=self._model)
+            self._room = window.limit - prompt
+        return self._room
+
+    async def _call(self, call: dict[str, Any], *, room: int) -> str:
+        """The result of a memory call, within `room` tokens (less the message's own)."""
+        limits = replace(
+            self._limits, result_chars=min(self._limits.result_chars, room * _CHARS_PER_TOKEN)
+        )
+        result = await self._result(call, limits)
+        fitted = tokens.head_within(result, room - _MESSAGE_TOKENS, model=self._model)
+        if fitted != result:
+            fitted += f"\n[cut at {len(fitted)} of {len(result)} characters: the prompt is full]"
+        return fitted
+
+    async def _result(self, call: dict[str, Any], limits: tools.Limits) -> str:
         function = call.get("function") or {}
         name = str(function.get("name"))
         began = time.perf_counter()
@@ -296,7 +358,7 @@ class ToolLoop:
                     name=name,
                     arguments=function.get("arguments"),
                     embedder=self._state.embedder,
-                    limits=self._limits,
+                    limits=limits,
                 )
         except StorageUnavailable:
             log.warning("memory tool %s: the database is unavailable", name)
