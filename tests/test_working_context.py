@@ -726,6 +726,29 @@ async def test_verbatim_turns_read_again_are_the_stored_ones(
     assert moved == await read(10, 41, fresh=True)
 
 
+async def test_a_system_message_within_the_history_stays_in_the_verbatim_turns(
+    engine: AsyncEngine, tenant_id: int
+) -> None:
+    """A system (or developer) message a client sent within its history (not its opening system
+    prompt, which the request's own replaces) is a verbatim turn like any other: the prompt
+    holds it on every turn, as it does while the conversation fits its budget. It was left out
+    of the working context, so a conversation past its budget lost it from the next turn on."""
+    limit = 1500
+    recall = Recall(embedder=EMBEDDER, policy=Policy())
+    conversation = await Conversation.start(engine, tenant_id, synthetic.messages(200, seed=6))
+    note = {"role": "developer", "content": f"From now on answer in French ({uuid.uuid4().hex})."}
+    ask = {"role": "user", "content": "Bonjour, what is next?"}
+    first = await conversation.turn([note, ask], limit=limit, recall=recall)
+    await conversation.reply({"role": "assistant", "content": "Ensuite, le budget."}, first)
+    assert first.messages.count(note) == 1
+    later = await conversation.turn(
+        [{"role": "user", "content": "Et puis?"}], limit=limit, recall=recall
+    )
+    assert later.messages.count(note) == 1
+    assert later.messages.index(note) > later.messages.index(SYSTEM)
+    assert later.messages.count(SYSTEM) == 1
+
+
 def test_what_is_kept_of_read_turns_stays_within_its_tokens() -> None:
     """The turns kept for the next read stay within their token bound: the conversations read
     least recently go first, and one read again replaces what was kept of it."""

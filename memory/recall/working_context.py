@@ -10,7 +10,8 @@ prompt, so that a provider can cache its prefix:
   verbatim turns, tagged `[#id]`, and the milestones among them, verbatim (`memory.recall.
   compaction` writes them). Its text is stored: it never changes until a consolidation.
 * **Verbatim turns**: every stored message from the compaction point `verbatim_from` on, in
-  order, the client's system messages aside (the request's own system prompt goes first); a
+  order, the system messages the conversation opens with aside (the request's own system
+  prompt goes first; a system message within the history is a turn like any other); a
   tool result before `mask_before` of more than `MASK_MIN_TOKENS` is masked (`masked()`: its
   node id, its size, and "memory_expand to read").
 * **Recall notes** kept since the last compaction (`Note`), each before the message it was
@@ -330,7 +331,8 @@ async def read_items(
     conn: AsyncConnection, *, tenant_id: int, conversation_id: int, start: int, end: int, model: str
 ) -> list[Item]:
     """The current branch's messages from seq `start` to `end - 1` as verbatim turns, as a
-    prompt carries them (`store.prompt_message`; the client's system messages left out), each
+    prompt carries them (`store.prompt_message`; the system messages the conversation opens
+    with left out: the request's own system prompt goes first), each
     counted in `model`'s encoding. Messages this process read last time for the conversation
     are not read, decoded or counted again (`_read`)."""
     if end <= start:
@@ -350,11 +352,16 @@ async def read_items(
         known = {}  # another database under the same ids: read them all
         ids, times, fresh = _split(await conn.execute(_ITEMS, {**params, "known": []}))
     read: Read = {}
+    # The range's first system messages are the client's system prompt when it begins the
+    # conversation; a later one (an instruction within the history) is a turn like any other.
+    opening = start == 0
     for node_id, stored_at in zip(ids, times, strict=True):
         row = fresh.get(node_id)
         if row is None:
             read[node_id] = known[node_id]
-        elif row.role not in SYSTEM_ROLES:
+            opening = False
+        elif not (opening and row.role in SYSTEM_ROLES):
+            opening = False
             message = canonical(store.prompt_message(row))
             item = Item(
                 node_id=row.id,
