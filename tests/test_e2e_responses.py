@@ -531,21 +531,28 @@ def test_continuing_the_latest_response_with_its_opening_words_is_a_new_turn(
     assert last[-3:] == [("user", ask), ("assistant", f"echo: {ask}"), ("user", ask)]
 
 
+def forked(client: openai.OpenAI) -> tuple[list[str], str, str]:
+    """A conversation that forked: questions 0 and 1 answered, then question 2 asked after 0
+    (its answer the conversation's latest). The four questions (the last unasked), the
+    conversation and the response that answered question 1, which the conversation has left."""
+    texts = [unique(f"question {n}") for n in range(4)]
+    first = client.responses.with_raw_response.create(model="gpt-4o-mini", input=texts[0])
+    r1 = first.parse().id
+    r2 = client.responses.create(model="gpt-4o-mini", input=texts[1], previous_response_id=r1)
+    client.responses.create(model="gpt-4o-mini", input=texts[2], previous_response_id=r1)
+    return texts, first.headers[HEADER], r2.id
+
+
 def test_store_false_on_an_abandoned_branch_reads_that_branch(
     way: Way, client: openai.OpenAI, http: httpx.Client
 ) -> None:
     """`store: false` continuing a response the conversation has left (a fork from an earlier
     one since): the upstream gets that response's own history (it got the current branch's,
     whose turns had never led to it), and nothing is stored."""
-    texts = [unique(f"branch question {n}") for n in range(4)]
-    first = client.responses.with_raw_response.create(model="gpt-4o-mini", input=texts[0])
-    conversation = first.headers[HEADER]
-    r1 = first.parse().id
-    r2 = client.responses.create(model="gpt-4o-mini", input=texts[1], previous_response_id=r1)
-    client.responses.create(model="gpt-4o-mini", input=texts[2], previous_response_id=r1)
+    texts, conversation, r2 = forked(client)
     before = http.get(f"/admin/conversations/{conversation}/messages").json()["messages"]
     client.responses.create(
-        model="gpt-4o-mini", input=texts[3], previous_response_id=r2.id, store=False
+        model="gpt-4o-mini", input=texts[3], previous_response_id=r2, store=False
     )
     sent = [(m.get("role"), m.get("content")) for m in way.prompts()[-1]]
     assert sent == [
@@ -565,13 +572,8 @@ def test_continuing_a_response_of_an_abandoned_branch_continues_its_own_history(
     """A client forks from an earlier response, then goes back to the response it forked away
     from: that response's own history is continued (it was read from the current branch, which
     no longer held it, so the turn went on after the fork point without it)."""
-    texts = [unique(f"question {n}") for n in range(4)]
-    first = client.responses.with_raw_response.create(model="gpt-4o-mini", input=texts[0])
-    conversation = first.headers[HEADER]
-    r1 = first.parse().id
-    r2 = client.responses.create(model="gpt-4o-mini", input=texts[1], previous_response_id=r1)
-    client.responses.create(model="gpt-4o-mini", input=texts[2], previous_response_id=r1)
-    back = client.responses.create(model="gpt-4o-mini", input=texts[3], previous_response_id=r2.id)
+    texts, conversation, r2 = forked(client)
+    back = client.responses.create(model="gpt-4o-mini", input=texts[3], previous_response_id=r2)
     assert back.output_text == f"echo: {texts[3]}"
 
     def pairs(numbers: list[int]) -> list[tuple[str, str]]:
