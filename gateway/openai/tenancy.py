@@ -208,10 +208,11 @@ async def _listing(request: Request, state: State, *, tenant_id: int, path: str)
         for item in data:
             if isinstance(item, dict) and item.get("id") in mine:
                 kept.append(item)
-        more = bool(page.get("has_more")) and bool(data)
+        last = data[-1].get("id") if data and isinstance(data[-1], dict) else None
+        more = bool(page.get("has_more")) and isinstance(last, str)
         if not more or (wanted is not None and len(kept) >= wanted):
             break
-        query["after"] = data[-1]["id"]
+        query["after"] = str(last)
     shown = kept[:wanted] if wanted is not None else kept
     listed = {
         **page,
