@@ -165,6 +165,7 @@ async def relay(request: Request, state: State, *, tenant_id: int, path: str) ->
     made = produced(answer)
     if where.object_id is None and isinstance(answer, dict) and isinstance(answer.get("id"), str):
         made.add(answer["id"])
+    made.discard(where.object_id)  # owned already: reading a file wrote nothing
     if made:
         async with transaction(state.engine) as conn:
             await upstream_objects.adopt(conn, tenant_id=tenant_id, object_ids=made)

@@ -293,10 +293,8 @@ class ToolLoop:
         began = time.perf_counter()
         for call in calls:
             call["id"] = call.get("id") or f"call_memstrata_{uuid.uuid4().hex[:20]}"
-        assistant = {"role": "assistant", "content": content if content else None}
-        room = self._window_room() - tokens.count_message(
-            {**assistant, "tool_calls": calls}, model=self._model
-        )
+        called = {"role": "assistant", "content": content if content else None, "tool_calls": calls}
+        room = self._window_room() - tokens.count_message(called, model=self._model)
         answered: list[dict[str, Any]] = []
         for index, call in enumerate(calls):
             # Each call gets an even share of what the ones before it left.
@@ -304,7 +302,7 @@ class ToolLoop:
             result = await self._call(call, room=share) if share >= MIN_ROOM else _FULL
             answered.append({"role": "tool", "tool_call_id": call["id"], "content": result})
             room -= tokens.count_message(answered[-1], model=self._model)
-        self._messages.extend([{**assistant, "tool_calls": calls}, *answered])
+        self._messages.extend([called, *answered])
         self._room = room
         self._turn.overhead += time.perf_counter() - began
 

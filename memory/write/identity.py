@@ -32,7 +32,7 @@ finds the first's.
 import hashlib
 import re
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -298,7 +298,13 @@ async def _branch_candidate(
     """The conversation holding the deepest stored message of the history's `turns`, locked,
     when the history may branch from it; else None."""
     deepest = await conn.scalar(_DEEPEST, {**params, "chain": list(turns)})
-    return None if deepest is None else await _lock_and_place(conn, deepest, messages, hashes)
+    if deepest is None:
+        return None
+
+    async def branching(row: AnyRow) -> Found | None:
+        return await _place(conn, row, messages, hashes, created=False, named=False)
+
+    return await _lock_and_place(conn, deepest, branching)
 
 
 async def _prompt_changed(
@@ -313,29 +319,34 @@ async def _prompt_changed(
     for candidate in await system_prompts.candidates(
         conn, tenant_id=tenant_id, user=user, messages=messages
     ):
-        parent, head = candidate.parent, candidate.head_hash
-        if system_prompts.start_after(messages, hashes, parent=parent, head=head) is not None:
-            found = await _lock_and_place(conn, candidate.conversation_id, messages, hashes)
-            if found is not None:
-                return found
+        head = candidate.head_hash
+        start = system_prompts.start_after(messages, hashes, parent=candidate.parent, head=head)
+        if start is None:
+            continue
+
+        async def extending(row: AnyRow, start: int = start, head: str = head) -> Found | None:
+            # Another request may have moved the head while this one waited for the lock.
+            return _extends(row, start, created=False) if row.head_hash == head else None
+
+        found = await _lock_and_place(conn, candidate.conversation_id, extending)
+        if found is not None:
+            return found
     return None
 
 
 async def _lock_and_place(
     conn: AsyncConnection,
     conversation_id: int,
-    messages: Sequence[Mapping[str, Any]],
-    hashes: Sequence[str],
+    place: Callable[[AnyRow], Awaitable[Found | None]],
 ) -> Found | None:
-    """Where the history goes in a candidate conversation, locked; None, with its lock let
-    go, when the history does not belong to it."""
+    """Where the history goes in a candidate conversation once it is locked (`place`); None,
+    with its lock let go, when the history does not belong to it."""
     # The lock goes with the savepoint: held while this request waits for the opening lock, it
     # deadlocked with the request holding that lock and locking the same candidate (64 clients
     # sharing a system prompt: a third of their requests failed).
     candidate = await conn.begin_nested()
     locked = await conn.execute(_LOCK_BY_ID, {"id": conversation_id})
-    row = await _as_committed(conn, locked.one())
-    found = await _place(conn, row, messages, hashes, created=False, named=False)
+    found = await place(await _as_committed(conn, locked.one()))
     if found is None:
         await candidate.rollback()
     else:
@@ -392,13 +403,13 @@ async def _place(
             ),
             whole=True,
         )
+    if not named:
+        return None  # one under another system prompt is `_prompt_changed`'s to find
     if system_prompts.resends(messages):
         parent = await system_prompts.parent_of(conn, row.id)
         start = system_prompts.start_after(messages, hashes, parent=parent, head=head)
         if start is not None:
             return _extends(row, start, created=created)
-    if not named:
-        return None
     return _after_head(row, messages, created=created)
 
 
