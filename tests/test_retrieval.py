@@ -251,6 +251,50 @@ async def test_an_index_scan_that_reaches_little_of_its_scope_is_run_exactly(
     assert [p.key for p in large[0].ranked] == [p.key for p in exact[0].ranked]
 
 
+async def test_equally_near_nodes_rank_newest_first_in_every_vector_leg(
+    engine: AsyncEngine, corpus: Corpus
+) -> None:
+    """Nodes at the same distance from the query (a text said again) rank newest first, and the
+    exact scan keeps the newest of them at its limit: the order does not depend on which
+    connection, plan or heap order read them (a search beside its turn's connection must find
+    what it finds alone)."""
+    [query] = await corpus.embedder.embed([MEANING_QUERY])
+    same = [{"role": "user", "content": f"Said again {number}."} for number in range(60)]
+    external_id = f"same-{uuid.uuid4().hex}"
+    await importer.import_messages(
+        engine,
+        tenant_id=corpus.tenant_id,
+        external_id=external_id,
+        messages=same,
+        created_at=[None] * len(same),
+        model="gpt-4o",
+        batch=len(same),
+    )
+    async with engine.begin() as conn:
+        ref = await store.find_conversation(
+            conn, tenant_id=corpus.tenant_id, external_id=external_id
+        )
+        # Stored in an order unlike their sequence, so heap order cannot pass for the rule.
+        for seq in sorted(range(len(same)), key=lambda seq: (seq * 37) % len(same)):
+            await conn.execute(
+                update(nodes)
+                .where(nodes.c.conversation_id == ref.id, nodes.c.level == 0, nodes.c.seq == seq)
+                .values(embedding=query)
+            )
+    async with engine.connect() as conn:
+        whole, *_ = await nearest.vector_legs(
+            conn,
+            tenant_id=corpus.tenant_id,
+            conversation_ids=[ref.id],
+            query_vector=query,
+            levels=[0],
+            limit=LIMIT,
+            messages=len(same),
+        )
+    expected = [(ref.id, 0, seq) for seq in range(len(same) - 1, len(same) - 1 - LIMIT, -1)]
+    assert [place.key for place in whole.ranked] == expected
+
+
 async def test_finds_a_planted_identifier_exactly(engine: AsyncEngine, corpus: Corpus) -> None:
     for vector in (True, False):
         hits = await search(engine, corpus, f"what was {IDENTIFIER} again?", vector=vector)

@@ -81,11 +81,20 @@ _VECTOR = _nearest(
     order="n.embedding <=> (SELECT v FROM q)",
     settle=", set_config('enable_sort', 'on', true) AS sorting",
 )
-_VECTOR_EXACT = _nearest(order="(n.embedding <=> (SELECT v FROM q)) + 0", settle="")
+# Equally near nodes (a text said again) are taken and ranked newest first (`_nearest_first`),
+# so that a search finds the same whatever connection, plan or heap order read them.
+_VECTOR_EXACT = _nearest(
+    order="(n.embedding <=> (SELECT v FROM q)) + 0, n.seq DESC, n.conversation_id, n.level",
+    settle="",
+)
 
 
 def _similarity(place: Place) -> float:
     return place.similarity or 0.0
+
+
+def _nearest_first(place: Place) -> tuple[float, int, tuple[int, int, int]]:
+    return (-_similarity(place), -place.key[2], place.key)
 
 
 @staged("vector")
@@ -155,7 +164,7 @@ async def vector_legs(
             rows = rows_of(await conn.execute(_VECTOR_EXACT, params))
     # A relaxed-order scan returns its rows only nearly sorted; fusion goes by rank.
     whole = candidates_of(rows)
-    whole.ranked.sort(key=_similarity, reverse=True)
+    whole.ranked.sort(key=_nearest_first)
     if levels is not None and 0 not in levels:
         return [whole]
     passage = {(row[0], row[1], row[2]): row[8] for row in rows if row[8] is not None}
@@ -174,5 +183,5 @@ async def vector_legs(
         for place in whole.ranked
         if (key := place.key)[1] == 0
     ]
-    parts.sort(key=_similarity, reverse=True)
+    parts.sort(key=_nearest_first)
     return [whole, Candidates(parts)]

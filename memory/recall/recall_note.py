@@ -132,7 +132,7 @@ prepared AS MATERIALIZED (
     FROM nodes n
     WHERE n.tenant_id = :tenant_id AND n.id = ANY(:ids) AND n.embedding IS NOT NULL
       AND (CAST(:abandoned AS boolean) OR n.superseded_at IS NULL)
-    ORDER BY similarity DESC
+    ORDER BY similarity DESC, n.seq DESC, n.conversation_id, n.level
 )
 SELECT {ARRAYS.format(order="")},
        (SELECT max({_SCORE}) FROM nodes n
