@@ -13,7 +13,9 @@ item ``response.output_item.added`` … ``response.output_item.done`` (text: one
 ``response.output_text.delta`` per word; calls: ``response.function_call_arguments.delta``
 fragments), then ``response.completed``; ``chunk_delay`` apart; ``cut_after`` closes the
 connection after that many deltas. A ``previous_response_id`` is answered 404 ("Previous
-response … not found"): this upstream stores nothing, so a gateway must send the history itself.
+response … not found"): this upstream continues nothing, so a gateway must send the history
+itself. A response made without ``"store": false`` is kept, as OpenAI keeps it, for ``GET`` and
+``DELETE /v1/responses/{id}`` (an unknown id: 404).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
 
 from devkit.upstream_script import Behaviour, content_text, error_body, split_words, word_count
 
@@ -57,15 +60,17 @@ def last_user_input(body: Any) -> str:
     return ""
 
 
-def responses_endpoint(
+def responses_routes(
     *,
     record: Record,
     scripted_response: Scripted,
     headers_for: Headers,
     abort: Abort,
     chunk_delay: Callable[[], float],
-) -> Callable[[Request], Awaitable[Response]]:
-    """The handler of ``POST /v1/responses``, built on the server's own helpers."""
+) -> list[Route]:
+    """``POST /v1/responses`` and its kept responses' ``GET`` and ``DELETE``, built on the
+    server's own helpers."""
+    kept: dict[str, dict[str, Any]] = {}
 
     async def responses(request: Request) -> Response:
         body, behaviour = await record(request, last_user_input)
@@ -84,6 +89,8 @@ def responses_endpoint(
             )
         assert isinstance(body, dict)
         response = _response(body, behaviour)
+        if body.get("store") is not False:
+            kept[response["id"]] = response
         if not stream:
             return JSONResponse(response, behaviour.get("status", 200), headers=headers)
         delay = float(behaviour.get("chunk_delay", chunk_delay()))
@@ -103,7 +110,23 @@ def responses_endpoint(
             media_type="text/event-stream",
         )
 
-    return responses
+    async def one(request: Request) -> Response:
+        _, behaviour = await record(request, lambda _body: "")
+        if (scripted := scripted_response(request, behaviour)) is not None:
+            return scripted
+        response_id = request.path_params["response_id"]
+        if response_id not in kept:
+            message = f"Response with id '{response_id}' not found."
+            return JSONResponse(error_body(message, status=404), 404)
+        if request.method == "GET":
+            return JSONResponse(kept[response_id])
+        del kept[response_id]
+        return JSONResponse({"id": response_id, "object": "response", "deleted": True})
+
+    return [
+        Route("/v1/responses", responses, methods=["POST"]),
+        Route("/v1/responses/{response_id}", one, methods=["GET", "DELETE"]),
+    ]
 
 
 def _problem(body: Any) -> tuple[int, str, str | None] | None:

@@ -21,8 +21,9 @@ OpenAI surface (every request under ``/v1`` is recorded and consumes one scripte
   ``content: null`` and finish_reason ``"tool_calls"``; stream: per call, a first delta with
   ``index``, ``id``, ``type`` and ``function.name`` + ``arguments: ""``, then deltas carrying
   argument fragments.
-* ``POST /v1/responses`` -- the Responses API (``devkit/upstream_responses.py``), unless
-  ``--no-responses``: then it answers 404 as an unknown path does (an upstream without it).
+* ``POST /v1/responses`` -- the Responses API (``devkit/upstream_responses.py``), and ``GET``
+  / ``DELETE /v1/responses/{id}`` of the responses it keeps, unless ``--no-responses``: then
+  each answers 404 as an unknown path does (an upstream without it).
 * ``GET /v1/models`` -- a list of a few models; ``GET /v1/models/{id}`` -- one of them (404
   for another id).
 * ``POST /v1/audio/speech`` -- ``audio/mpeg`` bytes (``input`` encoded, in 8 pieces,
@@ -75,7 +76,7 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from devkit.upstream_files import files_routes
-from devkit.upstream_responses import responses_endpoint
+from devkit.upstream_responses import responses_routes
 from devkit.upstream_script import (
     DEFAULT_EMBEDDING_DIMENSIONS,
     Behaviour,
@@ -549,19 +550,13 @@ def create_upstream_app(
             Route("/v1/chat/completions", chat_completions, methods=["POST"]),
             Route("/v1/embeddings", embeddings, methods=["POST"]),
             *(
-                [
-                    Route(
-                        "/v1/responses",
-                        responses_endpoint(
-                            record=record,
-                            scripted_response=scripted_response,
-                            headers_for=headers_for,
-                            abort=_abort_connection,
-                            chunk_delay=lambda: state.chunk_delay,
-                        ),
-                        methods=["POST"],
-                    )
-                ]
+                responses_routes(
+                    record=record,
+                    scripted_response=scripted_response,
+                    headers_for=headers_for,
+                    abort=_abort_connection,
+                    chunk_delay=lambda: state.chunk_delay,
+                )
                 if responses
                 else []
             ),

@@ -589,3 +589,47 @@ def test_continuing_a_response_of_an_abandoned_branch_continues_its_own_history(
     assert len(messages) == 8  # nothing stored twice
     last = [(m.get("role"), m.get("content")) for m in way.prompts()[-1]]
     assert last == [*pairs([0, 1]), ("user", texts[3])]
+
+
+def test_a_deleted_response_is_gone_here_and_upstream_and_its_messages_stay(
+    way: Way, client: openai.OpenAI, http: httpx.Client
+) -> None:
+    text = unique("forget this response")
+    raw = client.responses.with_raw_response.create(model="gpt-4o-mini", input=text)
+    conversation = raw.headers[HEADER]
+    made = raw.parse()
+    upstream_copy = f"{way.upstream.url}/responses/{made.id}"
+    # Forwarded, the id is the upstream's, and it keeps the response; translated, it has none.
+    assert httpx.get(upstream_copy).status_code == (200 if way.name == "forward" else 404)
+    client.responses.delete(made.id)
+    for gone in (
+        lambda: client.responses.retrieve(made.id),
+        lambda: client.responses.input_items.list(made.id),
+        lambda: client.responses.delete(made.id),
+        lambda: client.responses.create(
+            model="gpt-4o-mini", input="and then?", previous_response_id=made.id
+        ),
+    ):
+        with pytest.raises(openai.NotFoundError):
+            gone()
+    assert httpx.get(upstream_copy).status_code == 404
+    deletes = [r["path"] for r in way.upstream.requests() if r["method"] == "DELETE"]
+    assert deletes == ([f"/v1/responses/{made.id}"] if way.name == "forward" else [])
+    # Its messages are memory, as every message is: they stay in the conversation.
+    assert stored(http, conversation) == [("user", text), ("assistant", f"echo: {text}")]
+
+
+def test_a_delete_the_upstream_fails_deletes_nothing(ways: dict[str, Way]) -> None:
+    way = ways["forward"]
+    way.upstream.reset()
+    with openai.OpenAI(base_url=way.gateway.url, api_key=CLIENT_KEY, max_retries=0) as client:
+        made = client.responses.create(model="gpt-4o-mini", input=unique("keep me for now"))
+        way.upstream.script({"status": 503})
+        with pytest.raises(openai.InternalServerError) as refused:
+            client.responses.delete(made.id)
+        assert refused.value.status_code == 503
+        assert client.responses.retrieve(made.id).id == made.id
+        assert httpx.get(f"{way.upstream.url}/responses/{made.id}").status_code == 200
+        client.responses.delete(made.id)
+        with pytest.raises(openai.NotFoundError):
+            client.responses.retrieve(made.id)

@@ -198,3 +198,18 @@ def test_only_open_paths_are_relayed_to_every_tenant(
     with pytest.raises(openai.PermissionDeniedError):
         alice.sdk.models.delete("ft:gpt-4o:acme::abc")  # a DELETE acts on the account
     assert [r["path"] for r in upstream.requests()] == ["/v1/models/gpt-4o", "/v1/moderations"]
+
+
+def test_a_tenants_responses_are_its_own(tenants: tuple[Tenant, Tenant]) -> None:
+    alice, bob = tenants
+    made = alice.sdk.responses.create(model="gpt-4o-mini", input=f"alice {uuid.uuid4().hex}")
+    for attempt in (
+        lambda: bob.sdk.responses.retrieve(made.id),
+        lambda: bob.sdk.responses.delete(made.id),
+    ):
+        with pytest.raises(openai.NotFoundError):
+            attempt()
+    assert alice.sdk.responses.retrieve(made.id).output_text == made.output_text
+    alice.sdk.responses.delete(made.id)
+    with pytest.raises(openai.NotFoundError):
+        alice.sdk.responses.retrieve(made.id)

@@ -1,5 +1,5 @@
-"""The Responses API with memory: `POST /v1/responses`, `GET /v1/responses/{id}` and its
-`input_items`.
+"""The Responses API with memory: `POST /v1/responses` (what it stored is read back and deleted
+by `gateway.openai.response_objects`).
 
 A response request goes the chat path's way (`gateway.openai.chat`): its `instructions` and
 `input` are read as chat messages (`gateway.openai.translate`), then identified and stored
@@ -70,7 +70,8 @@ from memory.write import responses as stored_responses
 
 log = logging.getLogger(__name__)
 
-_NOT_SERVED = (404, 405, 501)
+# What an upstream answers for a path it does not serve (the Responses API, or one response).
+NOT_SERVED = (404, 405, 501)
 _OPENAI_HOST = "api.openai.com"
 
 
@@ -94,7 +95,7 @@ async def _probe(state: State, client_headers: Mapping[str, str]) -> None:
         await upstream.read(response)
     except GatewayError:
         return
-    _learnt(upstream, served=status not in _NOT_SERVED)
+    _learnt(upstream, served=status not in NOT_SERVED)
 
 
 def _learnt(upstream: Upstream, *, served: bool) -> None:
@@ -363,7 +364,7 @@ class _Forward:
     async def _learn(self, response: httpx.Response) -> Response | None:
         """Learn whether the upstream serves the Responses API from its first answer; the
         answer to relay when it had to be read to tell (an unknown model's 404), else None."""
-        if response.status_code not in _NOT_SERVED:
+        if response.status_code not in NOT_SERVED:
             _learnt(self._upstream, served=True)
             return None
         content = await self._read(response)
@@ -499,44 +500,6 @@ class _Forward:
             f"the upstream stream was interrupted ({cause}); the partial reply was kept",
             code="upstream_stream_interrupted",
         )
-
-
-# -- reading stored responses ------------------------------------------------------------------
-
-
-async def retrieve(state: State, *, tenant_id: int, response_id: str) -> dict[str, Any]:
-    """`GET /v1/responses/{id}`: the response as the client saw it."""
-    async with transaction(state.engine) as conn:
-        found = await stored_responses.find(conn, tenant_id=tenant_id, response_id=response_id)
-    return found.body
-
-
-async def input_items(
-    state: State,
-    *,
-    tenant_id: int,
-    response_id: str,
-    limit: int,
-    order: str,
-    after: str | None,
-) -> dict[str, Any]:
-    """`GET /v1/responses/{id}/input_items`: a page of the request's input items."""
-    async with transaction(state.engine) as conn:
-        found = await stored_responses.find(conn, tenant_id=tenant_id, response_id=response_id)
-    items = found.input_items if order == "asc" else found.input_items[::-1]
-    if after is not None:
-        ids = [item.get("id") for item in items]
-        if after not in ids:
-            raise GatewayError(404, f"No item with id '{after}' found.", param="after")
-        items = items[ids.index(after) + 1 :]
-    page = items[:limit]
-    return {
-        "object": "list",
-        "data": page,
-        "first_id": page[0]["id"] if page else None,
-        "last_id": page[-1]["id"] if page else None,
-        "has_more": len(items) > limit,
-    }
 
 
 def _json(content: bytes) -> Any:

@@ -10,7 +10,7 @@ from fastapi.responses import Response
 from gateway.bodies import read_json
 from gateway.deps import StateDep, TenantDep, UpstreamDep, get_tenant_id
 from gateway.errors import GatewayError
-from gateway.openai import chat, passthrough, responses, tenancy
+from gateway.openai import chat, passthrough, response_objects, responses, tenancy
 
 router = APIRouter(prefix="/v1", tags=["openai"])
 
@@ -30,7 +30,16 @@ async def create_response(request: Request, state: StateDep, tenant_id: TenantDe
 
 @router.get("/responses/{response_id}", summary="A stored response, as the client saw it")
 async def get_response(response_id: str, state: StateDep, tenant_id: TenantDep) -> dict[str, Any]:
-    return await responses.retrieve(state, tenant_id=tenant_id, response_id=response_id)
+    return await response_objects.retrieve(state, tenant_id=tenant_id, response_id=response_id)
+
+
+@router.delete("/responses/{response_id}", summary="Delete a stored response, here and upstream")
+async def delete_response(
+    request: Request, response_id: str, state: StateDep, tenant_id: TenantDep
+) -> Any:
+    return await response_objects.delete(
+        request, state, tenant_id=tenant_id, response_id=response_id
+    )
 
 
 @router.get("/responses/{response_id}/input_items", summary="The input items of a stored response")
@@ -42,7 +51,7 @@ async def get_input_items(
     order: Literal["asc", "desc"] = "desc",
     after: str | None = None,
 ) -> dict[str, Any]:
-    return await responses.input_items(
+    return await response_objects.input_items(
         state, tenant_id=tenant_id, response_id=response_id, limit=limit, order=order, after=after
     )
 

@@ -3,7 +3,8 @@
 A response is kept beside the messages it stored (they are stored as any chat turn's are), so
 that a later request naming it as `previous_response_id` continues its conversation from that
 point (`history`: the path to it, whichever branch holds it now), and so that it can be read
-back as the client saw it (`body`, its `input_items`). Every
+back as the client saw it (`body`, its `input_items`). `delete` forgets a response, not the
+messages it stored. Every
 function is scoped by `tenant_id`: another tenant's response behaves as missing. `save` runs
 in the transaction that recorded the reply, after the conversation's row was locked by it, so
 the point it records (`last_seq`, `head_hash`) is the one the reply made.
@@ -12,6 +13,7 @@ the point it records (`last_seq`, `head_hash`) is the one the reply made.
 from dataclasses import dataclass
 from typing import Any
 
+from sqlalchemy import delete as delete_rows
 from sqlalchemy import select
 from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.ext.asyncio import AsyncConnection
@@ -101,6 +103,18 @@ async def find(
         body=row.body,
         input_items=row.input_items,
     )
+
+
+async def delete(conn: AsyncConnection, *, tenant_id: int, response_id: str) -> None:
+    """Forget the response `response_id` of this tenant (`NotFound` if there is none): it can
+    no longer be read back nor continued. Its messages stay in its conversation."""
+    deleted = await conn.execute(
+        delete_rows(responses)
+        .where(responses.c.tenant_id == tenant_id, responses.c.response_id == response_id)
+        .returning(responses.c.response_id)
+    )
+    if deleted.one_or_none() is None:
+        raise NotFound(f"Response with id '{response_id}' not found.")
 
 
 async def history(
