@@ -150,6 +150,9 @@ nodes = Table(
     Column("status", Text, nullable=False, server_default="complete"),
     # True when text Postgres cannot hold (NUL, unpaired surrogates) was stored escaped.
     Column("escaped", Boolean, nullable=False, server_default=text("false")),
+    # Messages (migration 0017): a system prompt a request sending only new messages led with,
+    # in place of the conversation's (`memory.write.system_prompts`): kept, never a turn.
+    Column("system_prompt", Boolean, nullable=False, server_default=text("false")),
     Column("meta", JSONB, nullable=False, server_default=text("'{}'::jsonb")),
     _created_at(),
     UniqueConstraint("conversation_id", "level", "seq", name="uq_nodes_conversation_level_seq"),
@@ -178,6 +181,14 @@ nodes = Table(
         "conversation_id",
         "seq",
         postgresql_where=text("pinned AND level = 0"),
+    ),
+    # A conversation's replaced system prompts (migration 0017), which a turn without its own
+    # looks up: a few entries, where the conversation's index would read every message.
+    Index(
+        "ix_nodes_system_prompts",
+        "conversation_id",
+        "seq",
+        postgresql_where=text("system_prompt AND level = 0"),
     ),
     # Finding where an incoming history leaves a stored one, and the request of a retry.
     Index("ix_nodes_chain", "tenant_id", "chain_hash", postgresql_where=text("level = 0")),

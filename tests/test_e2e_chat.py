@@ -10,6 +10,7 @@ the default tenant without matching each other's histories.
 """
 
 import asyncio
+import json
 import struct
 import time
 import uuid
@@ -386,6 +387,58 @@ def test_a_system_prompt_that_changes_each_turn_keeps_one_conversation(
             model="m", messages=[other, {"role": "user", "content": opener}]
         )
         assert raw.headers[HEADER] != conversation
+
+
+def test_a_client_sending_new_turns_under_a_changing_system_prompt(
+    client: openai.OpenAI, http: httpx.Client, upstream: UpstreamServer
+) -> None:
+    """A client that sends only its new messages, each time under its current system prompt
+    (the time in it): the upstream gets that prompt once, first, and none of the earlier ones,
+    which the conversation still keeps. A later request without a system prompt is answered
+    under the latest one. Before, each new system prompt was stored as a turn of the history,
+    and every later prompt carried all of them."""
+    headers = {HEADER: new_conversation_id()}
+    history: list[Any] = []
+    systems: list[Any] = [
+        {"role": "system", "content": f"You are helpful. It is 10:0{n}."} for n in range(3)
+    ]
+    for turn, system in enumerate(systems):
+        user: Any = {"role": "user", "content": unique(f"new turn {turn}")}
+        reply = client.chat.completions.create(
+            model="m", messages=[system, user], extra_headers=headers
+        )
+        assert upstream.requests(CHAT)[-1]["body"]["messages"] == [system, *history, user]
+        history += [user, {"role": "assistant", "content": reply.choices[0].message.content}]
+    user = {"role": "user", "content": unique("and without a system prompt")}
+    client.chat.completions.create(model="m", messages=[user], extra_headers=headers)
+    assert upstream.requests(CHAT)[-1]["body"]["messages"] == [systems[-1], *history, user]
+    stored = wait_admin_messages(http, headers[HEADER], 9)
+    assert [m["content"] for m in stored if m["role"] == "system"] == [
+        s["content"] for s in systems
+    ]
+
+
+def test_a_changing_system_prompt_past_the_budget_is_sent_once(
+    client: openai.OpenAI, upstream: UpstreamServer
+) -> None:
+    """The same client past its budget, where the prompt comes from the working context: only
+    the current system prompt, once, first, before the verbatim turns."""
+    headers = {HEADER: new_conversation_id(), "X-Memstrata-Budget": "800"}
+    filler = " ".join(f"word{n}" for n in range(40))
+    users: list[Any] = []
+    past_with_turns = 0  # prompts past the budget that carry earlier turns verbatim
+    for turn in range(12):
+        system: Any = {"role": "system", "content": f"You are helpful. It is 11:{turn:02}."}
+        users.append({"role": "user", "content": unique(f"turn {turn} {filler}")})
+        client.chat.completions.create(
+            model="m", messages=[system, users[-1]], extra_headers=headers
+        )
+        sent = upstream.requests(CHAT)[-1]["body"]["messages"]
+        assert sent[0] == system and sent[-1] == users[-1]
+        carried = [m for m in sent if "You are helpful" in json.dumps(m)]
+        assert carried == [system]
+        past_with_turns += users[0] not in sent and users[-2] in sent
+    assert past_with_turns >= 2
 
 
 async def test_header_mode_with_only_new_messages(

@@ -633,3 +633,29 @@ def test_a_delete_the_upstream_fails_deletes_nothing(ways: dict[str, Way]) -> No
         client.responses.delete(made.id)
         with pytest.raises(openai.NotFoundError):
             client.responses.retrieve(made.id)
+
+
+def test_instructions_that_change_each_turn_are_sent_once(
+    way: Way, client: openai.OpenAI, http: httpx.Client
+) -> None:
+    """Each request continuing the previous response under its own `instructions` (the time in
+    them): the upstream gets only the current ones, and the history is its turns alone."""
+    previous: str | None = None
+    texts = [unique(f"turn {n} under new instructions") for n in range(3)]
+    for turn, text in enumerate(texts):
+        extra: dict[str, Any] = {"previous_response_id": previous} if previous else {}
+        raw = client.responses.with_raw_response.create(
+            model="gpt-4o-mini", input=text, instructions=f"It is 10:0{turn}.", **extra
+        )
+        previous = raw.parse().id
+        prompt = way.prompts()[-1]
+        systems = [m["content"] for m in prompt if m.get("role") in ("system", "developer")]
+        if way.name == "forward":
+            assert systems == []
+            assert (
+                way.upstream.requests(way.path)[-1]["body"]["instructions"] == f"It is 10:0{turn}."
+            )
+        else:
+            assert systems == [f"It is 10:0{turn}."]
+        users = [m["content"] for m in prompt if m.get("role") == "user"]
+        assert users == texts[: turn + 1]

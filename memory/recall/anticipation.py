@@ -45,7 +45,7 @@ EXCHANGE_CHARS: Final = 2000
 _EXCHANGE = text(
     "SELECT seq, role, content FROM nodes WHERE tenant_id = :tenant_id "
     "AND conversation_id = :conversation_id AND level = 0 AND seq < :end "
-    "AND superseded_at IS NULL ORDER BY seq DESC LIMIT 8"
+    "AND superseded_at IS NULL AND NOT system_prompt ORDER BY seq DESC LIMIT 8"
 )
 
 

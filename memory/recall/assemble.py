@@ -271,7 +271,7 @@ async def assemble(
             kept = await _history(conn, turn, before=turn.first_seq)
             stored_system = leading_system(kept)
             verbatim = [
-                *(turn.system or stored_system),
+                *(turn.system or await _replaced_system(conn, turn) or stored_system),
                 *kept[len(stored_system) :],
                 *turn.new_messages,
             ]
@@ -452,9 +452,21 @@ async def _token_count_and_user(conn: AsyncConnection, turn: StoredTurn) -> tupl
 
 @staged("read")
 async def _stored_system(conn: AsyncConnection, turn: StoredTurn) -> list[Message]:
-    """The stored conversation's leading system messages (for clients that send only new
-    messages without repeating their system prompt)."""
-    return leading_system(await _history(conn, turn, before=_SYSTEM_LOOKAHEAD))
+    """The conversation's system prompt, for clients that send only new messages without
+    repeating theirs: the latest that replaced it, else the messages it opens with."""
+    return await _replaced_system(conn, turn) or leading_system(
+        await _history(conn, turn, before=_SYSTEM_LOOKAHEAD)
+    )
+
+
+@staged("read")
+async def _replaced_system(conn: AsyncConnection, turn: StoredTurn) -> list[Message]:
+    return await store.latest_system_prompt(
+        conn,
+        tenant_id=turn.tenant_id,
+        conversation_id=turn.conversation_id,
+        before_seq=turn.first_seq,
+    )
 
 
 @staged("read")

@@ -159,7 +159,7 @@ _MESSAGE_COLUMNS = (
 _TAIL = text(
     f"SELECT {_MESSAGE_COLUMNS} FROM nodes WHERE tenant_id = :tenant_id "
     "AND conversation_id = :conversation_id AND level = 0 AND seq < :before "
-    "AND superseded_at IS NULL ORDER BY seq DESC LIMIT :limit"
+    "AND superseded_at IS NULL AND NOT system_prompt ORDER BY seq DESC LIMIT :limit"
 )
 # What the memory message opens with, in one statement: the summaries the frontier may use (kind
 # 'tree') and the pinned milestones (kind 'pinned'). The summaries are the tree's roots before

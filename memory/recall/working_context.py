@@ -304,7 +304,8 @@ def render(state: State, items: Sequence[Item], *, policy: Policy, model: str) -
     return Rendered(messages=messages, labels=labels, counts=counts)
 
 
-# The current branch's messages of seq `start` to `end - 1`: first one row of their ids and
+# The current branch's turns of seq `start` to `end - 1` (a system prompt that replaced the
+# conversation's is none: `store.latest_system_prompt`): first one row of their ids and
 # stored times in seq order (all NULL when there are none), then a row for each not in `known`
 # (not yet decoded and counted) with its stored message. Most of the range is known on every
 # turn but the first, and two arrays cost a fraction of a row per message to send and decode.
@@ -316,12 +317,12 @@ SELECT NULL::bigint AS id, NULL::integer AS seq, NULL::text AS role, NULL::text 
        array_agg(n.id ORDER BY n.seq) AS ids, array_agg(n.created_at ORDER BY n.seq) AS times
 FROM nodes n
 WHERE n.tenant_id = :tenant_id AND n.conversation_id = :conversation_id AND n.level = 0
-  AND n.seq >= :start AND n.seq < :end AND n.superseded_at IS NULL
+  AND n.seq >= :start AND n.seq < :end AND n.superseded_at IS NULL AND NOT n.system_prompt
 UNION ALL
 SELECT n.id, n.seq, n.role, n.name, n.content, n.tool_calls, n.tool_call_id, n.meta, NULL, NULL
 FROM nodes n
 WHERE n.tenant_id = :tenant_id AND n.conversation_id = :conversation_id AND n.level = 0
-  AND n.seq >= :start AND n.seq < :end AND n.superseded_at IS NULL
+  AND n.seq >= :start AND n.seq < :end AND n.superseded_at IS NULL AND NOT n.system_prompt
   AND NOT n.id = ANY(:known)
 """
 ).bindparams(bindparam("known", type_=ARRAY(BigInteger)))

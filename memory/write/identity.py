@@ -430,12 +430,14 @@ def _after_head(row: AnyRow, messages: Sequence[Mapping[str, Any]], *, created: 
     """`messages` as new messages only, after the head of the locked conversation `row`."""
     if row.head_hash is None:
         return Found(row=row, start=0, created=created, whole=True)
+    start = system_prompts.repeated(row.system_hash, messages)
     return Found(
         row=row,
-        start=system_prompts.repeated(row.system_hash, messages),
+        start=start,
         created=created,
         parent=row.head_hash,
         parent_seq=row.head_seq,
+        system_prompt=max(0, system_prompts.opening(messages) - start),
     )
 
 

@@ -37,6 +37,9 @@ class Found:
     whole: bool = False
     """The history's messages before `start` are the whole current branch (once `branch` is
     applied): the request resent the history rather than only its new messages."""
+    system_prompt: int = 0
+    """How many of the new messages (from `start`) are a system prompt the request led with in
+    place of the conversation's (`memory.write.system_prompts`): kept, never a turn."""
     retry: bool = False
     """The request repeats an earlier one: nothing is stored, and nothing branches but a cut
     answer to it that is the head (superseded: `branch`)."""

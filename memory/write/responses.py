@@ -126,7 +126,9 @@ async def history(
     earlier response since): read from the current branch, a response of an abandoned
     branch was continued without its own turns."""
     rows = await conn.execute(
-        select(nodes.c.seq, nodes.c.follows_seq, *store.PROMPT_COLUMNS).where(
+        select(
+            nodes.c.seq, nodes.c.follows_seq, nodes.c.system_prompt, *store.PROMPT_COLUMNS
+        ).where(
             nodes.c.tenant_id == tenant_id,
             nodes.c.conversation_id == found.conversation_id,
             nodes.c.level == 0,
@@ -139,4 +141,5 @@ async def history(
     while (row := by_seq.get(seq)) is not None:
         path.append(row)
         seq = row.seq - 1 if row.follows_seq is None else row.follows_seq
-    return [store.prompt_message(row) for row in reversed(path)]
+    # A system prompt that replaced the conversation's is no turn (`store.history`).
+    return [store.prompt_message(row) for row in reversed(path) if not row.system_prompt]

@@ -164,6 +164,7 @@ async def store_new(
         model=model,
         created_at=created_at[start:] if created_at is not None else None,
         request_key=request_key,
+        system_prompts=found.system_prompt,
     )
     head = inserted.head or (found.parent, found.parent_seq)
     if inserted.node_ids or found.branch is not None:
@@ -204,6 +205,7 @@ async def _one_after_head(
     conv = found.row
     if (
         len(messages) != 1
+        or found.system_prompt
         or found.branch is not None
         or found.parent_seq is None
         or found.parent_seq != conv.next_seq - 1
@@ -385,6 +387,9 @@ async def list_messages(
     return [_message_record(row) for row in await conn.execute(query)]
 
 
+_SYSTEM_PROMPT_MAX = 8
+"""The most messages one system prompt is read as (a request leads with one or two)."""
+
 PROMPT_COLUMNS = (
     nodes.c.role,
     nodes.c.content,
@@ -399,8 +404,9 @@ PROMPT_COLUMNS = (
 async def history(
     conn: AsyncConnection, *, tenant_id: int, conversation_id: int, before_seq: int
 ) -> list[dict[str, Any]]:
-    """The current branch's messages before seq `before_seq`, as a prompt carries them back
-    upstream (`prompt_message`; only the columns a prompt needs: the request path reads this)."""
+    """The current branch's turns before seq `before_seq`, as a prompt carries them back
+    upstream (`prompt_message`; only the columns a prompt needs: the request path reads this).
+    A system prompt that replaced the conversation's is no turn (`latest_system_prompt`)."""
     rows = await conn.execute(
         select(*PROMPT_COLUMNS)
         .where(
@@ -409,10 +415,36 @@ async def history(
             nodes.c.level == 0,
             nodes.c.seq < before_seq,
             nodes.c.superseded_at.is_(None),
+            nodes.c.system_prompt.is_(False),
         )
         .order_by(nodes.c.seq)
     )
     return [prompt_message(row) for row in rows]
+
+
+async def latest_system_prompt(
+    conn: AsyncConnection, *, tenant_id: int, conversation_id: int, before_seq: int
+) -> list[dict[str, Any]]:
+    """The system prompt that last replaced the conversation's on its current branch before
+    seq `before_seq` (the messages one request led with: `placement.Found.system_prompt`), as
+    a prompt carries it; empty when none did."""
+    rows = (
+        await conn.execute(
+            select(nodes.c.seq, *PROMPT_COLUMNS)
+            .where(
+                nodes.c.tenant_id == tenant_id,
+                nodes.c.conversation_id == conversation_id,
+                nodes.c.level == 0,
+                nodes.c.seq < before_seq,
+                nodes.c.superseded_at.is_(None),
+                nodes.c.system_prompt.is_(True),
+            )
+            .order_by(nodes.c.seq.desc())
+            .limit(_SYSTEM_PROMPT_MAX)
+        )
+    ).all()
+    run = [row for number, row in enumerate(rows) if row.seq == rows[0].seq - number]
+    return [prompt_message(row) for row in reversed(run)]
 
 
 # -- internals ---------------------------------------------------------------------------
@@ -468,9 +500,11 @@ async def _insert(
     request_key: str | None = None,
     replied_by: str | None = None,
     current: bool = True,
+    system_prompts: int = 0,
 ) -> _Inserted:
     """Insert `messages` at the end of the locked conversation's storage, chained after
-    `after` (a chain hash and its message's seq); superseded when not `current`."""
+    `after` (a chain hash and its message's seq); superseded when not `current`; the first
+    `system_prompts` marked as a system prompt that is no turn (`placement.Found`)."""
     if not messages:
         return _Inserted(node_ids=[], tokens=0, head=None)
     parent, parent_seq = after
@@ -493,6 +527,7 @@ async def _insert(
             replied_by=replied_by,
         )
         row["superseded_at"] = None if current else now
+        row["system_prompt"] = offset < system_prompts
         if created_at is not None:
             row["created_at"] = created_at[offset] or now
         rows.append(row)

@@ -4,6 +4,14 @@ found whatever the client does with it.
 **Repeated** (`repeated`). A client that sends only its new messages usually repeats its system
 prompt each time: it is stored once, skipped when it is the conversation's newest stored one.
 
+**Replaced** (`placement.Found.system_prompt`). Such a client's system prompt that differs (the
+time in it, new `instructions` with `previous_response_id`) is the conversation's system prompt
+now, not a turn: it is stored marked (`nodes.system_prompt`), and no prompt carries it among
+the history's turns (`store.history`, the working context's verbatim turns). The prompt leads
+with the request's own system prompt, or, for a request without one, with the latest stored
+(`store.latest_system_prompt`). Before, each was a turn, and every later prompt carried them all.
+A system message within a resent history stays a turn.
+
 **Changed** (`start_after`). Chain hashes (`memory.write.chains`) chain the system prompt in,
 so a client that puts the time or the user's settings in its system prompt, and resends the
 whole history each turn, matched no stored message: every turn started a new conversation
