@@ -4,8 +4,9 @@ both ways upstream (forwarded as Responses, translated to chat completions).
 
 The agent's run makes two requests: the question, answered by a call of the tool; then the
 whole input again with the call and its result, answered in words. Each message must be stored
-once, in one conversation, and the upstream must see each message once. Tracing is off: the SDK
-sends nothing anywhere but the gateway.
+once, in one conversation, and the upstream must see each message once. Runs that name their
+conversation (`conversation_id`) share its memory. Tracing is off: the SDK sends nothing
+anywhere but the gateway.
 """
 
 import asyncio
@@ -117,3 +118,32 @@ async def test_an_agent_with_a_tool_runs_through_the_gateway(
     ]
     [call] = messages[2]["tool_calls"]
     assert call["function"] == {"name": "get_weather", "arguments": '{"city": "Paris"}'}
+
+
+async def test_runs_in_a_named_conversation_share_its_memory(
+    way: tuple[str, UpstreamServer, GatewayProcess], engine: AsyncEngine
+) -> None:
+    """`Runner.run(..., conversation_id=...)` sends each run's new input only, naming the
+    conversation (`conversation`): the runs land in one conversation, and the second run's
+    prompt holds the first's exchange, from the gateway's memory."""
+    name, upstream, gateway = way
+    path = "/v1/responses" if name == "forward" else "/v1/chat/completions"
+    upstream.reset()
+    client = openai.AsyncOpenAI(base_url=gateway.url, api_key="sk-agents", max_retries=0)
+    config = RunConfig(model_provider=OpenAIProvider(openai_client=client), tracing_disabled=True)
+    agent = Agent(name="notes", instructions="You keep notes.", model="gpt-4o")
+    conversation = f"conv_{uuid.uuid4().hex}"
+    first = f"Remember the code {uuid.uuid4().hex}."
+    second = f"What was the code? {uuid.uuid4().hex}"
+    for question in (first, second):
+        await Runner.run(agent, question, run_config=config, conversation_id=conversation)
+    await client.close()
+
+    requests = upstream.requests(path)
+    assert all("conversation" not in r["body"] for r in requests)
+    last = requests[-1]["body"]["input" if name == "forward" else "messages"]
+    said = [m["content"] for m in last if isinstance(m, dict) and m.get("role") == "user"]
+    assert said == [first, second]
+    messages = await stored(engine, "You keep notes.", 5)
+    mine = [m for m in messages if m["content"] in (first, second)]
+    assert len({m["conversation_id"] for m in mine}) == 1 and len(mine) == 2

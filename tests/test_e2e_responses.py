@@ -659,3 +659,48 @@ def test_instructions_that_change_each_turn_are_sent_once(
             assert systems == [f"It is 10:0{turn}."]
         users = [m["content"] for m in prompt if m.get("role") == "user"]
         assert users == texts[: turn + 1]
+
+
+def test_a_named_conversation_is_the_gateways_and_never_sent_upstream(
+    way: Way, client: openai.OpenAI, http: httpx.Client
+) -> None:
+    """`conversation` (the Conversations API, as openai-agents sends it) names the gateway's
+    conversation, as the header does: each turn sends only its new input and lands in it. The
+    upstream gets the history from the gateway and no `conversation`, which would have it
+    prepend its own copy. Before, each turn started a conversation of its own."""
+    named = f"conv_{uuid.uuid4().hex}"
+    texts = [unique(f"turn {n} of a named conversation") for n in range(3)]
+    for turn, text in enumerate(texts):
+        conversation: Any = named if turn != 1 else {"id": named}
+        raw = client.responses.with_raw_response.create(
+            model="gpt-4o-mini", input=text, conversation=conversation
+        )
+        assert raw.headers[HEADER] == named
+        assert raw.parse().output_text == f"echo: {text}"
+        users = [m["content"] for m in way.prompts()[-1] if m.get("role") == "user"]
+        assert users == texts[: turn + 1]
+    assert all("conversation" not in r["body"] for r in way.upstream.requests(way.path))
+    history = [m for text in texts for m in (("user", text), ("assistant", f"echo: {text}"))]
+    assert stored(http, named) == history
+
+
+@pytest.mark.parametrize(
+    ("extra", "headers"),
+    [
+        ({"conversation": "conv_x", "previous_response_id": "resp_x"}, {}),
+        ({"conversation": "conv x"}, {}),
+        ({"conversation": 7}, {}),
+        ({"conversation": "conv_x"}, {HEADER: "conv_y"}),
+    ],
+)
+def test_a_conversation_the_gateway_cannot_take_is_400_and_stores_nothing(
+    way: Way, http: httpx.Client, extra: dict[str, Any], headers: dict[str, str]
+) -> None:
+    text = unique("never stored")
+    body = {"model": "gpt-4o-mini", "input": text, **extra}
+    response = http.post("/v1/responses", json=body, headers=headers)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == "conversation"
+    assert way.upstream.requests() == []
+    found = http.get("/admin/search", params={"q": text})
+    assert found.status_code == 200 and found.json()["data"] == []

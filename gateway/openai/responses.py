@@ -7,7 +7,10 @@ A response request goes the chat path's way (`gateway.openai.chat`): its `instru
 the turn. The conversation is the one `previous_response_id` names (404 if it names none of this
 tenant's), else the one `X-Memstrata-Conversation` names, else the one whose stored chain the
 messages extend: a client that resends the whole input each time (openai-agents does) is
-recognised as a chat client is. Continuing a response that is no longer its conversation's
+recognised as a chat client is. `conversation` (the Conversations API's field: an id, or an
+object with its `id`) names the conversation as the header does, and is not sent upstream,
+which gets the history from the gateway (it would prepend its own copy); with `store: false`
+the request goes upstream as sent. Continuing a response that is no longer its conversation's
 latest sends its own history (even from a branch the conversation left since) and the new input
 whole, so the write path continues the conversation from that point, as a branch if it must;
 continuing the latest one, its input is new, whatever it repeats. A retry is told as on the chat
@@ -63,7 +66,7 @@ from gateway.state import State
 from gateway.upstream import Upstream
 from memory import tokens
 from memory.db import transaction
-from memory.errors import StorageUnavailable
+from memory.errors import InvalidConversationId, StorageUnavailable
 from memory.recall.assemble import Budget, StoredTurn, leading_system
 from memory.write import identity, retries
 from memory.write import responses as stored_responses
@@ -164,6 +167,11 @@ async def create(request: Request, state: State, *, tenant_id: int) -> Response:
     await tenancy.check_references(state, tenant_id=tenant_id, body=body)
     header = request.headers.get(CONVERSATION_HEADER)
     external_id = identity.validate_conversation_id(header) if header is not None else None
+    named = _named_conversation(body, header=external_id)
+    if named is not None and parsed.store is not False:
+        external_id = named
+        # The gateway sends the conversation's history: the upstream must not add its own.
+        body = {key: value for key, value in body.items() if key != "conversation"}
     budget = Budget.of(
         {"model": parsed.model, "tools": body.get("tools"), "max_tokens": parsed_max(body)},
         chat.budget_rules(state.settings),
@@ -220,6 +228,43 @@ async def create(request: Request, state: State, *, tenant_id: int) -> Response:
     prompt = messages if assembled is None else assembled.messages
     forwarder = _Forward(state, turn, request=request, body=body, stream=bool(parsed.stream))
     return await forwarder.send(prompt, as_sent=prompt is messages)
+
+
+def _named_conversation(body: Mapping[str, Any], *, header: str | None) -> str | None:
+    """The conversation `conversation` names (the Conversations API: an id, or an object with
+    its `id`), checked: for a stored request, the gateway's conversation of that id, as
+    `X-Memstrata-Conversation` names one; None when the body names none."""
+    named = body.get("conversation")
+    if named is None:
+        return None
+    if isinstance(named, dict):
+        named = named.get("id")
+    if not isinstance(named, str):
+        raise GatewayError(
+            400,
+            "conversation must be a conversation id or an object with its id",
+            param="conversation",
+            code="invalid_type",
+        )
+    if body.get("previous_response_id") is not None:
+        raise GatewayError(
+            400,
+            "previous_response_id and conversation cannot be used together",
+            param="conversation",
+            code="invalid_value",
+        )
+    try:
+        external_id = identity.validate_conversation_id(named)
+    except InvalidConversationId as exc:
+        raise GatewayError(400, str(exc), param="conversation", code="invalid_value") from exc
+    if header is not None and header != external_id:
+        raise GatewayError(
+            400,
+            f"conversation {external_id!r} is not the one {CONVERSATION_HEADER} names",
+            param="conversation",
+            code="invalid_value",
+        )
+    return external_id
 
 
 def parsed_max(body: Mapping[str, Any]) -> int | None:
