@@ -22,9 +22,12 @@ import pytest
 from openai import OpenAI
 from openai.types import FilePurpose
 from openai.types.chat import ChatCompletionContentPartParam, ChatCompletionMessageParam
+from sqlalchemy import select, text
+from sqlalchemy.ext.asyncio import AsyncEngine
 
 from devkit.gateway import GatewayProcess
 from devkit.upstream import UpstreamServer
+from memory import schema
 
 ADMIN_TOKEN = "admin-" + uuid.uuid4().hex
 
@@ -213,3 +216,51 @@ def test_a_tenants_responses_are_its_own(tenants: tuple[Tenant, Tenant]) -> None
     alice.sdk.responses.delete(made.id)
     with pytest.raises(openai.NotFoundError):
         alice.sdk.responses.retrieve(made.id)
+
+
+async def test_a_file_made_but_not_recorded_is_deleted_upstream(
+    gateway: GatewayProcess, engine: AsyncEngine, upstream: UpstreamServer
+) -> None:
+    """The upstream created the file, then recording it as the tenant's failed (here a trigger
+    refuses the tenant's rows): the client gets the error, and the file, which no tenant could
+    ever reach, is deleted upstream rather than left on the account."""
+    name = f"obj-{uuid.uuid4().hex[:10]}"
+    async with httpx.AsyncClient(
+        base_url=f"{gateway.root_url}/admin",
+        headers={"Authorization": f"Bearer {ADMIN_TOKEN}"},
+        timeout=30,
+    ) as admin:
+        assert (await admin.post("/tenants", json={"name": name})).status_code == 201
+        made = await admin.post(f"/tenants/{name}/keys", json={"name": "app"})
+        key = made.json()["key"]
+    async with engine.begin() as conn:
+        tenant = await conn.scalar(select(schema.tenants.c.id).where(schema.tenants.c.name == name))
+        assert tenant is not None
+        await conn.execute(
+            text(
+                "CREATE FUNCTION refuse_objects() RETURNS trigger LANGUAGE plpgsql AS "
+                "$$ BEGIN RAISE EXCEPTION 'refused'; END $$"
+            )
+        )
+        await conn.execute(
+            text(
+                "CREATE TRIGGER refuse_objects BEFORE INSERT ON upstream_objects FOR EACH ROW "
+                f"WHEN (NEW.tenant_id = {int(tenant)}) EXECUTE FUNCTION refuse_objects()"
+            )
+        )
+    try:
+        async with openai.AsyncOpenAI(base_url=gateway.url, api_key=key, max_retries=0) as sdk:
+            with pytest.raises(openai.APIStatusError) as failed:
+                await sdk.files.create(
+                    file=("notes.txt", io.BytesIO(b"lost?")), purpose="assistants"
+                )
+            assert failed.value.status_code >= 500
+        deleted = [r["path"] for r in upstream.requests() if r["method"] == "DELETE"]
+        assert len(deleted) == 1 and deleted[0].startswith("/v1/files/file-")
+        async with httpx.AsyncClient() as direct:
+            gone = await direct.get(f"{upstream.url}{deleted[0].removeprefix('/v1')}")
+        assert gone.status_code == 404
+    finally:
+        async with engine.begin() as conn:
+            await conn.execute(text("DROP TRIGGER refuse_objects ON upstream_objects"))
+            await conn.execute(text("DROP FUNCTION refuse_objects()"))

@@ -14,6 +14,8 @@ apart (`memory.write.upstream_objects` records who made what):
   name objects (`file_id`, `file_ids`, `input_file_id`, `training_file`, `vector_store_ids`,
   `container`, …, see `_REFERENCES`): each must be the tenant's, else 404 naming the field,
   before anything is stored or sent.
+* **An object made but not recorded** (the database failed after the upstream created it) is
+  deleted upstream before the client gets the error, where its collection deletes by id.
 * **Objects the upstream makes for a tenant** (a batch's `output_file_id` and
   `error_file_id`, a fine-tuning job's `result_files`, the file a completed upload becomes)
   are the tenant's once an answer to it names them.
@@ -29,10 +31,11 @@ no owner and stay out of every tenant's reach.
 """
 
 import json
+import logging
 from collections.abc import Collection, Iterator
 from dataclasses import dataclass
 from typing import Any, Final
-from urllib.parse import parse_qsl, urlencode
+from urllib.parse import parse_qsl, quote, urlencode
 
 import httpx
 from fastapi import Request
@@ -58,6 +61,8 @@ OWNED: Final = (
 )
 """The collections whose objects belong to the tenant that created them."""
 
+log = logging.getLogger(__name__)
+
 # Body fields that name an upstream object (a string, or a list of them).
 _REFERENCES: Final = frozenset(
     {
@@ -78,6 +83,9 @@ _PRODUCED: Final = frozenset({"output_file_id", "error_file_id", "result_files"}
 # (they may name a container's files, which no request created).
 _UNCHECKED: Final = frozenset({"metadata", "annotations"})
 _OPEN_METHODS: Final = frozenset({"GET", "HEAD", "POST"})
+# The owned collections whose objects are deleted by `DELETE /v1/{collection}/{id}` (batches,
+# uploads and fine-tuning jobs are cancelled instead, and kept).
+_DELETABLE: Final = frozenset({"files", "vector_stores", "containers", "evals", "conversations"})
 # How many upstream pages a listing reads, at most, to fill one page of the tenant's objects.
 _MAX_PAGES: Final = 20
 
@@ -167,9 +175,43 @@ async def relay(request: Request, state: State, *, tenant_id: int, path: str) ->
         made.add(answer["id"])
     made.discard(where.object_id)  # owned already: reading a file wrote nothing
     if made:
-        async with transaction(state.engine) as conn:
-            await upstream_objects.adopt(conn, tenant_id=tenant_id, object_ids=made)
+        try:
+            async with transaction(state.engine) as conn:
+                await upstream_objects.adopt(conn, tenant_id=tenant_id, object_ids=made)
+        except Exception:
+            if where.object_id is None and request.method == "POST":
+                created = answer.get("id") if isinstance(answer, dict) else None
+                await _unmake(request, state, where.collection, created)
+            raise
     return Response(raw, response.status_code, headers=_without_length(response))
+
+
+async def _unmake(request: Request, state: State, collection: str, object_id: Any) -> None:
+    """Delete upstream the object a request created when it could not be recorded as the
+    tenant's: the client is told the request failed, and an object no tenant owns would stay
+    out of every tenant's reach (and on the account's bill) for good."""
+    if not isinstance(object_id, str):
+        return
+    if collection in _DELETABLE:
+        upstream = state.upstream
+        try:
+            answer = await upstream.open(
+                "DELETE",
+                f"/{collection}/{quote(object_id, safe='')}",
+                headers=upstream.headers_for(request.headers),
+                observed_as="/*",
+            )
+            await upstream.read(answer)
+            if answer.is_success or answer.status_code == 404:
+                log.warning("deleted %s upstream: it could not be recorded as made", object_id)
+                return
+        except GatewayError:
+            pass
+    log.error(
+        "%s was created upstream but could not be recorded as its tenant's, nor deleted: "
+        "no tenant can reach it; delete it with the upstream's own key",
+        object_id,
+    )
 
 
 async def _require(state: State, *, tenant_id: int, ids: dict[str, str]) -> None:
