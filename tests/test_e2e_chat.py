@@ -413,9 +413,13 @@ def test_a_client_sending_new_turns_under_a_changing_system_prompt(
     client.chat.completions.create(model="m", messages=[user], extra_headers=headers)
     assert upstream.requests(CHAT)[-1]["body"]["messages"] == [systems[-1], *history, user]
     stored = wait_admin_messages(http, headers[HEADER], 9)
-    assert [m["content"] for m in stored if m["role"] == "system"] == [
-        s["content"] for s in systems
-    ]
+    assert (
+        [(m["content"], m["system_prompt"]) for m in stored if m["role"] == "system"]
+        == [
+            (systems[0]["content"], False),  # the conversation's first: it opens the history
+            *((s["content"], True) for s in systems[1:]),
+        ]
+    )
 
 
 def test_a_changing_system_prompt_past_the_budget_is_sent_once(

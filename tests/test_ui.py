@@ -613,3 +613,34 @@ async def test_with_a_token_set_the_page_shows_nothing_until_given_it(
     await page.reload()
     await expect(page.locator("a.conversation-link")).to_have_count(2)
     await expect(dialog).to_be_hidden()
+
+
+async def test_a_replaced_system_prompt_is_marked_in_the_tree(
+    page: Page, gateway: GatewayProcess, http: httpx.AsyncClient, data: Data
+) -> None:
+    """A client sending only its new messages changed its system prompt: the new one is kept,
+    marked as the conversation's system prompt rather than a turn; the first is not marked."""
+    key = await http.post(f"/admin/tenants/{data.tenant}/keys", json={"name": "ui prompts"})
+    assert key.status_code == 201, key.text
+    conversation = f"prompts-{RUN}"
+    for turn in range(2):
+        messages = [
+            {"role": "system", "content": f"It is 10:0{turn}."},
+            {"role": "user", "content": f"What now? ({turn})"},
+        ]
+        answer = await http.post(
+            "/v1/chat/completions",
+            json={"model": MODEL, "messages": messages},
+            headers={
+                "Authorization": f"Bearer {key.json()['key']}",
+                "X-Memstrata-Conversation": conversation,
+            },
+        )
+        assert answer.status_code == 200, answer.text
+    await open_ui(page, gateway.root_url, data.tenant, f"#/c/{conversation}/tree")
+    await expect(page.locator("ul.tree > li[role=treeitem]")).to_have_count(6)
+    marked = page.locator(
+        "ul.tree > li[role=treeitem]", has=page.locator(".mark", has_text="system prompt")
+    )
+    await expect(marked).to_have_count(1)
+    await expect(marked.locator(".verbatim")).to_have_text("It is 10:01.")

@@ -94,6 +94,8 @@ class MessageRecord:
     """The seq of the message it follows (-1: the conversation's root)."""
     model: str | None = None
     """The model whose reply this is, when the gateway recorded it from the upstream."""
+    system_prompt: bool = False
+    """It replaced the conversation's system prompt: never a turn of the history."""
 
     def as_openai(self) -> dict[str, Any]:
         """The message in OpenAI's chat format, as the client sent or received it."""
@@ -590,4 +592,5 @@ def _message_record(row: AnyRow) -> MessageRecord:
         created_at=row.created_at,
         meta=row.meta,
         escaped=row.escaped,
+        system_prompt=row.system_prompt,
     )

@@ -40,6 +40,8 @@ class NodeRecord:
     # Messages: the message it follows where a branch starts, and when it left the branch.
     follows_seq: int | None
     superseded_at: datetime | None
+    system_prompt: bool
+    """A message that replaced the conversation's system prompt: never a turn of the history."""
     facts: dict[str, list[str]] | None
     method: str | None
     model: str | None
@@ -128,6 +130,7 @@ def node_record(row: AnyRow) -> NodeRecord:
         tool_call_id=row.tool_call_id,
         follows_seq=row.follows_seq,
         superseded_at=row.superseded_at,
+        system_prompt=row.system_prompt,
         facts=row.facts,
         method=row.method,
         model=row.model,

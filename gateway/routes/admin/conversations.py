@@ -430,6 +430,7 @@ def node_public(record: tree_nodes.NodeRecord, conversation: str) -> NodePublic:
         tool_call_id=record.tool_call_id,
         follows_seq=record.follows_seq,
         superseded_at=record.superseded_at,
+        system_prompt=record.system_prompt,
         facts=record.facts,
         method=record.method,
         model=record.model,

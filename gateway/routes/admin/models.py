@@ -138,6 +138,12 @@ class ConversationDeleted(BaseModel):
     jobs: int
 
 
+_SYSTEM_PROMPT = (
+    "A system prompt that a request sending only new messages replaced the conversation's "
+    "with: kept, but never a turn of the history"
+)
+
+
 class MessagePublic(BaseModel):
     """A stored message with its place in the conversation."""
 
@@ -168,6 +174,7 @@ class MessagePublic(BaseModel):
     model: str | None = Field(
         description="The model whose reply the gateway recorded; null: the client sent it"
     )
+    system_prompt: bool = Field(default=False, description=_SYSTEM_PROMPT)
 
 
 class MessagesPublic(BaseModel):
@@ -205,6 +212,7 @@ class NodePublic(BaseModel):
     superseded_at: datetime | None = Field(
         default=None, description="When a message left the current branch; null: it is on it"
     )
+    system_prompt: bool = Field(default=False, description=_SYSTEM_PROMPT)
     facts: dict[str, list[str]] | None
     method: str | None
     model: str | None

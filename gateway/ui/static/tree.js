@@ -148,6 +148,7 @@ function message(node) {
   const marks = [];
   if (node.pinned) marks.push(h("span", { class: "mark pinned", title: `importance ${node.importance.toFixed(2)}` }, "pinned"));
   if (node.status && node.status !== "complete") marks.push(h("span", { class: "mark warn" }, node.status));
+  if (node.system_prompt) marks.push(h("span", { class: "mark", title: "replaced the conversation's system prompt: never a turn of the history" }, "system prompt"));
   if (node.superseded_at) marks.push(h("span", { class: "mark branch", title: `left the current branch ${when(node.superseded_at)}` }, "superseded"));
   if (node.follows_seq !== undefined && node.follows_seq !== null && node.follows_seq !== node.seq - 1) {
     marks.push(h("span", { class: "mark branch" }, node.follows_seq < 0 ? "branch from the start" : `branch: follows message ${node.follows_seq}`));
