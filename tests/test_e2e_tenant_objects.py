@@ -264,3 +264,23 @@ async def test_a_file_made_but_not_recorded_is_deleted_upstream(
         async with engine.begin() as conn:
             await conn.execute(text("DROP TRIGGER refuse_objects ON upstream_objects"))
             await conn.execute(text("DROP FUNCTION refuse_objects()"))
+
+
+def test_a_named_conversation_is_each_tenants_own(
+    tenants: tuple[Tenant, Tenant], upstream: UpstreamServer
+) -> None:
+    """A stored response's `conversation` names the gateway's conversation of the tenant, not
+    an upstream object: any id will do, and the same id is another conversation for another
+    tenant (only `store: false`, which goes upstream as sent, must name one of its own)."""
+    alice, bob = tenants
+    named = f"conv_{uuid.uuid4().hex}"
+    secret = f"alice's secret {uuid.uuid4().hex}"
+    alice.sdk.responses.create(model="gpt-4o-mini", input=secret, conversation=named)
+    raw = bob.sdk.responses.with_raw_response.create(
+        model="gpt-4o-mini", input="what was said here?", conversation=named
+    )
+    assert raw.headers["X-Memstrata-Conversation"] == named
+    [alices, bobs] = upstream.requests("/v1/responses")[-2:]
+    assert secret in json.dumps(alices["body"]) and secret not in json.dumps(bobs["body"])
+    with pytest.raises(openai.NotFoundError):
+        bob.sdk.responses.create(model="gpt-4o-mini", input="x", conversation=named, store=False)

@@ -164,14 +164,15 @@ async def create(request: Request, state: State, *, tenant_id: int) -> Response:
     if state.upstream.serves_responses is False:
         # It can only go upstream translated: what cannot be is refused before it is stored.
         translate.check_translatable(body)
-    await tenancy.check_references(state, tenant_id=tenant_id, body=body)
     header = request.headers.get(CONVERSATION_HEADER)
     external_id = identity.validate_conversation_id(header) if header is not None else None
     named = _named_conversation(body, header=external_id)
     if named is not None and parsed.store is not False:
+        # The gateway's conversation of that id (each tenant's own): the upstream, which gets
+        # the history from the gateway, must not add its own, and need not hold one.
         external_id = named
-        # The gateway sends the conversation's history: the upstream must not add its own.
         body = {key: value for key, value in body.items() if key != "conversation"}
+    await tenancy.check_references(state, tenant_id=tenant_id, body=body)
     budget = Budget.of(
         {"model": parsed.model, "tools": body.get("tools"), "max_tokens": parsed_max(body)},
         chat.budget_rules(state.settings),
