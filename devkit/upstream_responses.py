@@ -15,7 +15,8 @@ fragments), then ``response.completed``; ``chunk_delay`` apart; ``cut_after`` cl
 connection after that many deltas. A ``previous_response_id`` is answered 404 ("Previous
 response … not found"): this upstream continues nothing, so a gateway must send the history
 itself. A response made without ``"store": false`` is kept, as OpenAI keeps it, for ``GET`` and
-``DELETE /v1/responses/{id}`` (an unknown id: 404).
+``DELETE /v1/responses/{id}`` (an unknown id: 404). ``"background": true`` (not streamed) is
+answered ``queued`` with no output, the finished response kept for ``GET``.
 """
 
 from __future__ import annotations
@@ -91,6 +92,10 @@ def responses_routes(
         response = _response(body, behaviour)
         if body.get("store") is not False:
             kept[response["id"]] = response
+        if body.get("background") is True and not stream:
+            # Queued, as OpenAI answers it at once; kept finished, for polling.
+            queued = {**response, "status": "queued", "output": [], "usage": None}
+            return JSONResponse({**queued, "background": True}, headers=headers)
         if not stream:
             return JSONResponse(response, behaviour.get("status", 200), headers=headers)
         delay = float(behaviour.get("chunk_delay", chunk_delay()))

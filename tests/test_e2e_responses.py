@@ -704,3 +704,22 @@ def test_a_conversation_the_gateway_cannot_take_is_400_and_stores_nothing(
     assert way.upstream.requests() == []
     found = http.get("/admin/search", params={"q": text})
     assert found.status_code == 200 and found.json()["data"] == []
+
+
+def test_a_background_response_runs_in_the_foreground(
+    way: Way, client: openai.OpenAI, http: httpx.Client
+) -> None:
+    """`background: true`: the gateway records the reply as it comes, so the request runs in
+    the foreground and answers the finished response, which the client's polling reads back.
+    Forwarded as it was, the upstream answered `queued` at once, and the stored response stayed
+    queued for every poll after, its reply never recorded."""
+    text = unique("take your time")
+    raw = client.responses.with_raw_response.create(
+        model="gpt-4o-mini", input=text, background=True
+    )
+    made = raw.parse()
+    assert made.status == "completed" and made.output_text == f"echo: {text}"
+    polled = client.responses.retrieve(made.id)
+    assert polled.status == "completed" and polled.output_text == f"echo: {text}"
+    assert all("background" not in r["body"] for r in way.upstream.requests(way.path))
+    assert stored(http, raw.headers[HEADER]) == [("user", text), ("assistant", f"echo: {text}")]

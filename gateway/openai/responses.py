@@ -10,11 +10,13 @@ messages extend: a client that resends the whole input each time (openai-agents 
 recognised as a chat client is. `conversation` (the Conversations API's field: an id, or an
 object with its `id`) names the conversation as the header does, and is not sent upstream,
 which gets the history from the gateway (it would prepend its own copy); with `store: false`
-the request goes upstream as sent. Continuing a response that is no longer its conversation's
-latest sends its own history (even from a branch the conversation left since) and the new input
-whole, so the write path continues the conversation from that point, as a branch if it must;
-continuing the latest one, its input is new, whatever it repeats. A retry is told as on the chat
-path (`Idempotency-Key`, `X-Stainless-Retry-Count`, the same body) and stores nothing.
+the request goes upstream as sent. `background: true` runs in the foreground (the reply must
+be recorded): the answer is the finished response, which polling reads back. Continuing a
+response that is no longer its conversation's latest sends its own history (even from a branch
+the conversation left since) and the new input whole, so the write path continues the
+conversation from that point, as a branch if it must; continuing the latest one, its input is
+new, whatever it repeats. A retry is told as on the chat path (`Idempotency-Key`,
+`X-Stainless-Retry-Count`, the same body) and stores nothing.
 `store: false` stores nothing: the request reads memory (the history of `previous_response_id`, if
 named: its own branch's, when that fits the budget) and goes upstream, and the response cannot
 be retrieved or continued later. The memory tools are not offered on this path. With the
@@ -158,6 +160,10 @@ async def create(request: Request, state: State, *, tenant_id: int) -> Response:
     except ValidationError as exc:
         raise RequestValidationError(exc.errors()) from exc
     messages = translate.input_messages(body)
+    if body.get("background") is True:
+        # Run in the foreground: the reply is recorded as it comes, and the answer is the
+        # finished response, which a client polling for it then reads back as stored.
+        body = {key: value for key, value in body.items() if key != "background"}
     if state.upstream.serves_responses is None and not translate.translatable(body):
         # Whether it can go upstream must be known before it is stored.
         await _probe(state, request.headers)
