@@ -180,6 +180,39 @@ async def test_a_sentence_buried_in_a_long_message_is_found_by_its_passage(
     assert BURIED_AT in [hit.seq for hit in hits if hit.level == 0]
 
 
+async def embedded_as(
+    engine: AsyncEngine,
+    corpus: Corpus,
+    vectors: list[list[float]],
+    *,
+    order: list[int] | None = None,
+) -> int:
+    """A new conversation of the corpus's tenant holding a filler message for each of
+    `vectors`, message `seq` embedded as `vectors[seq]` (written in `order`); its id."""
+    filler = [{"role": "user", "content": f"Filler {number}."} for number in range(len(vectors))]
+    external_id = f"embedded-{uuid.uuid4().hex}"
+    await importer.import_messages(
+        engine,
+        tenant_id=corpus.tenant_id,
+        external_id=external_id,
+        messages=filler,
+        created_at=[None] * len(filler),
+        model="gpt-4o",
+        batch=len(filler),
+    )
+    async with engine.begin() as conn:
+        ref = await store.find_conversation(
+            conn, tenant_id=corpus.tenant_id, external_id=external_id
+        )
+        for seq in order if order is not None else range(len(vectors)):
+            await conn.execute(
+                update(nodes)
+                .where(nodes.c.conversation_id == ref.id, nodes.c.level == 0, nodes.c.seq == seq)
+                .values(embedding=vectors[seq])
+            )
+    return ref.id
+
+
 LIMIT = 48
 
 
@@ -194,30 +227,10 @@ async def test_an_index_scan_that_reaches_little_of_its_scope_is_run_exactly(
     away = [[-x for x in query] for _ in range(300)]
     for number, vector in enumerate(away):
         vector[number % len(vector)] += 0.05 * (1 + number // len(vector))
-    small = [{"role": "user", "content": f"Filler {number}."} for number in range(len(away))]
-    external_id = f"away-{uuid.uuid4().hex}"
-    await importer.import_messages(
-        engine,
-        tenant_id=corpus.tenant_id,
-        external_id=external_id,
-        messages=small,
-        created_at=[None] * len(small),
-        model="gpt-4o",
-        batch=len(small),
-    )
-    async with engine.begin() as conn:
-        ref = await store.find_conversation(
-            conn, tenant_id=corpus.tenant_id, external_id=external_id
-        )
-        for seq, vector in enumerate(away):
-            await conn.execute(
-                update(nodes)
-                .where(nodes.c.conversation_id == ref.id, nodes.c.level == 0, nodes.c.seq == seq)
-                .values(embedding=vector)
-            )
+    conversation_id = await embedded_as(engine, corpus, away)
     scope: dict[str, Any] = {
         "tenant_id": corpus.tenant_id,
-        "conversation_ids": [ref.id],
+        "conversation_ids": [conversation_id],
         "query_vector": query,
         "levels": [0],
         "limit": LIMIT,
@@ -231,7 +244,7 @@ async def test_an_index_scan_that_reaches_little_of_its_scope_is_run_exactly(
             {
                 **legs.scope_params(
                     tenant_id=corpus.tenant_id,
-                    conversation_ids=[ref.id],
+                    conversation_ids=[conversation_id],
                     levels=[0],
                     exclude_from=None,
                     abandoned=False,
@@ -246,7 +259,7 @@ async def test_an_index_scan_that_reaches_little_of_its_scope_is_run_exactly(
         large = await nearest.vector_legs(conn, **scope, messages=nearest.EXACT_SCAN_MAX + 1)
         # The index scan's settings: sorting, off while it was planned, is back on.
         assert await conn.scalar(text("SELECT current_setting('enable_sort')")) == "on"
-        exact = await nearest.vector_legs(conn, **scope, messages=len(small))
+        exact = await nearest.vector_legs(conn, **scope, messages=len(away))
     assert len(exact[0].ranked) == LIMIT
     assert [p.key for p in large[0].ranked] == [p.key for p in exact[0].ranked]
 
@@ -259,39 +272,22 @@ async def test_equally_near_nodes_rank_newest_first_in_every_vector_leg(
     connection, plan or heap order read them (a search beside its turn's connection must find
     what it finds alone)."""
     [query] = await corpus.embedder.embed([MEANING_QUERY])
-    same = [{"role": "user", "content": f"Said again {number}."} for number in range(60)]
-    external_id = f"same-{uuid.uuid4().hex}"
-    await importer.import_messages(
-        engine,
-        tenant_id=corpus.tenant_id,
-        external_id=external_id,
-        messages=same,
-        created_at=[None] * len(same),
-        model="gpt-4o",
-        batch=len(same),
-    )
-    async with engine.begin() as conn:
-        ref = await store.find_conversation(
-            conn, tenant_id=corpus.tenant_id, external_id=external_id
-        )
-        # Stored in an order unlike their sequence, so heap order cannot pass for the rule.
-        for seq in sorted(range(len(same)), key=lambda seq: (seq * 37) % len(same)):
-            await conn.execute(
-                update(nodes)
-                .where(nodes.c.conversation_id == ref.id, nodes.c.level == 0, nodes.c.seq == seq)
-                .values(embedding=query)
-            )
+    same = [query] * 60
+    # Written in an order unlike their sequence, so heap order cannot pass for the rule.
+    order = sorted(range(len(same)), key=lambda seq: (seq * 37) % len(same))
+    conversation_id = await embedded_as(engine, corpus, same, order=order)
     async with engine.connect() as conn:
         whole, *_ = await nearest.vector_legs(
             conn,
             tenant_id=corpus.tenant_id,
-            conversation_ids=[ref.id],
+            conversation_ids=[conversation_id],
             query_vector=query,
             levels=[0],
             limit=LIMIT,
             messages=len(same),
         )
-    expected = [(ref.id, 0, seq) for seq in range(len(same) - 1, len(same) - 1 - LIMIT, -1)]
+    newest = range(len(same) - 1, len(same) - 1 - LIMIT, -1)
+    expected = [(conversation_id, 0, seq) for seq in newest]
     assert [place.key for place in whole.ranked] == expected
 
 

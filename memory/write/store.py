@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from sqlalchemy import bindparam, insert, select
+from sqlalchemy import ColumnElement, bindparam, insert, select
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from memory.build import jobs, tree
@@ -412,16 +412,25 @@ async def history(
     rows = await conn.execute(
         select(*PROMPT_COLUMNS)
         .where(
-            nodes.c.tenant_id == tenant_id,
-            nodes.c.conversation_id == conversation_id,
-            nodes.c.level == 0,
-            nodes.c.seq < before_seq,
-            nodes.c.superseded_at.is_(None),
+            *_on_branch_before(tenant_id, conversation_id, before_seq),
             nodes.c.system_prompt.is_(False),
         )
         .order_by(nodes.c.seq)
     )
     return [prompt_message(row) for row in rows]
+
+
+def _on_branch_before(
+    tenant_id: int, conversation_id: int, before_seq: int
+) -> tuple[ColumnElement[bool], ...]:
+    """The conditions of the current branch's messages before seq `before_seq`."""
+    return (
+        nodes.c.tenant_id == tenant_id,
+        nodes.c.conversation_id == conversation_id,
+        nodes.c.level == 0,
+        nodes.c.seq < before_seq,
+        nodes.c.superseded_at.is_(None),
+    )
 
 
 async def latest_system_prompt(
@@ -434,11 +443,7 @@ async def latest_system_prompt(
         await conn.execute(
             select(nodes.c.seq, *PROMPT_COLUMNS)
             .where(
-                nodes.c.tenant_id == tenant_id,
-                nodes.c.conversation_id == conversation_id,
-                nodes.c.level == 0,
-                nodes.c.seq < before_seq,
-                nodes.c.superseded_at.is_(None),
+                *_on_branch_before(tenant_id, conversation_id, before_seq),
                 nodes.c.system_prompt.is_(True),
             )
             .order_by(nodes.c.seq.desc())
