@@ -723,3 +723,12 @@ def test_a_background_response_runs_in_the_foreground(
     assert polled.status == "completed" and polled.output_text == f"echo: {text}"
     assert all("background" not in r["body"] for r in way.upstream.requests(way.path))
     assert stored(http, raw.headers[HEADER]) == [("user", text), ("assistant", f"echo: {text}")]
+    # Cancelling it (a client that gave up waiting) finds it already finished: it answers the
+    # response as it is, as a cancel of a finished background response does, and changes
+    # nothing. Relayed, the upstream had no such response (404), or had it done already.
+    cancelled = client.responses.cancel(made.id)
+    assert cancelled.id == made.id and cancelled.status == "completed"
+    assert client.responses.retrieve(made.id).output_text == f"echo: {text}"
+    assert not any(r["path"].endswith("/cancel") for r in way.upstream.requests())
+    with pytest.raises(openai.NotFoundError):
+        client.responses.cancel("resp_" + uuid.uuid4().hex)

@@ -209,6 +209,7 @@ def test_a_tenants_responses_are_its_own(tenants: tuple[Tenant, Tenant]) -> None
     for attempt in (
         lambda: bob.sdk.responses.retrieve(made.id),
         lambda: bob.sdk.responses.delete(made.id),
+        lambda: bob.sdk.responses.cancel(made.id),
     ):
         with pytest.raises(openai.NotFoundError):
             attempt()

@@ -1,5 +1,5 @@
-"""The stored responses of the Responses API: `GET /v1/responses/{id}`, its `input_items`, and
-`DELETE /v1/responses/{id}`.
+"""The stored responses of the Responses API: `GET /v1/responses/{id}`, its `input_items`,
+`POST /v1/responses/{id}/cancel` and `DELETE /v1/responses/{id}`.
 
 Each is scoped by the tenant: another tenant's response answers as an unknown one (404). A
 response is read back as the client saw it, from what the gateway stored
@@ -10,6 +10,11 @@ upstream's copy, which an upstream serving the Responses API keeps unless the re
 or "not found" (it never had it: a translated response, an id the gateway made) has its answer
 relayed with nothing deleted. The messages the response stored stay in the conversation's
 memory, as every message does; deleting the conversation (the admin API) removes them.
+
+A response is finished by the time its client has its id (a `background` request runs in the
+foreground: `gateway.openai.responses`), so a cancel answers it as it is, as cancelling a
+finished background response does, and goes nowhere upstream, which holds nothing in progress
+for it.
 """
 
 from typing import Any
@@ -31,6 +36,11 @@ async def retrieve(state: State, *, tenant_id: int, response_id: str) -> dict[st
     async with transaction(state.engine) as conn:
         found = await stored_responses.find(conn, tenant_id=tenant_id, response_id=response_id)
     return found.body
+
+
+async def cancel(state: State, *, tenant_id: int, response_id: str) -> dict[str, Any]:
+    """`POST /v1/responses/{id}/cancel`: the response, already finished, as it is."""
+    return await retrieve(state, tenant_id=tenant_id, response_id=response_id)
 
 
 async def input_items(

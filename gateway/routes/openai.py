@@ -33,6 +33,13 @@ async def get_response(response_id: str, state: StateDep, tenant_id: TenantDep) 
     return await response_objects.retrieve(state, tenant_id=tenant_id, response_id=response_id)
 
 
+@router.post("/responses/{response_id}/cancel", summary="Cancel a response: it is finished")
+async def cancel_response(
+    response_id: str, state: StateDep, tenant_id: TenantDep
+) -> dict[str, Any]:
+    return await response_objects.cancel(state, tenant_id=tenant_id, response_id=response_id)
+
+
 @router.delete("/responses/{response_id}", summary="Delete a stored response, here and upstream")
 async def delete_response(
     request: Request, response_id: str, state: StateDep, tenant_id: TenantDep
