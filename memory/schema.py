@@ -37,6 +37,9 @@ EMBEDDING_DIM: Final = 384
 DEFAULT_TENANT: Final = "default"
 """The tenant that owns everything while `MEMSTRATA_AUTH=off`."""
 
+OUTPUT_IDS: Final = "(jsonb_path_query_array(body, '$.output[*].id'))"
+"""The ids of a stored response's output items, as `responses`' index on them reads them."""
+
 metadata = MetaData()
 
 
@@ -274,6 +277,14 @@ responses = Table(
     Column("input_items", JSONB, nullable=False),
     _created_at(),
     Index("ix_responses_conversation", "conversation_id"),
+    # The ids of each response's output items, for the `item_reference`s that resend them
+    # (`memory.write.responses.output_items`, migration 0018; `btree_gin` for the tenant).
+    Index(
+        "ix_responses_output_ids",
+        "tenant_id",
+        text(OUTPUT_IDS),
+        postgresql_using="gin",
+    ),
 )
 
 upstream_objects = Table(

@@ -204,6 +204,89 @@ def test_whole_input_resent_is_stored_once(
 
 
 @pytest.mark.parametrize("stream", [False, True])
+def test_a_reply_resent_as_an_item_reference_is_the_stored_reply(
+    way: Way, client: openai.OpenAI, http: httpx.Client, stream: bool
+) -> None:
+    """The Vercel AI SDK's Responses provider (`store` on, its default) sends an earlier reply
+    back as `{"type": "item_reference", "id": ...}`, the id of the output item this gateway
+    answered, with the text and tool calls around it inline. Refused with 400 before, so every
+    such chat failed on its second request: the item is now read from the stored response."""
+    first = unique("what is the weather")
+    way.upstream.script(
+        {
+            "reply": "Let me look.",
+            "tool_calls": [{"name": "weather", "arguments": {"city": "Oslo"}}],
+            "path": way.path,  # not a fresh gateway's probe of the Responses API
+        }
+    )
+    weather: FunctionToolParam = {
+        "type": "function",
+        "name": "weather",
+        "parameters": {"type": "object", "properties": {}},
+        "strict": False,
+    }
+    raw = client.responses.with_raw_response.create(
+        model="gpt-4o-mini", input=first, tools=[weather]
+    )
+    conversation, made = raw.headers[HEADER], raw.parse()
+    said, call = made.output[0], made.output[1]
+    assert said.type == "message" and call.type == "function_call"
+    second = unique("and tomorrow")
+    history: list[Any] = [
+        {"role": "user", "content": [{"type": "input_text", "text": first}]},
+        {"type": "item_reference", "id": said.id},
+        {
+            "type": "function_call",
+            "call_id": call.call_id,
+            "name": "weather",
+            "arguments": call.arguments,
+        },
+        {"type": "function_call_output", "call_id": call.call_id, "output": "sunny"},
+        {"role": "user", "content": second},
+    ]
+    answer = client.responses.with_raw_response.create(
+        model="gpt-4o-mini", input=history, tools=[weather], stream=stream
+    )
+    assert answer.headers[HEADER] == conversation
+    if stream:
+        assert streamed_text(answer.parse())[0] == f"echo: {second}"
+    assert stored(http, conversation, 5) == [
+        ("user", first),
+        ("assistant", "Let me look."),
+        ("tool", "sunny"),
+        ("user", second),
+        ("assistant", f"echo: {second}"),
+    ]
+    # Translated, the upstream gets the reply's text; an upstream serving the Responses API
+    # gets the input as the client sent it, its own item's id included.
+    sent = way.prompts()[-1]
+    if way.name == "forward":
+        assert sent == history
+    else:
+        assert {"role": "assistant", "content": "Let me look."} in [
+            {key: m.get(key) for key in ("role", "content")} for m in sent
+        ]
+    # An id no stored response of the tenant holds cannot be read: 400, nothing stored.
+    before = way.upstream.requests()
+    gone = unique("never stored")
+    refused = http.post(
+        "/v1/responses",
+        json={
+            "model": "gpt-4o-mini",
+            "input": [
+                *history[:1],
+                {"type": "item_reference", "id": "msg_nope"},
+                {"role": "user", "content": gone},
+            ],
+        },
+    )
+    assert refused.status_code == 400, refused.text
+    assert refused.json()["error"]["param"] == "input" and "msg_nope" in refused.text
+    assert way.upstream.requests() == before
+    assert http.get("/admin/search", params={"q": gone}).json()["data"] == []
+
+
+@pytest.mark.parametrize("stream", [False, True])
 def test_function_call_round_trip(
     way: Way, client: openai.OpenAI, http: httpx.Client, stream: bool
 ) -> None:
@@ -297,7 +380,6 @@ def test_unknown_previous_response_is_404_and_stores_nothing(
     [
         ({"model": "m"}, "input"),
         ({"model": "m", "input": []}, "input"),
-        ({"model": "m", "input": [{"type": "item_reference", "id": "msg_1"}]}, "input"),
         ({"model": "m", "input": [{"role": "robot", "content": "x"}]}, "input"),
         ({"model": "m", "input": "x", "stream": "yes"}, "stream"),
         ({"model": "", "input": "x"}, "model"),

@@ -15,6 +15,7 @@ import json
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import httpx
 import openai
@@ -213,6 +214,14 @@ def test_a_tenants_responses_are_its_own(tenants: tuple[Tenant, Tenant]) -> None
     ):
         with pytest.raises(openai.NotFoundError):
             attempt()
+    # Nor can its reply be resent by reference, as the Vercel AI SDK resends a reply.
+    resent: Any = [
+        {"type": "item_reference", "id": made.output[0].id},
+        {"role": "user", "content": "go on"},
+    ]
+    with pytest.raises(openai.BadRequestError):
+        bob.sdk.responses.create(model="gpt-4o-mini", input=resent)
+    assert alice.sdk.responses.create(model="gpt-4o-mini", input=resent).output_text
     assert alice.sdk.responses.retrieve(made.id).output_text == made.output_text
     alice.sdk.responses.delete(made.id)
     with pytest.raises(openai.NotFoundError):

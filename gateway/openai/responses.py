@@ -159,7 +159,7 @@ async def create(request: Request, state: State, *, tenant_id: int) -> Response:
         parsed = ResponsesRequest.model_validate(body)
     except ValidationError as exc:
         raise RequestValidationError(exc.errors()) from exc
-    messages = translate.input_messages(body)
+    messages = translate.input_messages(body, await _referenced(state, tenant_id, body))
     if body.get("background") is True:
         # Run in the foreground: the reply is recorded as it comes, and the answer is the
         # finished response, which a client polling for it then reads back as stored.
@@ -235,6 +235,18 @@ async def create(request: Request, state: State, *, tenant_id: int) -> Response:
     prompt = messages if assembled is None else assembled.messages
     forwarder = _Forward(state, turn, request=request, body=body, stream=bool(parsed.stream))
     return await forwarder.send(prompt, as_sent=prompt is messages)
+
+
+async def _referenced(
+    state: State, tenant_id: int, body: Mapping[str, Any]
+) -> dict[str, dict[str, Any]]:
+    """The stored output items the request's `item_reference`s name (the Vercel AI SDK sends
+    an earlier reply so), by id."""
+    item_ids = translate.references(body)
+    if not item_ids:
+        return {}
+    async with transaction(state.engine) as conn:
+        return await stored_responses.output_items(conn, tenant_id=tenant_id, item_ids=item_ids)
 
 
 def _named_conversation(body: Mapping[str, Any], *, header: str | None) -> str | None:

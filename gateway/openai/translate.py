@@ -15,7 +15,9 @@ message, by these rules:
 * `reasoning` and the built-in tools' items (web search, file search, computer, …): not chat
   messages, so not stored; they reach the upstream only when the client's input goes as it was
   sent;
-* `item_reference`: refused (400): memory cannot resolve another store's items.
+* `item_reference`: the item it names, an output item of a stored response
+  (`memory.write.responses.output_items`: the ids this gateway answered); any other id is
+  refused (400).
 
 A response's `output` is read by the same rules (`reply_message`), so a reply recorded from a
 response and the same items sent back as input are one message. `input_items` turns chat
@@ -82,13 +84,49 @@ def _invalid(message: str, param: str = "input") -> GatewayError:
 # -- items → chat messages ---------------------------------------------------------------------
 
 
-def input_messages(body: Mapping[str, Any]) -> list[Message]:
-    """The chat messages a Responses request stands for: its instructions, then its input."""
+def input_messages(
+    body: Mapping[str, Any], referenced: Mapping[str, Item] | None = None
+) -> list[Message]:
+    """The chat messages a Responses request stands for: its instructions, then its input, each
+    `item_reference` read as the item of `referenced` it names."""
     instructions = body.get("instructions")
     if instructions is not None and not isinstance(instructions, str):
         raise _invalid("instructions must be a string", "instructions")
     messages = [instructions_message(instructions)] if instructions else []
-    return [*messages, *items_to_messages(input_item_list(body.get("input")))]
+    items = input_item_list(body.get("input"))
+    return [*messages, *items_to_messages(_dereferenced(items, referenced or {}))]
+
+
+def references(body: Mapping[str, Any]) -> list[str]:
+    """The ids the request's `item_reference` items name (none for input that is no list)."""
+    raw = body.get("input")
+    named = [
+        (index, item.get("id"))
+        for index, item in enumerate(raw if isinstance(raw, list) else [])
+        if isinstance(item, dict) and item.get("type") == "item_reference"
+    ]
+    ids = []
+    for index, item_id in named:
+        if not isinstance(item_id, str):
+            raise _invalid(f"input[{index}]: an item_reference needs the id of an item")
+        ids.append(item_id)
+    return ids
+
+
+def _dereferenced(items: Sequence[Item], referenced: Mapping[str, Item]) -> list[Item]:
+    """`items`, each `item_reference` replaced by the item it names."""
+    resolved = []
+    for index, item in enumerate(items):
+        if item.get("type") == "item_reference":
+            found = referenced.get(str(item.get("id")))
+            if found is None:
+                raise _invalid(
+                    f"input[{index}]: item_reference {item.get('id')!r} names no output item "
+                    "of a stored response"
+                )
+            item = found
+        resolved.append(item)
+    return resolved
 
 
 def instructions_message(instructions: str) -> Message:
@@ -136,8 +174,6 @@ def items_to_messages(items: Sequence[Mapping[str, Any]]) -> list[Message]:
                     "content": output if isinstance(output, str) else _parts(output, index),
                 }
             )
-        elif kind == "item_reference":
-            raise _invalid(f"input[{index}]: item_reference is not supported by memstrata")
         elif kind not in _NOT_MESSAGES:
             raise _invalid(f"input[{index}]: unknown item type {kind!r}")
     return messages

@@ -3,23 +3,25 @@
 A response is kept beside the messages it stored (they are stored as any chat turn's are), so
 that a later request naming it as `previous_response_id` continues its conversation from that
 point (`history`: the path to it, whichever branch holds it now), and so that it can be read
-back as the client saw it (`body`, its `input_items`). `delete` forgets a response, not the
-messages it stored. Every
+back as the client saw it (`body`, its `input_items`), and its output items by their ids
+(`output_items`: a client resends an earlier reply as an `item_reference`). `delete` forgets a
+response, not the messages it stored. Every
 function is scoped by `tenant_id`: another tenant's response behaves as missing. `save` runs
 in the transaction that recorded the reply, after the conversation's row was locked by it, so
 the point it records (`last_seq`, `head_hash`) is the one the reply made.
 """
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from sqlalchemy import delete as delete_rows
-from sqlalchemy import select
+from sqlalchemy import select, text
 from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from memory.errors import NotFound
-from memory.schema import conversations, nodes, responses
+from memory.schema import OUTPUT_IDS, conversations, nodes, responses
 from memory.write import store
 
 
@@ -103,6 +105,29 @@ async def find(
         body=row.body,
         input_items=row.input_items,
     )
+
+
+_OUTPUT_ITEMS = text(
+    f"""
+    SELECT DISTINCT ON (item->>'id') item
+    FROM responses r CROSS JOIN LATERAL jsonb_array_elements(r.body->'output') AS item
+    WHERE r.tenant_id = :tenant_id AND {OUTPUT_IDS} ?| CAST(:ids AS text[])
+      AND item->>'id' = ANY(CAST(:ids AS text[]))
+    ORDER BY item->>'id', r.created_at
+    """
+)
+
+
+async def output_items(
+    conn: AsyncConnection, *, tenant_id: int, item_ids: Sequence[str]
+) -> dict[str, dict[str, Any]]:
+    """The output items of this tenant's stored responses that `item_ids` name, by id (an id
+    no stored response answered is missing from the result)."""
+    wanted = [item_id for item_id in item_ids if "\x00" not in item_id]  # text holds no NUL
+    if not wanted:
+        return {}
+    rows = await conn.execute(_OUTPUT_ITEMS, {"tenant_id": tenant_id, "ids": wanted})
+    return {row.item["id"]: row.item for row in rows}
 
 
 async def delete(conn: AsyncConnection, *, tenant_id: int, response_id: str) -> None:
