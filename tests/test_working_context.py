@@ -314,6 +314,43 @@ async def test_results_past_the_budget_keep_their_call(engine: AsyncEngine, tena
     assert assembled.context_version is not None
     check_tool_pairs(assembled.messages)
     assert [m["role"] for m in assembled.messages[-2:]] == ["assistant", "tool"]
+    # The question the call serves stays verbatim too: compacted, the model got a tool result
+    # and no word of what it was for.
+    assert {"role": "user", "content": "look it up"} in assembled.messages
+
+
+@pytest.mark.parametrize(
+    ("question", "size", "kept"),
+    [
+        ("find the bug in parse_config", 60, True),  # with stable memory
+        ("find the bug in parse_config", 114, True),  # without: no room for it
+        (" ".join(["find the bug in parse_config"] * 12), 114, False),  # nor for the question
+    ],
+)
+async def test_results_that_leave_no_room_for_memory_keep_their_question(
+    engine: AsyncEngine, tenant_id: int, question: str, size: int, kept: bool
+) -> None:
+    """A tool result that takes nearly the whole budget (a file read whole): the turn goes
+    without stable memory, and without the compacted turns, but with the question the call
+    serves, while it still fits. Before, it went out as the system prompt, the call and its
+    result, with nothing saying what the result was for. A question too long for what is left
+    is compacted, as the turns before it are."""
+    conversation = await Conversation.start(engine, tenant_id, synthetic.messages(10, seed=4))
+    policy = Policy(low=0.3, high=0.7, note=0.0, keep_notes=False)
+    recall = Recall(embedder=EMBEDDER, policy=policy)
+    first = await conversation.turn(
+        [{"role": "user", "content": question}], limit=500, recall=recall
+    )
+    call = {"id": "call_1", "type": "function", "function": {"name": "read", "arguments": "{}"}}
+    await conversation.reply({"role": "assistant", "content": None, "tool_calls": [call]}, first)
+    result = " ".join(["alpha salary offer candidate"] * size)
+    assembled = await conversation.turn(
+        [{"role": "tool", "tool_call_id": "call_1", "content": result}], limit=500, recall=recall
+    )
+    check_prompt(assembled, 500)
+    assert [m["role"] for m in assembled.messages[-2:]] == ["assistant", "tool"]
+    assert ({"role": "user", "content": question} in assembled.messages) is kept
+    assert ("stable" in assembled.labels) is (size < 100)
 
 
 async def test_a_call_too_large_for_the_budget_with_its_results_is_refused(

@@ -9,7 +9,8 @@ cheapest step first:
    and "memory_expand to read" (`working_context.masked`). Nothing else changes when that is
    enough.
 2. **Summaries.** The oldest verbatim turns give way to summaries from the tree: the compaction
-   point moves forward, never between a tool call and its results, and a new stable-memory
+   point moves forward, never between a tool call and its results (nor, while tool results
+   come in, past the question of their exchange: `exchange_start`), and a new stable-memory
    message (`StablePart`) lists, for the messages it took out, the coarsest summaries whose
    span lies within them and the segments that straddle its edges, each tagged `[#id]`, with
    the milestones among them verbatim. The point stops where the tree's segments end, when
@@ -61,7 +62,7 @@ from memory.recall.working_context import (
 from memory.schema import conversations, working_contexts
 from memory.stages import staged
 
-__all__ = ["Fixed", "build", "calls_start", "compact", "prepare", "swap"]
+__all__ = ["Fixed", "build", "calls_start", "compact", "exchange_start", "prepare", "swap"]
 
 SUMMARY_CAP: Final = prompt.BudgetSplit().summary_cap
 """Most tokens of one summary in stable memory (its `[#id]` opens the whole)."""
@@ -151,6 +152,18 @@ def calls_start(items: Sequence[Item], answers_calls: bool, end: int) -> int:
         if item.role != "tool":
             break
     return end
+
+
+def exchange_start(items: Sequence[Item], answers_calls: bool, end: int) -> int:
+    """Where a compaction had better stop: at the question of the exchange whose calls the new
+    messages answer (compacted, the model would get tool results and no word of what they are
+    for), when the verbatim turns hold it; else at `calls_start`."""
+    calls = calls_start(items, answers_calls, end)
+    for item in reversed(items):
+        if item.seq >= calls or item.role in ("assistant", "tool"):
+            continue
+        return item.seq if item.role == "user" else calls
+    return calls
 
 
 # -- compacting --------------------------------------------------------------------------------
@@ -296,7 +309,7 @@ async def build(
         model=model,
         fixed=fixed,
         end=end,
-        protect=calls_start(items, answers_calls, end),
+        protect=exchange_start(items, answers_calls, end),
         consolidate=start > 0,
     )
     return built, [item for item in items if item.seq >= built.verbatim_from]

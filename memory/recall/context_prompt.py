@@ -7,10 +7,11 @@ that does not fit its budget, in the caller's transaction:
    branched inside it or the model's tokenizer changed (`compaction.build`);
 2. when the prompt without its note would pass the high-water mark, the context is compacted
    (the compaction prepared in the background, when there is one and it is enough, else one
-   computed now); a prompt that does not fit the budget even so (the new messages take most of
-   it) is compacted as far as it goes, and sent without its stable memory if that still does
-   not fit; a turn that still does not fit (tool results whose call alone is too large) is
-   refused (`ContextOverflow`);
+   computed now), never past the question of the exchange whose calls the new messages answer;
+   a prompt that does not fit the budget even so (the new messages take most of it) is
+   compacted as far as it goes, and sent without its stable memory if that still does not fit,
+   keeping that question while it fits, and then only the call; a turn that still does not fit
+   (tool results whose call alone is too large) is refused (`ContextOverflow`);
 3. the new message is embedded meanwhile (`recall.embedder` may have started it while the turn
    was stored: `memory.recall.early`; again without the participants' names once the verbatim
    turns tell them, when it names one), and the recall note is chosen
@@ -107,32 +108,17 @@ async def build(
             )
         compacted = change == "compacted"
         if fixed.system + context.tokens + fixed.new > limit:
-            # Not even the low-water mark: as far as a compaction goes, then, for this turn
-            # alone, without stable memory.
-            state = await compaction.compact(
+            state, context = await _last_resort(
                 conn,
+                turn,
                 state,
                 items,
                 limit=limit,
-                policy=replace(policy, low=0.0),
-                model=model,
+                policy=policy,
                 fixed=fixed,
-                end=turn.first_seq,
-                protect=compaction.calls_start(items, answers_calls, turn.first_seq),
-                consolidate=True,
+                answers_calls=answers_calls,
             )
             compacted, change = True, "compacted"
-            context = wc.render(state, items, policy=policy, model=model)
-            if fixed.system + context.tokens + fixed.new > limit:
-                context = wc.render(replace(state, stable=()), items, policy=policy, model=model)
-            need = fixed.system + context.tokens + fixed.new
-            if need > limit:
-                # What is left is the call the new messages answer, which no compaction splits
-                # from them: sent as is, the prompt would pass the budget.
-                raise ContextOverflow(
-                    f"the system prompt, the new tool results and the tool call they answer "
-                    f"need {need} tokens, more than the budget of {limit} leaves for messages"
-                )
         scope = [turn.conversation_id, *related]
         participants = {item.name for item in items if item.name}
         unnamed = retrieval.without_names(query, participants) if vector_task else query
@@ -237,6 +223,54 @@ async def build(
     )
 
 
+async def _last_resort(
+    conn: AsyncConnection,
+    turn: StoredTurn,
+    state: wc.State,
+    items: list[wc.Item],
+    *,
+    limit: int,
+    policy: Policy,
+    fixed: Fixed,
+    answers_calls: bool,
+) -> tuple[wc.State, wc.Rendered]:
+    """A context that does not fit the budget even at the low-water mark (the new messages take
+    most of it), compacted as far as it goes, and rendered for this turn alone without stable
+    memory when that is what fits: first keeping the question of the exchange the new messages
+    continue, then only the call they answer. `ContextOverflow` when not even that fits."""
+    protects = dict.fromkeys(
+        (
+            compaction.exchange_start(items, answers_calls, turn.first_seq),
+            compaction.calls_start(items, answers_calls, turn.first_seq),
+        )
+    )
+    need = 0
+    for protect in protects:
+        state = await compaction.compact(
+            conn,
+            state,
+            items,
+            limit=limit,
+            policy=replace(policy, low=0.0),
+            model=turn.model,
+            fixed=fixed,
+            end=turn.first_seq,
+            protect=protect,
+            consolidate=True,
+        )
+        for shown in (state, replace(state, stable=())):
+            context = wc.render(shown, items, policy=policy, model=turn.model)
+            need = fixed.system + context.tokens + fixed.new
+            if need <= limit:
+                return state, context
+    # What is left is the call the new messages answer, which no compaction splits from them:
+    # sent as is, the prompt would pass the budget.
+    raise ContextOverflow(
+        f"the system prompt, the new tool results and the tool call they answer need {need} "
+        f"tokens, more than the budget of {limit} leaves for messages"
+    )
+
+
 async def _advance(
     conn: AsyncConnection,
     turn: StoredTurn,
@@ -275,7 +309,7 @@ async def _advance(
     context = wc.render(state, items, policy=policy, model=turn.model)
     if fixed.system + context.tokens + fixed.new <= policy.high * limit:
         return state, items, context, "kept"
-    protect = compaction.calls_start(items, answers_calls, turn.first_seq)
+    protect = compaction.exchange_start(items, answers_calls, turn.first_seq)
     swapped = compaction.swap(state)
     if swapped is not None and swapped.verbatim_from <= protect:
         context = wc.render(swapped, items, policy=policy, model=turn.model)
