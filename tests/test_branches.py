@@ -502,6 +502,54 @@ async def test_only_new_messages_sent_twice_are_a_retry_only_when_the_client_say
     ]
 
 
+@pytest.mark.parametrize(
+    ("named", "with_system"),
+    [(True, False), (True, True), (False, True)],
+    ids=["header-new-only", "header-resent", "no-header"],
+)
+async def test_a_question_resent_before_the_results_of_its_calls_is_stored_once(
+    http: httpx.Client,
+    engine: AsyncEngine,
+    upstream: UpstreamServer,
+    named: bool,
+    with_system: bool,
+) -> None:
+    """A client that names its conversation and sends the messages the conversation lacks
+    (the Vercel AI SDK's `conversation` option in a tool loop) sends the step's question again
+    with the results of the calls it drew. The results must follow their call, so a question
+    between them is not new: it is the one the call answers. Stored again, it sat between the
+    call and its results in every later prompt, an order chat completions refuse. A history
+    resent without the call branched the call away, and sent its results without it."""
+    system = unique("You call tools.")
+    headers = {HEADER: f"resent-question-{uuid.uuid4().hex}"} if named else {}
+    question = {"role": "user", "content": unique("add it up")}
+    upstream.script({"tool_calls": [{"name": "add", "arguments": '{"x":1}'}]})
+    [call] = reply_of(
+        chat(http, [{"role": "system", "content": system}, question], tools=TOOLS, headers=headers)
+    )["tool_calls"]
+    result = {"role": "tool", "tool_call_id": call["id"], "content": "2"}
+    opening = [{"role": "system", "content": system}] if with_system else []
+    chat(http, [*opening, question, result], tools=TOOLS, headers=headers)
+    [messages] = (await stored(engine, system)).values()
+    assert [(m["role"], m["content"]) for m in messages] == [
+        ("system", system),
+        ("user", question["content"]),
+        ("assistant", None),
+        ("tool", "2"),
+        ("assistant", "echo: " + question["content"]),
+    ]
+    assert not superseded(messages)
+    prompt = sent_prompts(upstream)[-1]
+    assert [m["role"] for m in prompt][-3:] == ["user", "assistant", "tool"]
+    assert valid_order(prompt)
+    if named:
+        # A question asked again after the answer is a new turn, as it always was.
+        chat(http, [question], tools=TOOLS, headers=headers)
+        [messages] = (await stored(engine, system)).values()
+        assert [m["role"] for m in messages][-2:] == ["user", "assistant"]
+        assert len(messages) == 7
+
+
 # -- branches --------------------------------------------------------------------------------
 
 

@@ -15,7 +15,8 @@ the gateway recorded (proof the client saw this conversation), or when it leaves
 branch within its latest exchange (from its last user message on) and holds a user message:
 a new chat that merely opens like an old one (the same system prompt) is not taken for it. A
 resent history whose system prompt changed (the time in it) is found by its turns alone
-(`memory.write.system_prompts`).
+(`memory.write.system_prompts`). Results of the head's tool calls sent after the messages before
+that call, without it, continue the head (`_results_for_the_head`): results follow their call.
 
 `identify` is the first step of the request path: it finds the conversation an incoming history
 belongs to (by the client's conversation id, else by the deepest stored message of its chain),
@@ -33,7 +34,7 @@ import hashlib
 import re
 import uuid
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from typing import Any
 
@@ -108,6 +109,7 @@ async def identify(
         found = placed
     else:
         found = await _match(conn, tenant_id=tenant_id, user=user, messages=messages, hashes=hashes)
+    found = await _results_for_the_head(conn, found, messages)
     if request is not None and not found.created:
         return await retries.as_retry(conn, found, len(messages), request, window) or found
     return found
@@ -438,6 +440,62 @@ def _after_head(row: AnyRow, messages: Sequence[Mapping[str, Any]], *, created: 
         parent=row.head_hash,
         parent_seq=row.head_seq,
         system_prompt=max(0, system_prompts.opening(messages) - start),
+    )
+
+
+_BEFORE_HEAD = text(
+    "SELECT seq, chain_hash, role, tool_calls FROM nodes WHERE conversation_id = :conversation_id "
+    "AND level = 0 AND superseded_at IS NULL AND seq <= :head_seq ORDER BY seq DESC LIMIT :n"
+)
+
+
+async def _results_for_the_head(
+    conn: AsyncConnection, found: Found, messages: Sequence[Mapping[str, Any]]
+) -> Found:
+    """`found`, unless the new messages are results of the head's tool calls that the history
+    sends after the messages before that call but without it (the Vercel AI SDK's
+    `conversation` option resends the question so): results must follow their call, so they
+    continue the head, and what precedes them is the stored exchange, not new messages."""
+    row = found.row
+    first = next(
+        (i for i in range(found.start, len(messages)) if messages[i].get("role") == "tool"), None
+    )
+    if first is None or row.head_hash is None or found.system_prompt:
+        return found
+    if first and messages[first - 1].get("role") == "assistant":
+        return found  # its own call: a history in order
+    if found.branch is None and found.start == first:
+        return found  # the results alone, after the head
+    resent = messages[found.start : first] if found.branch is None else []
+    if found.branch is not None and (found.start != first or found.branch.restore):
+        return found
+    rows = list(
+        await conn.execute(
+            _BEFORE_HEAD,
+            {"conversation_id": row.id, "head_seq": row.head_seq, "n": len(resent) + 2},
+        )
+    )[::-1]
+    head = rows[-1] if rows else None
+    calls = {call.get("id") for call in (head.tool_calls or [])} if head is not None else set()
+    if (
+        head is None
+        or head.chain_hash != row.head_hash
+        or messages[first].get("tool_call_id") not in calls
+    ):
+        return found
+    before = rows[:-1]
+    if found.branch is not None:
+        # Forked right before the head, which the history left out: no branch at all.
+        if found.parent_seq != (before[-1].seq if before else None):
+            return found
+    else:
+        parent = before[0].chain_hash if len(before) > len(resent) else chains.ROOT_HASH
+        stored = [r.chain_hash for r in before[len(before) - len(resent) :]]
+        if chains.chain(resent, parent=parent) != stored:
+            return found
+    # Not `whole`: the history lacks the call, so the prompt is read from what is stored.
+    return replace(
+        found, start=first, parent=row.head_hash, parent_seq=row.head_seq, branch=None, whole=False
     )
 
 
