@@ -181,6 +181,27 @@ def test_five_turns_through_previous_response_id(
     assert items[0].content[0].text == texts[-1]  # type: ignore[union-attr]
 
 
+def test_a_working_context_names_no_memory_tool_where_none_is_offered(
+    way: Way, client: openai.OpenAI
+) -> None:
+    """The Responses API is not offered the memory tools: a conversation past its budget is
+    sent its working context without the hints stable memory holds for them ("memory_browse
+    … reads them", "memory_expand opens a [#id]"), which pointed the model at tools it could
+    not call."""
+    previous: str | None = None
+    for n in range(12):
+        extra: dict[str, Any] = {"previous_response_id": previous} if previous else {}
+        previous = client.responses.create(
+            model="gpt-4o-mini",
+            input=unique(f"turn {n}: " + "a long and winding story of the harbour " * 12),
+            extra_headers={"X-Memstrata-Budget": "1000"},
+            **extra,
+        ).id
+    prompts = [json.dumps(prompt) for prompt in way.prompts()]
+    assert any("[Memory" in prompt for prompt in prompts)  # past the budget: stable memory
+    assert not any("memory_" in prompt for prompt in prompts)
+
+
 def test_whole_input_resent_is_stored_once(
     way: Way, client: openai.OpenAI, http: httpx.Client
 ) -> None:

@@ -45,7 +45,7 @@ from memory.build.segments import SegmentPolicy
 from memory.build.summarize import ExtractiveSummarizer
 from memory.embeddings import LocalEmbedder
 from memory.errors import ContextOverflow
-from memory.recall import anticipation, browsing, explain, recall_note, tools
+from memory.recall import anticipation, browsing, explain, recall_note, tool_hints, tools
 from memory.recall import working_context as wc
 from memory.recall.assemble import Assembled, Budget, Recall, StoredTurn, assemble
 from memory.recall.working_context import Policy
@@ -102,9 +102,11 @@ class Conversation:
         recall: Recall,
         branched_at: int | None = None,
         explained: bool = False,
+        tools_guide: bool = True,
     ) -> Assembled:
         """Store `new` and assemble its prompt in one transaction (the row lock held);
-        `explained`: with why the note quotes each message."""
+        `explained`: with why the note quotes each message; `tools_guide`: the memory tools
+        are offered."""
         async with self.engine.begin() as conn:
             appended = await store.append(
                 conn,
@@ -131,7 +133,7 @@ class Conversation:
                 stored,
                 Budget(limit=limit, reserved=0),
                 recall,
-                tools_guide=False,
+                tools_guide=tools_guide,
                 explained=explained,
             )
 
@@ -516,6 +518,18 @@ async def test_masked_tool_results_expand_back_to_the_original(
     assert placeholders
     # The newest results (the fresh tail) stay whole.
     assert assembled.messages[-1]["content"] == results["call_23"]
+    # A turn not offered the memory tools gets the same prompt without their hints.
+    bare, costs = tool_hints.without(
+        assembled.messages, assembled.labels, assembled.counts, model=MODEL
+    )
+    assert "memory_" in json.dumps(assembled.messages) and "memory_" not in json.dumps(bare)
+    assert costs == tokens.count_each(bare, model=MODEL) and sum(costs) < sum(assembled.counts)
+    assert [m["role"] for m in bare] == [m["role"] for m in assembled.messages]
+    assert all(
+        re.fullmatch(r"\[#\d+ tool result, [\d,]+ tokens, masked\]", bare[i]["content"])
+        for i, m in enumerate(assembled.messages)
+        if m["role"] == "tool" and m["content"].endswith("memory_expand to read]")
+    )
     found, call = placeholders[0]
     scope = await _scope(engine, tenant_id, conversation.id)
     async with engine.begin() as conn:

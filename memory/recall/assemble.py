@@ -35,7 +35,7 @@ from memory import tokens
 from memory.db import transaction
 from memory.embeddings import Embedder
 from memory.errors import ContextOverflow
-from memory.recall import context_prompt, explain, prompt, reuse, working_context
+from memory.recall import context_prompt, explain, prompt, reuse, tool_hints, working_context
 from memory.recall.recall_note import embed_query, note_query, query_of, related_conversations
 from memory.recall.working_context import Policy
 from memory.schema import conversations
@@ -258,9 +258,10 @@ async def assemble(
     transaction, which holds the conversation's row lock when `persist` (the working context
     is saved with the turn; a dry run saves nothing).
 
-    The messages and `budget.reserved` together stay within the budget. `tools_guide` tells a
-    rebuilt memory message to say how to use the memory tools (when they are offered);
-    `explained` says why each recalled message was picked."""
+    The messages and `budget.reserved` together stay within the budget. `tools_guide`: the
+    memory tools are offered, so a rebuilt memory message says how to use them, and a working
+    context keeps its hints of them (`tool_hints`); `explained` says why each recalled message
+    was picked."""
     stored_tokens, user = turn.stored_tokens, turn.user
     if stored_tokens is None:
         stored_tokens, user = await _token_count_and_user(conn, turn)
@@ -329,10 +330,13 @@ async def assemble(
         persist=persist,
         explained=explained,
     )
+    messages, counts = context.messages, context.counts
+    if not tools_guide:
+        messages, counts = tool_hints.without(messages, context.labels, counts, model=turn.model)
     return _measured(
         turn,
-        context.messages,
-        context.counts,
+        messages,
+        counts,
         context.labels,
         full=full,
         rebuilt=True,

@@ -45,7 +45,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from memory import tokens
 from memory.db import transaction
-from memory.recall import prompt, retrieval
+from memory.recall import prompt, retrieval, tool_hints
 from memory.recall.memory_block import MemoryBlock
 from memory.recall.working_context import (
     Item,
@@ -362,8 +362,7 @@ async def _part(
         or (row.id not in inside and row.level == 1)
     ]
     header = (
-        f"[Memory: messages {start}-{end - 1} of this conversation, summarized; memory_expand "
-        "opens a [#id].]"
+        f"[Memory: messages {start}-{end - 1} of this conversation, summarized{tool_hints.EXPAND}.]"
     )
     return await _write(
         conn, state, chosen, header, start, end, room=int(policy.stable * limit), enc=enc
@@ -433,8 +432,7 @@ async def _write(
             block.add_milestone(hit)
     lines = [header, block.render()] if block.summaries or block.milestones else [header]
     lines += [
-        f"[Messages {first}-{last} are not summarized here: memory_browse (level 0, start "
-        f"{first}, end {last}) reads them.]"
+        f"[Messages {first}-{last} are not summarized here{tool_hints.browse(first, last)}.]"
         for first, last in _gaps(summaries, start, end)
     ]
     body = "\n".join(line for line in lines if line)

@@ -42,7 +42,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 
 from memory import tokens
 from memory.errors import ContextOverflow
-from memory.recall import explain, fusion, retrieval
+from memory.recall import explain, fusion, retrieval, tool_hints
 from memory.recall.memory_block import MemoryBlock
 from memory.stages import staged
 from memory.write import store
@@ -79,10 +79,7 @@ MODEL_LIMITS: Final[Mapping[str, tuple[int, int]]] = {
     "o4": (200_000, 100_000),
 }
 
-TOOLS_GUIDE: Final = (
-    "Tools: memory_search finds more, memory_expand opens a [#id], memory_browse lists "
-    "summaries, memory_find matches exact text."
-)
+TOOLS_GUIDE: Final = tool_hints.GUIDE
 """How the memory message tells the model to use the memory tools."""
 
 

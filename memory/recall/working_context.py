@@ -46,6 +46,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 
 from memory import tokens
 from memory.db import AnyRow
+from memory.recall import tool_hints
 from memory.schema import working_contexts
 from memory.write import appends, store
 
@@ -255,7 +256,7 @@ def masked(item: Item) -> dict[str, Any]:
     return {
         "role": "tool",
         "content": (
-            f"[#{item.node_id} tool result, {item.tokens:,} tokens, masked: memory_expand to read]"
+            f"[#{item.node_id} tool result, {item.tokens:,} tokens, masked{tool_hints.MASKED}]"
         ),
         "tool_call_id": item.message.get("tool_call_id"),
     }
