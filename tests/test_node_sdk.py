@@ -1,7 +1,8 @@
-"""End to end: the openai Node SDK (`node`, `tests/node/client.mjs`) as a client of a gateway
-process in front of the fake upstream: chat completions and the Responses API, streamed and not.
+"""End to end: the openai Node SDK (`node`, `tests/node/client.mjs`) and the Vercel AI SDK
+(`tests/node/ai_sdk.mjs`) as clients of a gateway process in front of the fake upstream: chat
+completions and the Responses API, streamed and not.
 
-The SDK is installed from npm into `tests/node/node_modules` (`npm ci`, pinned by
+The SDKs are installed from npm into `tests/node/node_modules` (`npm ci`, pinned by
 `tests/node/package-lock.json`) the first time the test runs. The test is skipped, saying why,
 only where `node` or `npm` is missing or npm cannot reach its registry.
 """
@@ -13,6 +14,7 @@ import subprocess
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -29,7 +31,8 @@ def node_sdk() -> str:
     node, npm = shutil.which("node"), shutil.which("npm")
     if node is None or npm is None:
         pytest.skip("the openai Node SDK test needs node and npm, which are not installed")
-    if not (NODE_PROJECT / "node_modules" / "openai").is_dir():
+    wanted = json.loads((NODE_PROJECT / "package.json").read_text())["dependencies"]
+    if not all((NODE_PROJECT / "node_modules" / name).is_dir() for name in wanted):
         installed = subprocess.run(
             [npm, "ci", "--no-audit", "--no-fund"],
             cwd=NODE_PROJECT,
@@ -39,7 +42,7 @@ def node_sdk() -> str:
             check=False,
         )
         if installed.returncode != 0:
-            pytest.skip(f"npm could not install the openai Node SDK:\n{installed.stderr[-2000:]}")
+            pytest.skip(f"npm could not install the Node SDKs:\n{installed.stderr[-2000:]}")
     return node
 
 
@@ -91,4 +94,75 @@ def test_the_node_sdk_chats_and_responds_through_the_gateway(
         f"node responses two {tag}",
         out["responses"][1],
         f"node responses three {tag}",
+    ]
+
+
+def run_node(node: str, script: str, gw: GatewayProcess, tag: str) -> Any:
+    run = subprocess.run(
+        [node, str(NODE_PROJECT / script)],
+        env={**os.environ, "GATEWAY_URL": gw.url, "TAG": tag},
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert run.returncode == 0, run.stderr
+    return json.loads(run.stdout)
+
+
+def pairs(messages: list[dict[str, Any]]) -> list[tuple[str, Any]]:
+    """(role, text) of each stored message, a list of text parts read as its text."""
+    return [
+        (
+            m["role"],
+            "\n".join(p["text"] for p in m["content"])
+            if isinstance(m["content"], list)
+            else m["content"],
+        )
+        for m in messages
+    ]
+
+
+def test_the_vercel_ai_sdk_keeps_one_conversation_with_each_message_once(
+    node_sdk: str, gateway: tuple[UpstreamServer, GatewayProcess]
+) -> None:
+    """The AI SDK's Responses provider sends an earlier reply back as an `item_reference` (it
+    was refused: every chat failed on its second turn), and with `conversation` its tool loop
+    resends the step's question with the results (it was stored again, between the call and
+    its results)."""
+    upstream, gw = gateway
+    tag = uuid.uuid4().hex
+    upstream.script(
+        {
+            "match": f"weather in Kyiv {tag}",
+            "reply": "Checking.",
+            "tool_calls": [{"name": "weather", "arguments": {"city": "Kyiv"}}],
+        }
+    )
+    out = run_node(node_sdk, "ai_sdk.mjs", gw, tag)
+    chat = [f"ai chat {word} {tag}" for word in ("one", "two", "three")]
+    assert out["chat"] == [f"echo: {text}" for text in chat]
+    [conversation] = out["chatConversations"]
+    with httpx.Client(base_url=gw.root_url, timeout=10) as http:
+        stored = http.get(f"/admin/conversations/{conversation}/messages").json()["messages"]
+        named = http.get(f"/admin/conversations/ai-named-{tag}/messages").json()["messages"]
+    assert pairs(stored) == [
+        ("system", "Be brief."),
+        *(
+            (role, text)
+            for question in chat
+            for role, text in (("user", question), ("assistant", f"echo: {question}"))
+        ),
+    ]
+    asked = [f"hello {tag}", f"weather in Kyiv {tag}", f"thanks {tag}"]
+    assert out["named"] == [f"echo: {text}" for text in asked]
+    assert pairs(named) == [
+        ("user", asked[0]),
+        ("assistant", out["named"][0]),
+        ("user", asked[1]),
+        ("assistant", "Checking."),
+        ("tool", "sunny in Kyiv"),
+        ("assistant", out["named"][1]),
+        ("user", asked[2]),
+        ("assistant", out["named"][2]),
     ]
