@@ -55,13 +55,9 @@ def gateway(database_url: str) -> Iterator[tuple[UpstreamServer, GatewayProcess]
         yield upstream, gw
 
 
-def test_the_node_sdk_chats_and_responds_through_the_gateway(
-    node_sdk: str, gateway: tuple[UpstreamServer, GatewayProcess]
-) -> None:
-    upstream, gw = gateway
-    tag = uuid.uuid4().hex
+def run_node(node: str, script: str, gw: GatewayProcess, tag: str) -> Any:
     run = subprocess.run(
-        [node_sdk, str(NODE_PROJECT / "client.mjs")],
+        [node, str(NODE_PROJECT / script)],
         env={**os.environ, "GATEWAY_URL": gw.url, "TAG": tag},
         capture_output=True,
         text=True,
@@ -69,7 +65,15 @@ def test_the_node_sdk_chats_and_responds_through_the_gateway(
         check=False,
     )
     assert run.returncode == 0, run.stderr
-    out = json.loads(run.stdout)
+    return json.loads(run.stdout)
+
+
+def test_the_node_sdk_chats_and_responds_through_the_gateway(
+    node_sdk: str, gateway: tuple[UpstreamServer, GatewayProcess]
+) -> None:
+    upstream, gw = gateway
+    tag = uuid.uuid4().hex
+    out = run_node(node_sdk, "client.mjs", gw, tag)
 
     assert out["chat"] == f"echo: node chat {tag}"
     assert out["chatStream"] == f"echo: node stream {tag}"
@@ -95,19 +99,6 @@ def test_the_node_sdk_chats_and_responds_through_the_gateway(
         out["responses"][1],
         f"node responses three {tag}",
     ]
-
-
-def run_node(node: str, script: str, gw: GatewayProcess, tag: str) -> Any:
-    run = subprocess.run(
-        [node, str(NODE_PROJECT / script)],
-        env={**os.environ, "GATEWAY_URL": gw.url, "TAG": tag},
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
-    assert run.returncode == 0, run.stderr
-    return json.loads(run.stdout)
 
 
 def pairs(messages: list[dict[str, Any]]) -> list[tuple[str, Any]]:
