@@ -355,6 +355,30 @@ async def test_results_that_leave_no_room_for_memory_keep_their_question(
     assert ("stable" in assembled.labels) is (size < 100)
 
 
+async def test_a_new_question_lets_the_compaction_take_the_exchange_before_it(
+    engine: AsyncEngine, tenant_id: int
+) -> None:
+    """Only tool results hold their exchange back from a compaction. After a long answer, a new
+    question compacts that answer too, and the context comes back under the low-water mark.
+    Before, every turn kept the exchange before it whole: a long one held the context over the
+    mark, to be compacted again on the next turn."""
+    conversation = await Conversation.start(engine, tenant_id, synthetic.messages(10, seed=5))
+    policy = Policy(low=0.3, high=0.7, note=0.0, keep_notes=False)
+    recall = Recall(embedder=EMBEDDER, policy=policy)
+    first = await conversation.turn(
+        [{"role": "user", "content": "tell me all of it"}], limit=500, recall=recall
+    )
+    answer = {"role": "assistant", "content": " ".join(["alpha salary offer candidate"] * 50)}
+    await conversation.reply(answer, first)
+    assembled = await conversation.turn(
+        [{"role": "user", "content": "and what comes next?"}], limit=500, recall=recall
+    )
+    check_prompt(assembled, 500)
+    assert assembled.context_version is not None
+    assert answer not in assembled.messages
+    assert assembled.tokens <= policy.low * 500
+
+
 async def test_a_call_too_large_for_the_budget_with_its_results_is_refused(
     engine: AsyncEngine, tenant_id: int
 ) -> None:

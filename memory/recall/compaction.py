@@ -159,6 +159,9 @@ def exchange_start(items: Sequence[Item], answers_calls: bool, end: int) -> int:
     messages answer (compacted, the model would get tool results and no word of what they are
     for), when the verbatim turns hold it; else at `calls_start`."""
     calls = calls_start(items, answers_calls, end)
+    if calls == end:
+        # No call to answer: nothing before the new messages is held back.
+        return calls
     for item in reversed(items):
         if item.seq >= calls or item.role in ("assistant", "tool"):
             continue
