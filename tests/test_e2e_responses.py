@@ -279,10 +279,11 @@ def test_a_reply_resent_as_an_item_reference_is_the_stored_reply(
         ("assistant", f"echo: {second}"),
     ]
     # Translated, the upstream gets the reply's text; an upstream serving the Responses API
-    # gets the input as the client sent it, its own item's id included.
+    # gets the stored item in place of its reference (before, the reference, which only an
+    # upstream keeping that response could read).
     sent = way.prompts()[-1]
     if way.name == "forward":
-        assert sent == history
+        assert sent == [history[0], said.model_dump(exclude_none=True), *history[2:]]
     else:
         assert {"role": "assistant", "content": "Let me look."} in [
             {key: m.get(key) for key in ("role", "content")} for m in sent
@@ -824,6 +825,7 @@ def test_a_background_response_runs_in_the_foreground(
     assert made.status == "completed" and made.output_text == f"echo: {text}"
     polled = client.responses.retrieve(made.id)
     assert polled.status == "completed" and polled.output_text == f"echo: {text}"
+    assert polled.background is True
     assert all("background" not in r["body"] for r in way.upstream.requests(way.path))
     assert stored(http, raw.headers[HEADER]) == [("user", text), ("assistant", f"echo: {text}")]
     # Cancelling it (a client that gave up waiting) finds it already finished: it answers the
@@ -835,3 +837,7 @@ def test_a_background_response_runs_in_the_foreground(
     assert not any(r["path"].endswith("/cancel") for r in way.upstream.requests())
     with pytest.raises(openai.NotFoundError):
         client.responses.cancel("resp_" + uuid.uuid4().hex)
+    # A response not asked for in the background cannot be cancelled, as on OpenAI: 400.
+    foreground = client.responses.create(model="gpt-4o-mini", input=unique("right away"))
+    with pytest.raises(openai.BadRequestError, match="background=true"):
+        client.responses.cancel(foreground.id)

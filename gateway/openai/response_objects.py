@@ -39,8 +39,12 @@ async def retrieve(state: State, *, tenant_id: int, response_id: str) -> dict[st
 
 
 async def cancel(state: State, *, tenant_id: int, response_id: str) -> dict[str, Any]:
-    """`POST /v1/responses/{id}/cancel`: the response, already finished, as it is."""
-    return await retrieve(state, tenant_id=tenant_id, response_id=response_id)
+    """`POST /v1/responses/{id}/cancel`: the response, already finished, as it is; 400 for
+    one not asked for in the background, which OpenAI never lets a client cancel."""
+    found = await retrieve(state, tenant_id=tenant_id, response_id=response_id)
+    if found.get("background") is not True:
+        raise GatewayError(400, "Only responses created with background=true can be cancelled.")
+    return found
 
 
 async def input_items(

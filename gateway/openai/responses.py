@@ -120,6 +120,9 @@ class ResponseTurn(Turn):
     streamed: ResponseReply | None = None
     degraded: bool = False
     """Forwarded without memory, the database being down (fail-open)."""
+    background: bool = False
+    """Asked for with `background: true` (and run in the foreground): the stored response
+    says so, which is what lets a client cancel it."""
 
     def headers(self) -> dict[str, str]:
         headers = super().headers()
@@ -139,6 +142,8 @@ class ResponseTurn(Turn):
         body = self.streamed.response() if self.streamed is not None else self.response
         if body is None or not isinstance(body.get("id"), str):
             return
+        if self.background:
+            body = {**body, "background": True}
         await stored_responses.save(
             conn,
             tenant_id=self.tenant_id,
@@ -159,8 +164,12 @@ async def create(request: Request, state: State, *, tenant_id: int) -> Response:
         parsed = ResponsesRequest.model_validate(body)
     except ValidationError as exc:
         raise RequestValidationError(exc.errors()) from exc
-    messages = translate.input_messages(body, await _referenced(state, tenant_id, body))
-    if body.get("background") is True:
+    # An earlier reply named by its id goes on as the stored item: the upstream need not keep
+    # responses (a stateless one, or another account than the one that made it).
+    body = translate.dereferenced(body, await _referenced(state, tenant_id, body))
+    messages = translate.input_messages(body)
+    background = body.get("background") is True
+    if background:
         # Run in the foreground: the reply is recorded as it comes, and the answer is the
         # finished response, which a client polling for it then reads back as stored.
         body = {key: value for key, value in body.items() if key != "background"}
@@ -193,6 +202,7 @@ async def create(request: Request, state: State, *, tenant_id: int) -> Response:
         started=started,
         store=parsed.store is not False,
         input_items=translate.stored_items(body),
+        background=background,
     )
     previous = parsed.previous_response_id
     # What tells a retry of this request from a new one, as on the chat path: the SDKs retry

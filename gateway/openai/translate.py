@@ -84,17 +84,14 @@ def _invalid(message: str, param: str = "input") -> GatewayError:
 # -- items → chat messages ---------------------------------------------------------------------
 
 
-def input_messages(
-    body: Mapping[str, Any], referenced: Mapping[str, Item] | None = None
-) -> list[Message]:
-    """The chat messages a Responses request stands for: its instructions, then its input, each
-    `item_reference` read as the item of `referenced` it names."""
+def input_messages(body: Mapping[str, Any]) -> list[Message]:
+    """The chat messages a Responses request stands for: its instructions, then its input
+    (with no `item_reference` left: see `dereferenced`)."""
     instructions = body.get("instructions")
     if instructions is not None and not isinstance(instructions, str):
         raise _invalid("instructions must be a string", "instructions")
     messages = [instructions_message(instructions)] if instructions else []
-    items = input_item_list(body.get("input"))
-    return [*messages, *items_to_messages(_dereferenced(items, referenced or {}))]
+    return [*messages, *items_to_messages(input_item_list(body.get("input")))]
 
 
 def references(body: Mapping[str, Any]) -> list[str]:
@@ -113,11 +110,17 @@ def references(body: Mapping[str, Any]) -> list[str]:
     return ids
 
 
-def _dereferenced(items: Sequence[Item], referenced: Mapping[str, Item]) -> list[Item]:
-    """`items`, each `item_reference` replaced by the item it names."""
+def dereferenced(body: dict[str, Any], referenced: Mapping[str, Item]) -> dict[str, Any]:
+    """`body` with each `item_reference` of its input replaced by the item of `referenced` it
+    names; `body` itself when it holds none."""
+    raw = body.get("input")
+    if not isinstance(raw, list) or not any(
+        isinstance(item, dict) and item.get("type") == "item_reference" for item in raw
+    ):
+        return body
     resolved = []
-    for index, item in enumerate(items):
-        if item.get("type") == "item_reference":
+    for index, item in enumerate(raw):
+        if isinstance(item, dict) and item.get("type") == "item_reference":
             found = referenced.get(str(item.get("id")))
             if found is None:
                 raise _invalid(
@@ -126,7 +129,7 @@ def _dereferenced(items: Sequence[Item], referenced: Mapping[str, Item]) -> list
                 )
             item = found
         resolved.append(item)
-    return resolved
+    return {**body, "input": resolved}
 
 
 def instructions_message(instructions: str) -> Message:
