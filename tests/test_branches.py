@@ -523,31 +523,41 @@ async def test_a_question_resent_before_the_results_of_its_calls_is_stored_once(
     system = unique("You call tools.")
     headers = {HEADER: f"resent-question-{uuid.uuid4().hex}"} if named else {}
     question = {"role": "user", "content": unique("add it up")}
-    upstream.script({"tool_calls": [{"name": "add", "arguments": '{"x":1}'}]})
+    upstream.script(
+        {"tool_calls": [{"name": "add", "arguments": '{"x":1}'}]},
+        {"tool_calls": [{"name": "add", "arguments": '{"x":2}'}]},
+    )
     [call] = reply_of(
         chat(http, [{"role": "system", "content": system}, question], tools=TOOLS, headers=headers)
     )["tool_calls"]
     result = {"role": "tool", "tool_call_id": call["id"], "content": "2"}
     opening = [{"role": "system", "content": system}] if with_system else []
-    chat(http, [*opening, question, result], tools=TOOLS, headers=headers)
+    [second] = reply_of(chat(http, [*opening, question, result], tools=TOOLS, headers=headers))[
+        "tool_calls"
+    ]
+    # A second step: the results of both calls, without either call.
+    again = {"role": "tool", "tool_call_id": second["id"], "content": "3"}
+    chat(http, [*opening, question, result, again], tools=TOOLS, headers=headers)
     [messages] = (await stored(engine, system)).values()
     assert [(m["role"], m["content"]) for m in messages] == [
         ("system", system),
         ("user", question["content"]),
         ("assistant", None),
         ("tool", "2"),
+        ("assistant", None),
+        ("tool", "3"),
         ("assistant", "echo: " + question["content"]),
     ]
     assert not superseded(messages)
     prompt = sent_prompts(upstream)[-1]
-    assert [m["role"] for m in prompt][-3:] == ["user", "assistant", "tool"]
+    assert [m["role"] for m in prompt][-5:] == ["user", "assistant", "tool", "assistant", "tool"]
     assert valid_order(prompt)
     if named:
         # A question asked again after the answer is a new turn, as it always was.
         chat(http, [question], tools=TOOLS, headers=headers)
         [messages] = (await stored(engine, system)).values()
         assert [m["role"] for m in messages][-2:] == ["user", "assistant"]
-        assert len(messages) == 7
+        assert len(messages) == 9
 
 
 # -- branches --------------------------------------------------------------------------------

@@ -123,13 +123,14 @@ def test_the_vercel_ai_sdk_keeps_one_conversation_with_each_message_once(
     its results)."""
     upstream, gw = gateway
     tag = uuid.uuid4().hex
-    upstream.script(
-        {
-            "match": f"weather in Kyiv {tag}",
-            "reply": "Checking.",
-            "tool_calls": [{"name": "weather", "arguments": {"city": "Kyiv"}}],
-        }
-    )
+    for reply, city in (("Checking.", "Kyiv"), ("And Lviv.", "Lviv")):
+        upstream.script(
+            {
+                "match": f"weather in Kyiv {tag}",
+                "reply": reply,
+                "tool_calls": [{"name": "weather", "arguments": {"city": city}}],
+            }
+        )
     out = run_node(node_sdk, "ai_sdk.mjs", gw, tag)
     chat = [f"ai chat {word} {tag}" for word in ("one", "two", "three")]
     assert out["chat"] == [f"echo: {text}" for text in chat]
@@ -153,6 +154,8 @@ def test_the_vercel_ai_sdk_keeps_one_conversation_with_each_message_once(
         ("user", asked[1]),
         ("assistant", "Checking."),
         ("tool", "sunny in Kyiv"),
+        ("assistant", "And Lviv."),
+        ("tool", "sunny in Lviv"),
         ("assistant", out["named"][1]),
         ("user", asked[2]),
         ("assistant", out["named"][2]),

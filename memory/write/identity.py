@@ -16,7 +16,8 @@ branch within its latest exchange (from its last user message on) and holds a us
 a new chat that merely opens like an old one (the same system prompt) is not taken for it. A
 resent history whose system prompt changed (the time in it) is found by its turns alone
 (`memory.write.system_prompts`). Results of the head's tool calls sent after the messages before
-that call, without it, continue the head (`_results_for_the_head`): results follow their call.
+that call, without it (and without the calls of earlier steps), continue the head
+(`_results_for_the_head`): results follow their call.
 
 `identify` is the first step of the request path: it finds the conversation an incoming history
 belongs to (by the client's conversation id, else by the deepest stored message of its chain),
@@ -452,51 +453,90 @@ _BEFORE_HEAD = text(
 async def _results_for_the_head(
     conn: AsyncConnection, found: Found, messages: Sequence[Mapping[str, Any]]
 ) -> Found:
-    """`found`, unless the new messages are results of the head's tool calls that the history
-    sends after the messages before that call but without it (the Vercel AI SDK's
-    `conversation` option resends the question so): results must follow their call, so they
-    continue the head, and what precedes them is the stored exchange, not new messages."""
+    """`found`, unless the new messages end with results of the head's tool calls that the
+    history sends after the messages before that call but without it (the Vercel AI SDK's
+    `conversation` option resends the step's question so, and every earlier step's results
+    without their calls): results must follow their call, so they continue the head, and what
+    precedes them is the stored exchange, not new messages."""
     row = found.row
-    first = next(
-        (i for i in range(found.start, len(messages)) if messages[i].get("role") == "tool"), None
-    )
-    if first is None or row.head_hash is None or found.system_prompt:
+    run = _last_results(messages, found.start)
+    if run is None or row.head_hash is None or found.system_prompt:
         return found
-    if first and messages[first - 1].get("role") == "assistant":
+    if run and messages[run - 1].get("role") == "assistant":
         return found  # its own call: a history in order
-    if found.branch is None and found.start == first:
+    if found.branch is None and found.start == run:
         return found  # the results alone, after the head
-    resent = messages[found.start : first] if found.branch is None else []
-    if found.branch is not None and (found.start != first or found.branch.restore):
+    if found.branch is not None and (found.start != run or found.branch.restore):
         return found
+    # Each resent message may come without the call before it: read twice as many, and one.
+    limit = 2 * (len(messages) - found.start) + 2
     rows = list(
         await conn.execute(
-            _BEFORE_HEAD,
-            {"conversation_id": row.id, "head_seq": row.head_seq, "n": len(resent) + 2},
+            _BEFORE_HEAD, {"conversation_id": row.id, "head_seq": row.head_seq, "n": limit}
         )
     )[::-1]
     head = rows[-1] if rows else None
-    calls = {call.get("id") for call in (head.tool_calls or [])} if head is not None else set()
-    if (
-        head is None
-        or head.chain_hash != row.head_hash
-        or messages[first].get("tool_call_id") not in calls
-    ):
+    if head is None or head.chain_hash != row.head_hash:
+        return found
+    calls = {call.get("id") for call in (head.tool_calls or [])}
+    first = next(
+        (i for i in range(run, len(messages)) if messages[i].get("tool_call_id") in calls), None
+    )
+    if first is None:
         return found
     before = rows[:-1]
+    index = _resent_start(messages[found.start : first], before, whole=len(rows) < limit)
+    if index is None:
+        return found
     if found.branch is not None:
-        # Forked right before the head, which the history left out: no branch at all.
-        if found.parent_seq != (before[-1].seq if before else None):
-            return found
-    else:
-        parent = before[0].chain_hash if len(before) > len(resent) else chains.ROOT_HASH
-        stored = [r.chain_hash for r in before[len(before) - len(resent) :]]
-        if chains.chain(resent, parent=parent) != stored:
+        # Forked right before the head, or before the calls the history left out: no branch.
+        while index and before[index - 1].role == "assistant" and before[index - 1].tool_calls:
+            index -= 1
+        if found.parent_seq != (before[index - 1].seq if index else None):
             return found
     # Not `whole`: the history lacks the call, so the prompt is read from what is stored.
     return replace(
         found, start=first, parent=row.head_hash, parent_seq=row.head_seq, branch=None, whole=False
     )
+
+
+def _last_results(messages: Sequence[Mapping[str, Any]], start: int) -> int | None:
+    """Where the last run of tool results from `start` on begins; None when there is none."""
+    end = next(
+        (
+            i + 1
+            for i in range(len(messages) - 1, start - 1, -1)
+            if messages[i].get("role") == "tool"
+        ),
+        None,
+    )
+    if end is None:
+        return None
+    run = end - 1
+    while run > start and messages[run - 1].get("role") == "tool":
+        run -= 1
+    return run
+
+
+def _resent_start(
+    resent: Sequence[Mapping[str, Any]], before: Sequence[Any], *, whole: bool
+) -> int | None:
+    """Where in `before` (the stored messages before the head) the messages `resent` stand for
+    begin, each the next stored one but for assistant messages with tool calls (left out with
+    the calls of earlier steps); `len(before)` for none, None when they are not stored so.
+    `whole`: `before` starts at the conversation's first message."""
+    index = len(before)
+    for message in reversed(resent):
+        while True:
+            index -= 1
+            if index < 0:
+                return None
+            parent = before[index - 1].chain_hash if index else chains.ROOT_HASH
+            if (index or whole) and chains.chain_hash(parent, message) == before[index].chain_hash:
+                break
+            if not (before[index].role == "assistant" and before[index].tool_calls):
+                return None
+    return index
 
 
 async def _path(
