@@ -654,6 +654,30 @@ def test_tools_not_offered(
     assert sent["body"] == body
 
 
+@pytest.mark.parametrize(("budget", "offered"), [("400", False), ("700", True)])
+def test_a_budget_too_small_for_the_memory_tools_goes_without_them(
+    http: httpx.Client, upstream: UpstreamServer, budget: str, offered: bool
+) -> None:
+    """The memory tools' definitions take 300 tokens: at a budget of 400 the room kept for them
+    left a short question with a tool of the client's no room, and it was refused (400,
+    `context_length_exceeded`). Such a budget goes to the messages, without the tools; one
+    that leaves the messages room beside them still offers them."""
+    weather = {
+        "type": "function",
+        "function": {"name": "weather", "parameters": {"type": "object", "properties": {}}},
+    }
+    question = {"role": "user", "content": unique("what is the weather like " * 10)}
+    response = http.post(
+        CHAT,
+        json={"model": "m", "messages": [question], "tools": [weather]},
+        headers={HEADER: new_conversation(), "X-Memstrata-Budget": budget},
+    )
+    assert response.status_code == 200, response.text
+    [sent] = upstream.requests(CHAT)
+    assert tool_names(sent["body"]) == (["weather", *MEMORY_TOOLS] if offered else ["weather"])
+    assert sent["body"]["messages"][-1] == question
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_tool_call_named_by_a_non_string_is_relayed_not_a_crash(
     http: httpx.Client, upstream: UpstreamServer, stream: bool

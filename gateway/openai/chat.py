@@ -78,12 +78,11 @@ async def complete(request: Request, state: State, *, tenant_id: int) -> Respons
     header = request.headers.get(CONVERSATION_HEADER)
     external_id = identity.validate_conversation_id(header) if header is not None else None
     # Room kept for the memory tools' definitions, when the gateway offers them.
-    tools_room = toolloop.reserved_tokens(state.settings, body)
     budget = Budget.of(
         body,
         budget_rules(state.settings),
         requested=parse_budget(request.headers.get(BUDGET_HEADER)),
-        tools_room=tools_room,
+        tools_room=toolloop.reserved_tokens(state.settings, body),
     )
     model = str(body.get("model", ""))
     # With the database down: forwarded unchanged (fail-open) or 503 (`degraded`).
@@ -139,7 +138,7 @@ async def complete(request: Request, state: State, *, tenant_id: int) -> Respons
                     state.past_budget.saw(tenant_id, external_id, past=past)
                 with stages.stage("assemble"):
                     assembled = await assemble(
-                        conn, stored, budget, recall, tools_guide=tools_room > 0
+                        conn, stored, budget, recall, tools_guide=budget.tools_room > 0
                     )
         except StorageUnavailable as exc:
             return await unchanged(exc, external_id=external_id)
@@ -152,6 +151,7 @@ async def complete(request: Request, state: State, *, tenant_id: int) -> Respons
         model=chat.model,
         started=started,
         reply_to=appended.reply_to,
+        memory_tools=budget.tools_room > 0,
     )
     turn.sent(assembled, state.metrics)
     _report(state, timings)

@@ -78,7 +78,9 @@ class Offer:
 def offer(settings: Settings, turn: Turn, body: Mapping[str, Any]) -> Offer | None:
     """The memory tools to offer with `body`, or None when they must not be."""
     mode = settings.memory_tools
-    if mode == "never" or (mode == "auto" and not turn.rebuilt) or not _offerable(body):
+    if mode == "never" or (mode == "auto" and not turn.rebuilt) or not turn.memory_tools:
+        return None
+    if not _offerable(body):
         return None
     if turn.conversation_id <= 0:  # forwarded without memory (the database is down)
         return None

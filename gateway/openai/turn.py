@@ -87,6 +87,8 @@ class Turn:
     full_tokens: int | None = None
     # True when the prompt was rebuilt from memory rather than forwarded as the client sent it.
     rebuilt: bool = False
+    # Whether the memory tools may be offered: the budget kept room for their definitions.
+    memory_tools: bool = True
     # Where the reply goes, as the write path said when it stored the turn.
     reply_to: store.ReplyTo | None = None
     # The prompt's tokens that repeat the previous prompt's prefix, and its fingerprint.

@@ -26,7 +26,7 @@ runs it inside the transaction that stores the turn, so that such a turn stores 
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Final, Literal
 
 from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
@@ -61,10 +61,11 @@ class BudgetRules:
 @dataclass(frozen=True)
 class Budget:
     """The tokens a prompt's messages may take (`limit`), and those kept beside them for tool
-    definitions (`reserved`)."""
+    definitions (`reserved`): the client's and, `tools_room` of them, the memory tools'."""
 
     limit: int
     reserved: int
+    tools_room: int = 0
 
     @classmethod
     def of(
@@ -77,9 +78,10 @@ class Budget:
     ) -> "Budget":
         """The budget of a chat request `body`: `requested` (else the default), capped by the
         model's window less its output reserve, less `tools_room` (definitions the gateway
-        adds) and what the client's own tool definitions cost."""
+        adds) and what the client's own tool definitions cost. A budget that would leave the
+        messages less than `SMALLEST` beside the gateway's definitions goes without them: they
+        would take most of it (a 76-token question was refused at a budget of 400)."""
         model = str(body.get("model", ""))
-        reserved = tools_room + _tools_cost(body)
         total = prompt.budget_for(
             model,
             requested=requested if requested is not None else rules.default,
@@ -87,7 +89,15 @@ class Budget:
             default_reserve=rules.output_reserve,
             max_output=_max_output(body),
         )
-        return cls(limit=total - reserved, reserved=reserved)
+        client = _tools_cost(body)
+        if total - client - tools_room < SMALLEST:
+            tools_room = 0
+        reserved = tools_room + client
+        return cls(limit=total - reserved, reserved=reserved, tools_room=tools_room)
+
+
+SMALLEST: Final = 256
+"""The fewest tokens a budget keeps for messages beside the memory tools' definitions."""
 
 
 @dataclass(frozen=True)
@@ -422,12 +432,13 @@ async def dry_run(
             previous_fingerprint=row.prompt_fingerprint,
         )
         body = {"model": model, "messages": [question]}
+        planned = Budget.of(body, rules, requested=budget, tools_room=tools_room)
         return await assemble(
             conn,
             turn,
-            Budget.of(body, rules, requested=budget, tools_room=tools_room),
+            planned,
             recall,
-            tools_guide=tools_room > 0,
+            tools_guide=planned.tools_room > 0,
             persist=False,
             explained=True,
         )
