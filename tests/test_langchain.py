@@ -1,5 +1,5 @@
 """langchain-openai as an end-to-end client: `ChatOpenAI` → the gateway process → the fake
-upstream process, with a client tool.
+upstream process, with a client tool, over chat completions and over the Responses API.
 
 langchain keeps a tool call's arguments parsed and serializes them again when it sends the
 history back (`{"x":1}` from the upstream returns as `{"x": 1}`): the conversation must still
@@ -92,5 +92,52 @@ async def test_a_tool_round_trip_is_stored_once_and_sent_once(
     found = await conversations_opening_with(engine, system)
     assert len(found) == 1, found
     [messages] = found.values()
+    assert [role for role, _ in messages] == roles
+    assert all(superseded_at is None for _, superseded_at in messages)
+
+
+@pytest.mark.parametrize(
+    ("output_version", "streaming", "previous_response_id"),
+    [("v0", False, False), ("v1", True, False), ("v0", True, True), ("v1", False, True)],
+)
+async def test_the_responses_api_keeps_one_conversation_with_each_message_once(
+    gateway: GatewayProcess,
+    engine: AsyncEngine,
+    upstream: UpstreamServer,
+    output_version: str,
+    streaming: bool,
+    previous_response_id: bool,
+) -> None:
+    """`ChatOpenAI(use_responses_api=True)`, the way langchain-openai talks to reasoning
+    models: it resends the history as input items (the call with its item id, its arguments
+    re-serialized under `v0`), or with `use_previous_response_id` only what follows the last
+    response. Either way the tool round and the next question are one conversation, each
+    message stored once."""
+    system = f"You add numbers. [{uuid.uuid4().hex}]"
+    llm = ChatOpenAI(
+        model="gpt-4o-mini",
+        base_url=gateway.url,
+        api_key="sk-langchain",
+        max_retries=0,
+        use_responses_api=True,
+        output_version=output_version,
+        streaming=streaming,
+        use_previous_response_id=previous_response_id,
+    )
+    with_tools = llm.bind_tools([add_one])
+    upstream.script({"tool_calls": [{"name": "add_one", "arguments": '{"x":1}'}]})
+    history: list[BaseMessage] = [SystemMessage(system), HumanMessage("What is 1 + 1?")]
+    called = await with_tools.ainvoke(history)
+    history.append(called)
+    for call in called.tool_calls:
+        history.append(ToolMessage(str(add_one.invoke(call["args"])), tool_call_id=call["id"]))
+    history.append(await with_tools.ainvoke(history))
+    history.append(HumanMessage("And 2 + 2?"))
+    last = await with_tools.ainvoke(history)
+    assert last.text == "echo: And 2 + 2?"
+    found = await conversations_opening_with(engine, system)
+    assert len(found) == 1, found
+    [messages] = found.values()
+    roles = ["system", "user", "assistant", "tool", "assistant", "user", "assistant"]
     assert [role for role, _ in messages] == roles
     assert all(superseded_at is None for _, superseded_at in messages)
