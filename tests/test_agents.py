@@ -5,7 +5,8 @@ both ways upstream (forwarded as Responses, translated to chat completions).
 The agent's run makes two requests: the question, answered by a call of the tool; then the
 whole input again with the call and its result, answered in words. Each message must be stored
 once, in one conversation, and the upstream must see each message once. Runs that name their
-conversation (`conversation_id`) share its memory. Tracing is off: the SDK sends nothing
+conversation (`conversation_id`) share its memory, as do runs with a session or chained by
+`previous_response_id`. Tracing is off: the SDK sends nothing
 anywhere but the gateway.
 """
 
@@ -17,7 +18,7 @@ from typing import Any
 
 import openai
 import pytest
-from agents import Agent, RunConfig, Runner, function_tool
+from agents import Agent, RunConfig, Runner, SQLiteSession, function_tool
 from agents.models.openai_provider import OpenAIProvider
 from sqlalchemy import func, select
 from sqlalchemy.ext.asyncio import AsyncEngine
@@ -147,3 +148,49 @@ async def test_runs_in_a_named_conversation_share_its_memory(
     messages = await stored(engine, "You keep notes.", 5)
     mine = [m for m in messages if m["content"] in (first, second)]
     assert len({m["conversation_id"] for m in mine}) == 1 and len(mine) == 2
+
+
+@pytest.mark.parametrize("memory", ["session", "previous_response_id"])
+async def test_a_session_or_chained_responses_keep_one_conversation(
+    way: tuple[str, UpstreamServer, GatewayProcess], engine: AsyncEngine, memory: str
+) -> None:
+    """The agent's own memory across runs: a `SQLiteSession` resends every earlier item (the
+    call and the output messages with their ids) before the new input; `previous_response_id`
+    sends only the new input. Three runs, the first with a tool round, are one conversation
+    with each message once."""
+    name, upstream, gateway = way
+    path = "/v1/responses" if name == "forward" else "/v1/chat/completions"
+    upstream.reset()
+    upstream.script(
+        {"path": path, "tool_calls": [{"name": "get_weather", "arguments": {"city": "Oslo"}}]}
+    )
+    client = openai.AsyncOpenAI(base_url=gateway.url, api_key="sk-agents", max_retries=0)
+    config = RunConfig(model_provider=OpenAIProvider(openai_client=client), tracing_disabled=True)
+    instructions = f"You know the weather. {uuid.uuid4().hex}"
+    agent = Agent(name="weather", instructions=instructions, tools=[get_weather], model="gpt-4o")
+    session = SQLiteSession(uuid.uuid4().hex)
+    questions = ["The weather in Oslo?", "And tomorrow?", "Thanks."]
+    previous = None
+    for question in questions:
+        if memory == "session":
+            run = await Runner.run(agent, question, run_config=config, session=session)
+        else:
+            run = await Runner.run(
+                agent, question, run_config=config, previous_response_id=previous
+            )
+        previous = run.last_response_id
+    await client.close()
+
+    messages = await stored(engine, instructions, 9)
+    assert len({m["conversation_id"] for m in messages}) == 1
+    assert [(m["role"], m["content"]) for m in messages] == [
+        ("system", instructions),
+        ("user", questions[0]),
+        ("assistant", None),
+        ("tool", "sunny in Oslo"),
+        ("assistant", f"echo: {questions[0]}"),
+        ("user", questions[1]),
+        ("assistant", f"echo: {questions[1]}"),
+        ("user", questions[2]),
+        ("assistant", f"echo: {questions[2]}"),
+    ]
