@@ -502,6 +502,36 @@ async def test_only_new_messages_sent_twice_are_a_retry_only_when_the_client_say
     ]
 
 
+async def test_tool_results_sent_twice_are_a_retry(
+    http: httpx.Client, engine: AsyncEngine, upstream: UpstreamServer
+) -> None:
+    """A client that sends only its new messages and sends the same tool results again (its
+    retry after a lost answer, without a header saying so) is retrying: a call is answered
+    once. Stored again, the results followed the answer, with no call before them, and every
+    later prompt carried an order chat completions refuse."""
+    system = unique("Results once.")
+    headers = {HEADER: f"results-twice-{uuid.uuid4().hex}"}
+    upstream.script({"tool_calls": [{"name": "add", "arguments": '{"x":1}'}]})
+    opening = [{"role": "system", "content": system}, {"role": "user", "content": "add"}]
+    [call] = reply_of(chat(http, opening, tools=TOOLS, headers=headers))["tool_calls"]
+    results = [{"role": "tool", "tool_call_id": call["id"], "content": "2"}]
+    first = reply_of(chat(http, results, tools=TOOLS, headers=headers))
+    again = reply_of(chat(http, results, tools=TOOLS, headers=headers))
+    assert again["content"] == first["content"]
+    chat(http, [{"role": "user", "content": "thanks"}], tools=TOOLS, headers=headers)
+    [messages] = (await stored(engine, system)).values()
+    assert [m["role"] for m in messages if not m.get("superseded_at")] == [
+        "system",
+        "user",
+        "assistant",
+        "tool",
+        "assistant",
+        "user",
+        "assistant",
+    ]
+    assert valid_order(sent_prompts(upstream)[-1])
+
+
 @pytest.mark.parametrize(
     ("named", "with_system"),
     [(True, False), (True, True), (False, True)],

@@ -7,8 +7,9 @@ nothing is stored and nothing branches) when it carries the same `Idempotency-Ke
 window, or, without one, when its body is the same JSON as that of the request the
 conversation's head came from and either it resends the whole history, or that request is
 still unanswered, or the client says it is retrying (`X-Stainless-Retry-Count`, sent by the
-OpenAI SDKs). A client that sends only its new messages may say the same thing twice on
-purpose ("continue"): that is not taken for a retry on its bytes alone. A retry of a request
+OpenAI SDKs), or its new messages begin with tool results (a call is answered once). A client
+that sends only its new messages may say the same thing twice on purpose ("continue"): that is
+not taken for a retry on its bytes alone. A retry of a request
 whose answer was cut (a stream cut: the reply stored incomplete, still the head) moves the
 current branch back before that answer (`Found.branch`), so the retry's answer takes its place.
 """
@@ -54,9 +55,16 @@ class RequestKey:
 
 
 async def as_retry(
-    conn: AsyncConnection, found: Found, count: int, request: RequestKey, window: timedelta
+    conn: AsyncConnection,
+    found: Found,
+    count: int,
+    request: RequestKey,
+    window: timedelta,
+    *,
+    results: bool = False,
 ) -> Found | None:
-    """`found` as a retry when the request repeats an earlier one (module docstring)."""
+    """`found` as a retry when the request repeats an earlier one (module docstring);
+    `results`: its new messages begin with tool results."""
     conversation_id = found.row.id
     if found.whole and found.start < count:
         return None  # new messages after a resent history: not what was sent before
@@ -64,7 +72,7 @@ async def as_retry(
         row = found.row
         if row.head_request is None or row.head_request != request.value:
             return None
-        if not found.whole and row.head_replied and not request.retrying:
+        if not found.whole and row.head_replied and not (request.retrying or results):
             return None
     if found.whole:  # the resent history ends where the first request's did
         if (
