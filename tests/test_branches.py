@@ -582,12 +582,25 @@ async def test_a_question_resent_before_the_results_of_its_calls_is_stored_once(
     prompt = sent_prompts(upstream)[-1]
     assert [m["role"] for m in prompt][-5:] == ["user", "assistant", "tool", "assistant", "tool"]
     assert valid_order(prompt)
+    if named and not with_system:
+        # The same new messages again (the answer lost, no retry header) are a retry.
+        chat(http, [question, result, again], tools=TOOLS, headers=headers)
+        [messages] = (await stored(engine, system)).values()
+        assert [m["role"] for m in messages if not m["superseded_at"]] == [
+            "system",
+            "user",
+            "assistant",
+            "tool",
+            "assistant",
+            "tool",
+            "assistant",
+        ]
     if named:
         # A question asked again after the answer is a new turn, as it always was.
         chat(http, [question], tools=TOOLS, headers=headers)
         [messages] = (await stored(engine, system)).values()
-        assert [m["role"] for m in messages][-2:] == ["user", "assistant"]
-        assert len(messages) == 9
+        current = [m["role"] for m in messages if not m["superseded_at"]]
+        assert current[-2:] == ["user", "assistant"] and len(current) == 9
 
 
 # -- branches --------------------------------------------------------------------------------

@@ -112,7 +112,7 @@ async def identify(
         found = await _match(conn, tenant_id=tenant_id, user=user, messages=messages, hashes=hashes)
     found = await _results_for_the_head(conn, found, messages)
     if request is not None and not found.created:
-        results = found.start < len(messages) and messages[found.start].get("role") == "tool"
+        results = any(message.get("role") == "tool" for message in messages[found.start :])
         return (
             await retries.as_retry(conn, found, len(messages), request, window, results=results)
             or found

@@ -7,7 +7,7 @@ nothing is stored and nothing branches) when it carries the same `Idempotency-Ke
 window, or, without one, when its body is the same JSON as that of the request the
 conversation's head came from and either it resends the whole history, or that request is
 still unanswered, or the client says it is retrying (`X-Stainless-Retry-Count`, sent by the
-OpenAI SDKs), or its new messages begin with tool results (a call is answered once). A client
+OpenAI SDKs), or its new messages hold tool results (a call is answered once). A client
 that sends only its new messages may say the same thing twice on purpose ("continue"): that is
 not taken for a retry on its bytes alone. A retry of a request
 whose answer was cut (a stream cut: the reply stored incomplete, still the head) moves the
@@ -64,7 +64,7 @@ async def as_retry(
     results: bool = False,
 ) -> Found | None:
     """`found` as a retry when the request repeats an earlier one (module docstring);
-    `results`: its new messages begin with tool results."""
+    `results`: its new messages hold tool results."""
     conversation_id = found.row.id
     if found.whole and found.start < count:
         return None  # new messages after a resent history: not what was sent before
