@@ -72,6 +72,10 @@ def send(http: httpx.Client, messages: list[Message], **extra: Any) -> httpx.Res
     )
 
 
+# A question answered by a tool round, then a question answered in words.
+TOOL_ROUND_THEN_A_TURN = ["system", "user", "assistant", "tool", "assistant", "user", "assistant"]
+
+
 def chat(http: httpx.Client, messages: list[Message], **extra: Any) -> httpx.Response:
     response = send(http, messages, **extra)
     assert response.status_code == 200, response.text
@@ -278,15 +282,7 @@ async def test_tool_arguments_a_javascript_client_writes_again_are_stored_once(
     assert len(found) == 1
     [messages] = found.values()
     assert not superseded(messages)
-    assert [m["role"] for m in messages] == [
-        "system",
-        "user",
-        "assistant",
-        "tool",
-        "assistant",
-        "user",
-        "assistant",
-    ]
+    assert [m["role"] for m in messages] == TOOL_ROUND_THEN_A_TURN
 
 
 # -- retries ---------------------------------------------------------------------------------
@@ -520,15 +516,7 @@ async def test_tool_results_sent_twice_are_a_retry(
     assert again["content"] == first["content"]
     chat(http, [{"role": "user", "content": "thanks"}], tools=TOOLS, headers=headers)
     [messages] = (await stored(engine, system)).values()
-    assert [m["role"] for m in messages if not m.get("superseded_at")] == [
-        "system",
-        "user",
-        "assistant",
-        "tool",
-        "assistant",
-        "user",
-        "assistant",
-    ]
+    assert [m["role"] for m in messages if not m.get("superseded_at")] == TOOL_ROUND_THEN_A_TURN
     assert valid_order(sent_prompts(upstream)[-1])
 
 

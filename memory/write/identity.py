@@ -506,17 +506,10 @@ async def _results_for_the_head(
 
 def _last_results(messages: Sequence[Mapping[str, Any]], start: int) -> int | None:
     """Where the last run of tool results from `start` on begins; None when there is none."""
-    end = next(
-        (
-            i + 1
-            for i in range(len(messages) - 1, start - 1, -1)
-            if messages[i].get("role") == "tool"
-        ),
-        None,
-    )
-    if end is None:
+    results = [i for i in range(start, len(messages)) if messages[i].get("role") == "tool"]
+    if not results:
         return None
-    run = end - 1
+    run = results[-1]
     while run > start and messages[run - 1].get("role") == "tool":
         run -= 1
     return run

@@ -7,11 +7,11 @@ nothing is stored and nothing branches) when it carries the same `Idempotency-Ke
 window, or, without one, when its body is the same JSON as that of the request the
 conversation's head came from and either it resends the whole history, or that request is
 still unanswered, or the client says it is retrying (`X-Stainless-Retry-Count`, sent by the
-OpenAI SDKs), or its new messages hold tool results (a call is answered once). A client
-that sends only its new messages may say the same thing twice on purpose ("continue"): that is
-not taken for a retry on its bytes alone. A retry of a request
-whose answer was cut (a stream cut: the reply stored incomplete, still the head) moves the
-current branch back before that answer (`Found.branch`), so the retry's answer takes its place.
+OpenAI SDKs), or its new messages hold tool results (a call is answered once). A client that
+sends only its new messages may say the same thing twice on purpose ("continue"): that is not
+taken for a retry on its bytes alone. A retry of a request whose answer was cut (a stream cut:
+the reply stored incomplete, still the head) moves the current branch back before that answer
+(`Found.branch`), so the retry's answer takes its place.
 """
 
 import hashlib
