@@ -15,7 +15,6 @@ from sqlalchemy import (
     BigInteger,
     Boolean,
     Column,
-    Computed,
     DateTime,
     Float,
     ForeignKey,
@@ -146,7 +145,9 @@ nodes = Table(
     # Stored in the row (storage MAIN, migration 0014): out of line, as pgvector stores it by
     # default once a row passes ~2 kB, each distance computed cost a TOAST lookup.
     Column("embedding", Vector(EMBEDDING_DIM)),
-    Column("tsv", TSVECTOR, Computed("to_tsvector('english', text)", persisted=True)),
+    # Filled by a row trigger from the text's first 100,000 characters (migration 0019):
+    # Postgres refuses a tsvector over 1 MB, which a long text of distinct words makes.
+    Column("tsv", TSVECTOR),
     Column("importance", Float, nullable=False, server_default="0"),
     Column("pinned", Boolean, nullable=False, server_default=text("false")),
     # 'complete', or 'incomplete' for a reply whose upstream stream was cut.

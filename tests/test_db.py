@@ -436,3 +436,57 @@ async def test_migration_0015_rehashes_tool_arguments_numbers_across_branches(
             assert response_head == old_hashes[-1]
     finally:
         await engine.dispose()
+
+
+async def test_migration_0019_keeps_each_search_vector_and_bounds_the_new_ones(
+    empty_database: str,
+) -> None:
+    """A message stored before 0019 keeps its search vector (no rewrite), one stored after gets
+    one from its text's first `INDEXED_CHARS` characters, however long the text, and its
+    lexemes are counted (the statement trigger sees what the row trigger wrote); the downgrade
+    generates the vector from the whole text again."""
+    limit = _migration("0019_bounded_search_vector").INDEXED_CHARS
+    insert = text(
+        "INSERT INTO nodes (tenant_id, conversation_id, level, seq, span_start, span_end, role, "
+        "content, chain_hash, text) SELECT c.tenant_id, c.id, 0, :seq, :seq, :seq, 'user', "
+        "to_jsonb(CAST(:said AS text)), md5(:said), :said FROM conversations c"
+    )
+    vector = text("SELECT tsv::text FROM nodes WHERE seq = :seq")
+    engine = connect(empty_database)
+    try:
+        async with engine.connect() as conn:
+            await conn.run_sync(_upgrade_to("0018"))
+            await conn.commit()
+        async with transaction(engine) as conn:
+            await conn.execute(
+                text(
+                    "WITH t AS (INSERT INTO tenants (name) VALUES ('t') RETURNING id) "
+                    "INSERT INTO conversations (tenant_id, external_id) SELECT id, 'c' FROM t"
+                )
+            )
+            await conn.execute(insert, {"seq": 0, "said": "kept lanterns"})
+        await migrate(engine)
+        # Distinct words past the limit, and a last one only the whole text holds.
+        long = " ".join(f"w{i:06d}" for i in range(limit // 8 + 100)) + " zebra"
+        async with transaction(engine) as conn:
+            assert await conn.scalar(vector, {"seq": 0}) == "'kept':1 'lantern':2"
+            await conn.execute(insert, {"seq": 1, "said": long})
+            bounded = await conn.scalar(
+                text(
+                    "SELECT tsv = to_tsvector('english', left(text, :limit)) FROM nodes "
+                    "WHERE seq = 1"
+                ),
+                {"limit": limit},
+            )
+            assert bounded is True
+            held = await conn.scalar(
+                text("SELECT count(*) FROM lexemes WHERE lexeme IN ('w000000', 'zebra')")
+            )
+            assert held == 1  # the first word only
+        async with engine.connect() as conn:
+            await conn.run_sync(_upgrade_to("0018", down=True))
+            await conn.commit()
+        async with transaction(engine) as conn:
+            assert "'zebra'" in await conn.scalar(vector, {"seq": 1})
+    finally:
+        await engine.dispose()

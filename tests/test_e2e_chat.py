@@ -1072,3 +1072,40 @@ def test_an_idle_client_connection_outlives_the_sdks_own_keep_alive(
         assert ports[0] == ports[1]  # the same connection, not a new one
     finally:
         connection.close()
+
+
+def test_a_tool_result_too_large_for_one_text_index_entry_is_stored_and_found(
+    client: openai.OpenAI, http: httpx.Client, upstream: UpstreamServer
+) -> None:
+    """A tool result of ~1.1 MB of distinct words (a log, a JSON dump) is stored whole, and its
+    beginning is found by full text: Postgres holds at most 1 MB of search vector per row, and
+    the row was refused (500)."""
+    words = [uuid.uuid5(uuid.NAMESPACE_OID, str(i)).hex for i in range(34_000)]
+    log = " ".join(words)
+    history: list[Any] = [
+        {"role": "user", "content": unique("What does the log say?")},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_log",
+                    "type": "function",
+                    "function": {"name": "read_log", "arguments": "{}"},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_log", "content": log},
+    ]
+    raw = client.chat.completions.with_raw_response.create(
+        model="gpt-4.1", messages=history, extra_headers={"X-Memstrata-Budget": "1000000"}
+    )
+    conversation = raw.headers[HEADER]
+    assert raw.parse().choices[0].message.content
+    assert upstream.requests(CHAT)[-1]["body"]["messages"][-1]["content"] == log
+    stored = wait_admin_messages(http, conversation, 4)
+    assert [m["role"] for m in stored] == ["user", "assistant", "tool", "assistant"]
+    assert stored[2]["content"] == log
+    found = http.get("/admin/search", params={"q": words[1], "conversation": conversation})
+    assert found.status_code == 200, found.text
+    assert found.json()["data"][0]["seq"] == 2
