@@ -1109,3 +1109,39 @@ def test_a_tool_result_too_large_for_one_text_index_entry_is_stored_and_found(
     found = http.get("/admin/search", params={"q": words[1], "conversation": conversation})
     assert found.status_code == 200, found.text
     assert found.json()["data"][0]["seq"] == 2
+
+
+@pytest.mark.parametrize("keeps_partial", [True, False], ids=["partial-resent", "partial-dropped"])
+def test_a_client_that_stops_a_stream_keeps_one_line_of_conversation(
+    client: openai.OpenAI, http: httpx.Client, upstream: UpstreamServer, keeps_partial: bool
+) -> None:
+    """The user presses stop: the client closes the stream. The reply is stored as far as it
+    was read, marked incomplete, and the gateway stops reading it; the next request, resending
+    the partial reply as the client showed it or leaving it out, continues one line of
+    conversation with each message once."""
+    long_reply = " ".join(f"word{i}" for i in range(300))
+    upstream.script({"reply": long_reply, "chunk_delay": 0.02})
+    history: list[Any] = [{"role": "user", "content": unique("Tell me a long story.")}]
+    raw = client.chat.completions.with_raw_response.create(model="m", messages=history, stream=True)
+    conversation = raw.headers[HEADER]
+    shown = ""
+    with raw.parse() as stream:
+        for chunk in stream:
+            if chunk.choices and chunk.choices[0].delta.content:
+                shown += chunk.choices[0].delta.content
+            if len(shown) > 40:
+                break
+    [_, partial] = wait_admin_messages(http, conversation, 2)
+    assert partial["status"] == "incomplete"
+    assert partial["content"].startswith(shown)
+    assert len(partial["content"]) < len(long_reply) / 2  # not read to the end
+    if keeps_partial:
+        history.append({"role": "assistant", "content": shown})
+    history.append({"role": "user", "content": unique("Shorter, please.")})
+    again = client.chat.completions.with_raw_response.create(model="m", messages=history)
+    assert again.headers[HEADER] == conversation
+    history.append({"role": "assistant", "content": again.parse().choices[0].message.content})
+    branch = [m for m in admin_messages(http, conversation) if m["superseded_at"] is None]
+    assert [(m["role"], m["content"]) for m in branch] == [
+        (m["role"], m["content"]) for m in history
+    ]

@@ -841,3 +841,37 @@ def test_a_background_response_runs_in_the_foreground(
     foreground = client.responses.create(model="gpt-4o-mini", input=unique("right away"))
     with pytest.raises(openai.BadRequestError, match="background=true"):
         client.responses.cancel(foreground.id)
+
+
+def test_a_stream_the_client_stops_is_an_incomplete_response_to_continue(
+    way: Way, client: openai.OpenAI, http: httpx.Client
+) -> None:
+    """The user presses stop: the client closes the stream. The response is kept, incomplete,
+    with the reply as far as it was read, and the next turn continues it by
+    `previous_response_id` (with that reply in its prompt, once)."""
+    long_reply = " ".join(f"word{i}" for i in range(300))
+    way.upstream.script({"path": way.path, "reply": long_reply, "chunk_delay": 0.02})
+    question = unique("Tell me a long story.")
+    shown, response_id = "", ""
+    with client.responses.create(model="gpt-4o-mini", input=question, stream=True) as stream:
+        for event in stream:
+            if event.type == "response.created":
+                response_id = event.response.id
+            elif event.type == "response.output_text.delta":
+                shown += event.delta
+            if len(shown) > 40:
+                break
+    deadline = time.monotonic() + 5
+    while (kept := http.get(f"/v1/responses/{response_id}")).status_code == 404:
+        assert time.monotonic() < deadline, kept.text
+        time.sleep(0.02)
+    assert kept.json()["status"] == "incomplete"
+    [partial] = [item["content"][0]["text"] for item in kept.json()["output"]]
+    assert partial.startswith(shown) and len(partial) < len(long_reply) / 2
+    follow_up = unique("Shorter.")
+    client.responses.create(model="gpt-4o-mini", input=follow_up, previous_response_id=response_id)
+    assert [(m["role"], m["content"]) for m in way.prompts()[-1]] == [
+        ("user", question),
+        ("assistant", partial),
+        ("user", follow_up),
+    ]
