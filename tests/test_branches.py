@@ -686,6 +686,43 @@ async def test_going_back_to_an_abandoned_branch_restores_it(
     assert superseded(messages)[0] == ("user", branch_b[-1]["content"])
 
 
+@pytest.mark.parametrize("named", [False, True], ids=["no-header", "header"])
+@pytest.mark.parametrize("context", ["system", "user", "in-the-question"])
+async def test_context_sent_with_each_question_only_keeps_one_conversation(
+    http: httpx.Client,
+    engine: AsyncEngine,
+    upstream: UpstreamServer,
+    context: str,
+    named: bool,
+) -> None:
+    """A client that sends retrieved context with its newest question only: as a message of
+    its own right before it, or written into it, and resends its history without it. Each
+    history leaves the stored path at its first rewritten message, but ends with the gateway's
+    last reply: one conversation, whose current branch is each time what the client sent (it
+    was a new conversation holding the whole history each turn; with a conversation id, the
+    whole history appended after the head)."""
+    system = unique("Answer from the context.")
+    headers = {HEADER: f"context-{uuid.uuid4().hex}"} if named else {}
+    history: list[Message] = [{"role": "system", "content": system}]
+    for turn in range(4):
+        question = unique(f"question {turn}")
+        found = {"role": "system" if context == "system" else "user", "content": f"doc {turn}"}
+        if context == "in-the-question":
+            sent = [*history, {"role": "user", "content": f"doc {turn}\n\n{question}"}]
+        else:
+            sent = [*history, found, {"role": "user", "content": question}]
+        answer = reply_of(chat(http, sent, headers=headers))
+        assert sent_prompts(upstream)[-1] == sent
+        history += [{"role": "user", "content": question}, answer]
+
+    conversations_ = await stored(engine, system)
+    assert len(conversations_) == 1
+    [messages] = conversations_.values()
+    assert current(messages) == [(m["role"], m["content"]) for m in [*sent, answer]]
+    # Each turn stores the previous question and answer again, as the client now sends them.
+    assert len(messages) <= len(sent) + 1 + 3 * 3
+
+
 async def test_a_new_chat_that_opens_like_an_old_one_is_a_new_conversation(
     http: httpx.Client, engine: AsyncEngine
 ) -> None:

@@ -11,13 +11,15 @@ it (an edited message, a regenerated answer, a dropped turn) continues the conve
 branch from the last message it shares with it (`Branch`): the current branch's messages after
 that point are superseded, and messages of an abandoned branch the history holds again are
 restored. Such a divergence continues the conversation only when the shared part holds a reply
-the gateway recorded (proof the client saw this conversation), or when it leaves the current
-branch within its latest exchange (from its last user message on) and holds a user message:
-a new chat that merely opens like an old one (the same system prompt) is not taken for it. A
+the gateway recorded (proof the client saw this conversation), when the history's last
+assistant message is the conversation's head, such a reply (a client that rewrote its own
+messages: `memory.write.rewritten`), or when it leaves the current branch within its latest
+exchange (from its last user message on) and holds a user message: a new chat that merely
+opens like an old one (the same system prompt) is not taken for it. A
 resent history whose system prompt changed (the time in it) is found by its turns alone
 (`memory.write.system_prompts`). Results of the head's tool calls sent after the messages before
 that call, without it (and without the calls of earlier steps), continue the head
-(`_results_for_the_head`): results follow their call.
+(`memory.write.tool_results`): results follow their call.
 
 `identify` is the first step of the request path: it finds the conversation an incoming history
 belongs to (by the client's conversation id, else by the deepest stored message of its chain),
@@ -35,7 +37,7 @@ import hashlib
 import re
 import uuid
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -47,7 +49,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 from memory.db import AnyRow
 from memory.errors import InvalidConversationId
 from memory.schema import conversations, nodes
-from memory.write import chains, retries, system_prompts
+from memory.write import chains, retries, rewritten, system_prompts, tool_results
 from memory.write.placement import Branch, Found
 
 CONVERSATION_ID_PATTERN = r"^[A-Za-z0-9._:-]*[A-Za-z0-9_:-][A-Za-z0-9._:-]*$"
@@ -110,7 +112,7 @@ async def identify(
         found = placed
     else:
         found = await _match(conn, tenant_id=tenant_id, user=user, messages=messages, hashes=hashes)
-    found = await _results_for_the_head(conn, found, messages)
+    found = await tool_results.for_the_head(conn, found, messages)
     if request is not None and not found.created:
         results = any(message.get("role") == "tool" for message in messages[found.start :])
         return (
@@ -274,6 +276,8 @@ async def _match(
             found = await _branch_candidate(conn, params, turns, messages, hashes)
         if found is None:
             found = await _prompt_changed(conn, tenant_id, user, messages, hashes)
+        if found is None:
+            found = await _rewritten(conn, tenant_id, user, messages, hashes)
         if found is not None:
             return found
         if attempt == 0:
@@ -341,6 +345,32 @@ async def _prompt_changed(
     return None
 
 
+async def _rewritten(
+    conn: AsyncConnection,
+    tenant_id: int,
+    user: str | None,
+    messages: Sequence[Mapping[str, Any]],
+    hashes: Sequence[str],
+) -> Found | None:
+    """The conversation whose head is the history's last assistant message, a reply the
+    gateway recorded, when the client rewrote its own messages (`memory.write.rewritten`),
+    locked; else None."""
+
+    async def branching(row: AnyRow) -> Found | None:
+        # Another request may have moved the head while this one waited for the lock.
+        if not await rewritten.continues_head(conn, row, messages):
+            return None
+        return _branch(row, await _path(conn, row.id, hashes), hashes, created=False)
+
+    for conversation_id in await rewritten.candidates(
+        conn, tenant_id=tenant_id, user=user, messages=messages
+    ):
+        found = await _lock_and_place(conn, conversation_id, branching)
+        if found is not None:
+            return found
+    return None
+
+
 async def _lock_and_place(
     conn: AsyncConnection,
     conversation_id: int,
@@ -395,29 +425,39 @@ async def _place(
         return _extends(row, start, created=created)
     path = await _path(conn, row.id, hashes)
     if path and await _may_branch(conn, row.id, path):
-        # The path is current up to the fork (a current message's ancestors are), then runs
-        # through an abandoned branch, if at all.
-        fork = next((i for i, node in enumerate(path) if not node.current), len(path)) - 1
-        return Found(
-            row=row,
-            start=len(path),
-            created=created,
-            parent=hashes[len(path) - 1],
-            parent_seq=path[-1].seq,
-            branch=Branch(
-                fork_seq=path[fork].seq if fork >= 0 else None,
-                restore=tuple(node.seq for node in path[fork + 1 :]),
-            ),
-            whole=True,
-        )
+        return _branch(row, path, hashes, created=created)
     if not named:
-        return None  # one under another system prompt is `_prompt_changed`'s to find
+        # One under another system prompt is `_prompt_changed`'s to find.
+        rewrote = await rewritten.continues_head(conn, row, messages)
+        return _branch(row, path, hashes, created=created) if rewrote else None
     if system_prompts.resends(messages):
         parent = await system_prompts.parent_of(conn, row.id)
         start = system_prompts.start_after(messages, hashes, parent=parent, head=head)
         if start is not None:
             return _extends(row, start, created=created)
+    if await rewritten.continues_head(conn, row, messages):
+        return _branch(row, path, hashes, created=created)
     return _after_head(row, messages, created=created)
+
+
+def _branch(row: AnyRow, path: Sequence[_Stored], hashes: Sequence[str], *, created: bool) -> Found:
+    """The history continues the locked conversation `row` as a branch from the last message
+    of `path` it shares with it (from the root when none)."""
+    # The path is current up to the fork (a current message's ancestors are), then runs
+    # through an abandoned branch, if at all.
+    fork = next((i for i, node in enumerate(path) if not node.current), len(path)) - 1
+    return Found(
+        row=row,
+        start=len(path),
+        created=created,
+        parent=hashes[len(path) - 1] if path else chains.ROOT_HASH,
+        parent_seq=path[-1].seq if path else None,
+        branch=Branch(
+            fork_seq=path[fork].seq if fork >= 0 else None,
+            restore=tuple(node.seq for node in path[fork + 1 :]),
+        ),
+        whole=True,
+    )
 
 
 def _extends(row: AnyRow, start: int, *, created: bool) -> Found:
@@ -446,94 +486,6 @@ def _after_head(row: AnyRow, messages: Sequence[Mapping[str, Any]], *, created: 
         parent_seq=row.head_seq,
         system_prompt=max(0, system_prompts.opening(messages) - start),
     )
-
-
-_BEFORE_HEAD = text(
-    "SELECT seq, chain_hash, role, tool_calls FROM nodes WHERE conversation_id = :conversation_id "
-    "AND level = 0 AND superseded_at IS NULL AND seq <= :head_seq ORDER BY seq DESC LIMIT :n"
-)
-
-
-async def _results_for_the_head(
-    conn: AsyncConnection, found: Found, messages: Sequence[Mapping[str, Any]]
-) -> Found:
-    """`found`, unless the new messages end with results of the head's tool calls that the
-    history sends after the messages before that call but without it (the Vercel AI SDK's
-    `conversation` option resends the step's question so, and every earlier step's results
-    without their calls): results must follow their call, so they continue the head, and what
-    precedes them is the stored exchange, not new messages."""
-    row = found.row
-    run = _last_results(messages, found.start)
-    if run is None or row.head_hash is None or found.system_prompt:
-        return found
-    if run and messages[run - 1].get("role") == "assistant":
-        return found  # its own call: a history in order
-    if found.branch is None and found.start == run:
-        return found  # the results alone, after the head
-    if found.branch is not None and (found.start != run or found.branch.restore):
-        return found
-    # Each resent message may come without the call before it: read twice as many, and one.
-    limit = 2 * (len(messages) - found.start) + 2
-    rows = list(
-        await conn.execute(
-            _BEFORE_HEAD, {"conversation_id": row.id, "head_seq": row.head_seq, "n": limit}
-        )
-    )[::-1]
-    head = rows[-1] if rows else None
-    if head is None or head.chain_hash != row.head_hash:
-        return found
-    calls = {call.get("id") for call in (head.tool_calls or [])}
-    first = next(
-        (i for i in range(run, len(messages)) if messages[i].get("tool_call_id") in calls), None
-    )
-    if first is None:
-        return found
-    before = rows[:-1]
-    index = _resent_start(messages[found.start : first], before, whole=len(rows) < limit)
-    if index is None:
-        return found
-    if found.branch is not None:
-        # Forked right before the head, or before the calls the history left out: no branch.
-        while index and before[index - 1].role == "assistant" and before[index - 1].tool_calls:
-            index -= 1
-        if found.parent_seq != (before[index - 1].seq if index else None):
-            return found
-    # Not `whole`: the history lacks the call, so the prompt is read from what is stored.
-    return replace(
-        found, start=first, parent=row.head_hash, parent_seq=row.head_seq, branch=None, whole=False
-    )
-
-
-def _last_results(messages: Sequence[Mapping[str, Any]], start: int) -> int | None:
-    """Where the last run of tool results from `start` on begins; None when there is none."""
-    results = [i for i in range(start, len(messages)) if messages[i].get("role") == "tool"]
-    if not results:
-        return None
-    run = results[-1]
-    while run > start and messages[run - 1].get("role") == "tool":
-        run -= 1
-    return run
-
-
-def _resent_start(
-    resent: Sequence[Mapping[str, Any]], before: Sequence[Any], *, whole: bool
-) -> int | None:
-    """Where in `before` (the stored messages before the head) the messages `resent` stand for
-    begin, each the next stored one but for assistant messages with tool calls (left out with
-    the calls of earlier steps); `len(before)` for none, None when they are not stored so.
-    `whole`: `before` starts at the conversation's first message."""
-    index = len(before)
-    for message in reversed(resent):
-        while True:
-            index -= 1
-            if index < 0:
-                return None
-            parent = before[index - 1].chain_hash if index else chains.ROOT_HASH
-            if (index or whole) and chains.chain_hash(parent, message) == before[index].chain_hash:
-                break
-            if not (before[index].role == "assistant" and before[index].tool_calls):
-                return None
-    return index
 
 
 async def _path(

@@ -1,0 +1,100 @@
+"""A history whose own messages the client rewrote, found by the gateway's reply it continues.
+
+Chain hashes (`memory.write.chains`) name a message by the whole path before it, so a client
+that changes a message it sent earlier leaves the stored path there. Two common ways of sending
+retrieved context do so on every turn:
+
+* a context message (system or user) inserted right before the newest question, and left out
+  of the history the next turn sends;
+* the newest question sent with the context written into it, and kept without it.
+
+Every turn's history then left the stored path at its first such message. Without a
+conversation id, a history that leaves before any reply the gateway recorded is not taken for
+a branch (a new chat may open like an old one), so each turn started a new conversation holding
+the whole history again; with one, the whole history was appended after the head as new
+messages, each turn, all on the current branch.
+
+What such a history keeps is the gateway's own last reply: its last assistant message is the
+conversation's head, a reply the gateway recorded (`continues_head`). That is proof the client
+saw this conversation, as a recorded reply on the shared path is: the history branches from
+the last message it shares with it (`memory.write.identity`), so the current branch is again
+exactly what the client sent. Without a conversation id, the user's `CANDIDATES` latest
+conversations are the ones tried (`candidates`), as for a changed system prompt.
+"""
+
+import json
+from collections.abc import Mapping, Sequence
+from typing import Any, Final
+
+from sqlalchemy import text
+from sqlalchemy.ext.asyncio import AsyncConnection
+
+from memory.db import AnyRow
+from memory.text import escape_unstorable
+from memory.write import chains
+
+CANDIDATES: Final = 8
+"""How many of a user's latest conversations a history without a conversation id is tried
+against."""
+
+# A recorded reply's content as it is stored: a JSON string (escaped where Postgres cannot
+# hold the text, as `memory.write.appends.node_row` stores it).
+_HEAD_IS = """
+    h.conversation_id = c.id AND h.level = 0 AND h.seq = c.head_seq
+    AND h.superseded_at IS NULL AND h.role = 'assistant' AND h.model IS NOT NULL
+    AND h.content = CAST(:reply AS jsonb)
+"""
+_CONTINUES = text(
+    f"SELECT EXISTS (SELECT 1 FROM conversations c JOIN nodes h ON {_HEAD_IS} WHERE c.id = :id)"
+)
+_LATEST = text(
+    f"""
+SELECT c.id
+FROM (SELECT id, head_seq, updated_at FROM conversations
+      WHERE tenant_id = :tenant_id AND user_id IS NOT DISTINCT FROM :user
+        AND head_seq IS NOT NULL
+      ORDER BY updated_at DESC LIMIT :limit) AS c
+JOIN nodes h ON {_HEAD_IS}
+ORDER BY c.updated_at DESC
+"""
+)
+
+
+def last_reply(messages: Sequence[Mapping[str, Any]]) -> str | None:
+    """The JSON of the history's last assistant message's text, as a recorded reply's content
+    is stored; None when it has no assistant message or that one has no text (a tool call)."""
+    said = next((m for m in reversed(messages) if m.get("role") == "assistant"), None)
+    content = None if said is None else chains.canonical_content(said.get("content"))
+    if not isinstance(content, str) or not content:
+        return None
+    stored, _ = escape_unstorable(content)
+    return json.dumps(stored)
+
+
+async def continues_head(
+    conn: AsyncConnection, row: AnyRow, messages: Sequence[Mapping[str, Any]]
+) -> bool:
+    """Whether the history's last assistant message is the head of the conversation `row`, a
+    reply the gateway recorded."""
+    reply = last_reply(messages)
+    if reply is None or row.head_seq is None:
+        return False
+    return bool(await conn.scalar(_CONTINUES, {"id": row.id, "reply": reply}))
+
+
+async def candidates(
+    conn: AsyncConnection,
+    *,
+    tenant_id: int,
+    user: str | None,
+    messages: Sequence[Mapping[str, Any]],
+) -> list[int]:
+    """The ids of the user's latest conversations (`CANDIDATES`, newest first) whose head is
+    a reply the gateway recorded and the history's last assistant message."""
+    reply = last_reply(messages)
+    if reply is None:
+        return []
+    rows = await conn.execute(
+        _LATEST, {"tenant_id": tenant_id, "user": user, "limit": CANDIDATES, "reply": reply}
+    )
+    return [row.id for row in rows]
