@@ -146,12 +146,13 @@ def test_two_serve_processes_alternating_build_the_same_prefix(
             client.close()
 
 
-def test_an_edit_rebuilds_the_context_without_duplicates_a_regenerate_keeps_it(
+def test_an_edit_cuts_the_context_back_without_duplicates_a_regenerate_keeps_it(
     gateways: tuple[GatewayProcess, GatewayProcess], upstream: UpstreamServer
 ) -> None:
     """A client that resends its whole history edits a message the working context holds
-    verbatim, then regenerates the answer: the edit rebuilds the context, whose verbatim turns
-    are the current branch's newest messages, each once, none of the abandoned ones; the
+    verbatim, then regenerates the answer: the edit cuts the context back to the message before
+    it, so the prompt repeats the last one up to there (it was rebuilt whole), and its verbatim
+    turns are the current branch's newest messages, each once, none of the abandoned ones; the
     regenerate branches after what the context holds, which keeps its prefix."""
     conversation = f"edit-{uuid.uuid4().hex}"
     headers = {"X-Memstrata-Conversation": conversation, "X-Memstrata-Budget": "3000"}
@@ -179,11 +180,14 @@ def test_an_edit_rebuilds_the_context_without_duplicates_a_regenerate_keeps_it(
             history.append({"role": "user", "content": f"question {number} {uuid.uuid4().hex}"})
             history.append(ask(history))
         before = version()
+        last = upstream.requests(CHAT)[-1]["body"]["messages"]
         # Edit the second to last question: a branch inside the verbatim turns.
         edited = [*history[:-3], {"role": "user", "content": f"edited {uuid.uuid4().hex}"}]
         edited.append(ask(edited))
         prompt = upstream.requests(CHAT)[-1]["body"]["messages"]
         assert version() == before + 1
+        kept = 1 + next(i for i, m in enumerate(last) if m.get("content") == history[-4]["content"])
+        assert raw(prompt[:kept]) == raw(last[:kept])
         assert history[-3]["content"] not in json.dumps(prompt)
         assert turns(prompt) == turns(edited[:-1])[-len(turns(prompt)) :]
         # Regenerate the answer just given (the same history asked again): it branches after
@@ -193,6 +197,45 @@ def test_an_edit_rebuilds_the_context_without_duplicates_a_regenerate_keeps_it(
         prompt = upstream.requests(CHAT)[-1]["body"]["messages"]
         assert version() == before + 1
         assert raw(prompt) == raw(previous)
+
+
+def test_context_sent_with_each_question_past_the_budget_keeps_the_prefix(
+    gateways: tuple[GatewayProcess, GatewayProcess], upstream: UpstreamServer
+) -> None:
+    """A client that resends its whole history, with no conversation id, and sends retrieved
+    context as a message right before its newest question only, past the budget: each turn is
+    answered in the one conversation (the history was taken for a new conversation, and
+    refused as too large for the budget), and its prompt repeats the last one up to the
+    previous question, which the turn stores again as the client now sends it."""
+    system = {"role": "system", "content": f"Answer from the context. {uuid.uuid4().hex}"}
+    history: list[dict[str, Any]] = [system, *synthetic.messages(300, seed=17)]
+    conversation = f"context-{uuid.uuid4().hex}"
+    with httpx.Client(base_url=gateways[0].root_url, timeout=60) as http:
+        imported = http.post(
+            f"/admin/conversations/{conversation}/messages",
+            json={"messages": history, "model": MODEL},
+        )
+        assert imported.status_code == 201, imported.text
+        last: list[dict[str, Any]] | None = None
+        for number in range(4):
+            question = {"role": "user", "content": f"question {number} {uuid.uuid4().hex}"}
+            sent = [*history, {"role": "system", "content": f"doc {number}"}, question]
+            response = http.post(
+                CHAT,
+                json={"model": MODEL, "messages": sent},
+                headers={"X-Memstrata-Budget": "3000"},
+            )
+            assert response.status_code == 200, response.text
+            assert response.headers["X-Memstrata-Conversation"] == conversation
+            prompt = upstream.requests(CHAT)[-1]["body"]["messages"]
+            if last is not None:
+                # Up to the answer before the previous question (then came its context).
+                before = history[-3]["content"]
+                kept = 1 + next(i for i, m in enumerate(last) if m.get("content") == before)
+                assert raw(prompt[:kept]) == raw(last[:kept])
+            last = prompt
+            answer = response.json()["choices"][0]["message"]["content"]
+            history += [question, {"role": "assistant", "content": answer}]
 
 
 def test_a_cache_key_by_default_only_for_openais_own_api() -> None:

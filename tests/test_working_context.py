@@ -8,7 +8,8 @@ gateway drives it (store the turn, assemble under the conversation's lock, recor
 * compaction keeps the budget and loses nothing: every compacted message is under a summary
   the prompt tags, and the summary expands;
 * masked tool results expand back to the original;
-* a branch inside the context rebuilds it, also when the turn that made it fit its budget;
+* a branch inside the context makes a new version of it (cut back to the branch point, or
+  rebuilt when the turn that made it fit its budget);
 * a prepared recall candidate is used, a stale one ignored;
 * prepared candidates come back best first, each with its own similarity (its message's or
   its best passage's);
@@ -577,7 +578,9 @@ async def _scope(engine: AsyncEngine, tenant_id: int, conversation_id: int) -> t
 # -- branches ----------------------------------------------------------------------------------
 
 
-async def test_a_branch_inside_the_context_rebuilds_it(engine: AsyncEngine, tenant_id: int) -> None:
+async def test_a_branch_inside_the_context_makes_a_new_version(
+    engine: AsyncEngine, tenant_id: int
+) -> None:
     limit = 1500
     recall = Recall(embedder=EMBEDDER, policy=Policy())
     conversation = await Conversation.start(engine, tenant_id, synthetic.messages(200, seed=3))
@@ -591,7 +594,7 @@ async def test_a_branch_inside_the_context_rebuilds_it(engine: AsyncEngine, tena
     kept = await conversation.turn([ask], limit=limit, recall=recall, branched_at=state.upto)
     assert kept.context_version == state.version and not kept.compacted
     await conversation.reply({"role": "assistant", "content": "checking"}, kept)
-    # A branch inside it (an edit of a message the context holds): rebuilt from scratch.
+    # A branch inside it (an edit of a message the context holds): cut back, a new version.
     edit = {"role": "user", "content": "actually, the hotel?"}
     rebuilt = await conversation.turn(
         [edit], limit=limit, recall=recall, branched_at=state.verbatim_from + 1

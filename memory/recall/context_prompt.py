@@ -3,8 +3,10 @@
 `build(conn, turn, budget, recall, …)` is what `memory.recall.assemble` runs for a conversation
 that does not fit its budget, in the caller's transaction:
 
-1. the context is loaded, or built from scratch when there is none or the turn's history
-   branched inside it or the model's tokenizer changed (`compaction.build`);
+1. the context is loaded, cut back to the message before the branch point when the turn's
+   history branched inside its verbatim turns (`_cut_at`: the prompt repeats the last one up
+   to there), or built from scratch when there is none, the history branched inside its
+   stable memory or the model's tokenizer changed (`compaction.build`);
 2. when the prompt without its note would pass the high-water mark, the context is compacted
    (the compaction prepared in the background, when there is one and it is enough, else one
    computed now), never past the question of the exchange whose calls the new messages answer;
@@ -56,7 +58,7 @@ if TYPE_CHECKING:
 __all__ = ["ContextPrompt", "build"]
 
 Message = dict[str, Any]
-Change = Literal["kept", "compacted", "built"]
+Change = Literal["kept", "cut", "compacted", "built"]
 
 
 @dataclass(frozen=True)
@@ -284,6 +286,10 @@ async def _advance(
     verbatim turns, their rendering, and what changed: nothing (`kept`), a compaction, or a
     build."""
     state = await wc.load(conn, tenant_id=turn.tenant_id, conversation_id=turn.conversation_id)
+    kept: Change = "kept"
+    cut = None if state is None else _cut(state, turn)
+    if state is not None and cut is not None:
+        state, kept = _cut_at(state, cut), "cut"
     if state is None or _branched(state, turn):
         built, items = await compaction.build(
             conn,
@@ -308,7 +314,7 @@ async def _advance(
     )
     context = wc.render(state, items, policy=policy, model=turn.model)
     if fixed.system + context.tokens + fixed.new <= policy.high * limit:
-        return state, items, context, "kept"
+        return state, items, context, kept
     protect = compaction.exchange_start(items, answers_calls, turn.first_seq)
     swapped = compaction.swap(state)
     if swapped is not None and swapped.verbatim_from <= protect:
@@ -345,10 +351,26 @@ def _latest_exchange(items: list[wc.Item]) -> list[int]:
     return []
 
 
+def _cut(state: wc.State, turn: StoredTurn) -> int | None:
+    """Where the turn's history branched, when that is inside the context's verbatim turns (an
+    edit, a regenerate, a client that rewrote its own messages: `memory.write.rewritten`)."""
+    at = turn.branched_at
+    return at if at is not None and state.verbatim_from <= at < state.upto else None
+
+
+def _cut_at(state: wc.State, branched_at: int) -> wc.State:
+    """The context cut back to the messages before `branched_at`: its stable memory and the
+    verbatim turns (and kept notes) before that stay, so the prompt still repeats the last one
+    up to there, where a rebuild changed it whole. A compaction prepared over the abandoned
+    branch is dropped (`rebuilt`)."""
+    notes = tuple(note for note in state.notes if note.before < branched_at)
+    return state.rebuilt(upto=branched_at, notes=notes)
+
+
 def _branched(state: wc.State, turn: StoredTurn) -> bool:
-    """Whether the turn's history branched inside what the context already holds (an edit or
-    a regenerate), the model's tokenizer changed, or the context is ahead of the conversation:
-    then it is rebuilt."""
+    """Whether the turn's history branched inside what the context already holds before its
+    verbatim turns (its stable memory: an edit there), the model's tokenizer changed, or the
+    context is ahead of the conversation: then it is rebuilt."""
     if turn.branched_at is not None and turn.branched_at < state.upto:
         return True
     # Another model's tokenizer: the stable memory's counts, and its cache, are not this one's.
