@@ -163,6 +163,12 @@ OURS = "<the conversation>"
         ("memory_expand", {"conversation": OURS, "node_id": 2**62}, f"node {2**62} does not"),
         ("memory_expand", {"conversation": OURS, "node_id": "x"}, "node_id must be an integer"),
         ("memory_find", {"conversation": OURS, "pattern": "(a|aa"}, "not a valid regular"),
+        # A megabyte of distinct words: Postgres refused its search vector (a protocol error).
+        (
+            "memory_search",
+            {"conversation": OURS, "query": " ".join(f"w{i:07d}" for i in range(120_000))},
+            "longer than 2000 characters",
+        ),
         ("memory_nothing", {"conversation": OURS}, "there is no tool 'memory_nothing'"),
     ],
 )

@@ -22,6 +22,7 @@ from memory.build import backlog, jobs
 from memory.db import spare, transaction
 from memory.errors import ProviderError
 from memory.recall import retrieval
+from memory.recall.tools import MAX_QUERY_CHARS
 from memory.write import conversations, store
 
 log = logging.getLogger(__name__)
@@ -35,7 +36,7 @@ SEARCH_SCOPE = 1000
 async def search(
     state: StateDep,
     tenant_id: ScopeDep,
-    q: Annotated[str, Query(min_length=1, max_length=2000, pattern=TEXT_PATTERN)],
+    q: Annotated[str, Query(min_length=1, max_length=MAX_QUERY_CHARS, pattern=TEXT_PATTERN)],
     conversation: Annotated[
         str | None,
         Query(
