@@ -31,6 +31,7 @@ from memory.recall import fusion, retrieval
 from memory.recall.recall_note import related_conversations, search_legs
 from memory.recall.working_context import State, load
 from memory.schema import conversations, working_contexts
+from memory.write import chains
 
 __all__ = ["CANDIDATES", "COVERS", "fresh", "prepare", "usable"]
 
@@ -156,7 +157,7 @@ def _query(rows: Sequence[object]) -> str:
     """The latest exchange's text, newest last: the last user message and what followed it."""
     kept: list[str] = []
     for row in rows:  # newest first
-        if getattr(row, "role", None) in ("system", "developer"):
+        if getattr(row, "role", None) in chains.SYSTEM_ROLES:
             break
         body = tokens.message_text({"content": getattr(row, "content", None)})
         if body:

@@ -40,11 +40,10 @@ from memory.recall.recall_note import embed_query, note_query, query_of, related
 from memory.recall.working_context import Policy
 from memory.schema import conversations
 from memory.stages import staged
-from memory.write import store
+from memory.write import chains, store
 
 Message = dict[str, Any]
 
-SYSTEM_ROLES = ("system", "developer")
 _SYSTEM_LOOKAHEAD = 4
 
 
@@ -447,7 +446,7 @@ async def dry_run(
 def leading_system(messages: Sequence[Message]) -> list[Message]:
     """The system (or developer) messages a history starts with."""
     count = 0
-    while count < len(messages) and messages[count].get("role") in SYSTEM_ROLES:
+    while count < len(messages) and messages[count].get("role") in chains.SYSTEM_ROLES:
         count += 1
     return list(messages[:count])
 

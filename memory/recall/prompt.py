@@ -45,7 +45,7 @@ from memory.errors import ContextOverflow
 from memory.recall import explain, fusion, retrieval, tool_hints
 from memory.recall.memory_block import MemoryBlock
 from memory.stages import staged
-from memory.write import store
+from memory.write import chains, store
 
 __all__ = [
     "MODEL_LIMITS",
@@ -502,7 +502,7 @@ async def _recent(
         )
         names.update(row.name for row in rows if row.name and row.role in ("user", "assistant"))
         for row in rows:
-            if row.role in ("system", "developer"):
+            if row.role in chains.SYSTEM_ROLES:
                 return _clean_start(kept[::-1]), names
             within = used + row.token_count <= cap
             if not within and not (

@@ -48,7 +48,7 @@ from memory import tokens
 from memory.db import AnyRow
 from memory.recall import tool_hints
 from memory.schema import working_contexts
-from memory.write import appends, store
+from memory.write import appends, chains, store
 
 __all__ = [
     "MASK_MIN_TOKENS",
@@ -71,7 +71,6 @@ __all__ = [
 MASK_MIN_TOKENS: Final = 64
 """Tool results this small are never masked: the placeholder would save next to nothing."""
 
-SYSTEM_ROLES: Final = ("system", "developer")
 
 KEPT_TOKENS: Final = 4_000_000
 """Most tokens of verbatim messages a process keeps decoded and counted (`read_items`), over all
@@ -362,7 +361,7 @@ async def read_items(
         if row is None:
             read[node_id] = known[node_id]
             opening = False
-        elif not (opening and row.role in SYSTEM_ROLES):
+        elif not (opening and row.role in chains.SYSTEM_ROLES):
             opening = False
             message = canonical(store.prompt_message(row))
             item = Item(

@@ -52,7 +52,6 @@ from memory.write import chains
 
 MESSAGE_FIELDS = ("role", "name", "content", "tool_calls", "tool_call_id")
 """Fields of an OpenAI message stored in columns; the rest are kept in `meta`."""
-SYSTEM_ROLES = ("system", "developer")
 """Roles whose message is a system prompt (the conversation keeps the newest one's hash)."""
 
 CONTEXT_JOB = "context"
@@ -291,7 +290,7 @@ async def at_head(
         request_key=request_key,
         replied_by=replied_by,
     )
-    system = message.get("content") if message.get("role") in SYSTEM_ROLES else None
+    system = message.get("content") if message.get("role") in chains.SYSTEM_ROLES else None
     node_id = await conn.scalar(
         _AT_HEAD,
         {

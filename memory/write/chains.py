@@ -24,10 +24,13 @@ import functools
 import hashlib
 import json
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, Final
 
 ROOT_HASH = ""
 """The parent of a conversation's first message."""
+
+SYSTEM_ROLES: Final = ("system", "developer")
+"""The roles of a client's system prompt."""
 
 
 def canonical(message: Mapping[str, Any]) -> dict[str, Any]:

@@ -170,7 +170,7 @@ async def store_new(
     )
     head = inserted.head or (found.parent, found.parent_seq)
     if inserted.node_ids or found.branch is not None:
-        systems = [m for m in messages[start:] if m.get("role") in appends.SYSTEM_ROLES]
+        systems = [m for m in messages[start:] if m.get("role") in chains.SYSTEM_ROLES]
         await _move_head(
             conn,
             conv=conv,
@@ -286,7 +286,7 @@ async def append(
         current=place.current,
     )
     added = inserted.tokens if place.current else 0
-    systems = [m for m in messages if m.get("role") in appends.SYSTEM_ROLES]
+    systems = [m for m in messages if m.get("role") in chains.SYSTEM_ROLES]
     await _move_head(
         conn,
         conv=conv,

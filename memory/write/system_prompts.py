@@ -39,7 +39,6 @@ CANDIDATES: Final = 8
 """How many of a user's latest conversations a history without a conversation id is tried
 against."""
 
-SYSTEM_ROLES: Final = ("system", "developer")
 
 # The chain hash a conversation's turns follow: its current branch's last leading system
 # message's, else the root ('').
@@ -86,7 +85,7 @@ def repeated(system_hash: str | None, messages: Sequence[Mapping[str, Any]]) -> 
     if system_hash is None or not messages:
         return 0
     first = messages[0]
-    if first.get("role") not in SYSTEM_ROLES:
+    if first.get("role") not in chains.SYSTEM_ROLES:
         return 0
     return 1 if chains.content_hash(first.get("content")) == system_hash else 0
 
@@ -94,7 +93,7 @@ def repeated(system_hash: str | None, messages: Sequence[Mapping[str, Any]]) -> 
 def opening(messages: Sequence[Mapping[str, Any]]) -> int:
     """How many system (or developer) messages the history starts with."""
     return next(
-        (i for i, message in enumerate(messages) if message.get("role") not in SYSTEM_ROLES),
+        (i for i, message in enumerate(messages) if message.get("role") not in chains.SYSTEM_ROLES),
         len(messages),
     )
 
