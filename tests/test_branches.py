@@ -723,6 +723,28 @@ async def test_context_sent_with_each_question_only_keeps_one_conversation(
     assert len(messages) <= len(sent) + 1 + 3 * 3
 
 
+async def test_a_chat_that_shares_only_a_reply_with_another_is_not_taken_for_it(
+    http: httpx.Client, engine: AsyncEngine
+) -> None:
+    """A history whose last assistant message is another conversation's latest reply, but
+    that opens otherwise, is a new conversation: the other one's branch stays."""
+    system = unique("One chat.")
+    first = answered(http, system)
+    other = unique("Another chat.")
+    chat(
+        http,
+        [
+            {"role": "system", "content": other},
+            {"role": "user", "content": unique("q")},
+            first[-1],
+            {"role": "user", "content": unique("and?")},
+        ],
+    )
+    [messages] = (await stored(engine, system)).values()
+    assert current(messages) == [(m["role"], m["content"]) for m in first]
+    assert len(await stored(engine, other)) == 1
+
+
 async def test_a_new_chat_that_opens_like_an_old_one_is_a_new_conversation(
     http: httpx.Client, engine: AsyncEngine
 ) -> None:

@@ -353,14 +353,16 @@ async def _rewritten(
     hashes: Sequence[str],
 ) -> Found | None:
     """The conversation whose head is the history's last assistant message, a reply the
-    gateway recorded, when the client rewrote its own messages (`memory.write.rewritten`),
-    locked; else None."""
+    gateway recorded, and whose first message is the history's, when the client rewrote its
+    own messages (`memory.write.rewritten`), locked; else None."""
 
     async def branching(row: AnyRow) -> Found | None:
         # Another request may have moved the head while this one waited for the lock.
         if not await rewritten.continues_head(conn, row, messages):
             return None
-        return _branch(row, await _path(conn, row.id, hashes), hashes, created=False)
+        # The opening shared too: a reply alike ("Sure!") ends chats that share nothing else.
+        path = await _path(conn, row.id, hashes)
+        return _branch(row, path, hashes, created=False) if path else None
 
     for conversation_id in await rewritten.candidates(
         conn, tenant_id=tenant_id, user=user, messages=messages

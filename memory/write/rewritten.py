@@ -19,7 +19,9 @@ conversation's head, a reply the gateway recorded (`continues_head`). That is pr
 saw this conversation, as a recorded reply on the shared path is: the history branches from
 the last message it shares with it (`memory.write.identity`), so the current branch is again
 exactly what the client sent. Without a conversation id, the user's `CANDIDATES` latest
-conversations are the ones tried (`candidates`), as for a changed system prompt.
+conversations are the ones tried (`candidates`), as for a changed system prompt, and only one
+whose first message is the history's is taken: a short reply ("Sure!") may end chats that share
+nothing else.
 """
 
 import json
