@@ -18,15 +18,15 @@ What such a history keeps is the gateway's own last reply: its last assistant me
 conversation's head, a reply the gateway recorded (`continues_head`). That is proof the client
 saw this conversation, as a recorded reply on the shared path is: the history branches from
 the last message it shares with it (`memory.write.identity`), so the current branch is again
-exactly what the client sent. Without a conversation id, the user's `CANDIDATES` latest
-conversations are the ones tried (`candidates`), as for a changed system prompt, and only one
-whose first message is the history's is taken: a short reply ("Sure!") may end chats that share
-nothing else.
+exactly what the client sent. Without a conversation id, the user's latest conversations are
+the ones tried (`candidates`), as many as for a changed system prompt
+(`system_prompts.CANDIDATES`), and only one whose first message is the history's is taken: a
+short reply ("Sure!") may end chats that share nothing else.
 """
 
 import json
 from collections.abc import Mapping, Sequence
-from typing import Any, Final
+from typing import Any
 
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncConnection
@@ -34,10 +34,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 from memory.db import AnyRow
 from memory.text import escape_unstorable
 from memory.write import chains
-
-CANDIDATES: Final = 8
-"""How many of a user's latest conversations a history without a conversation id is tried
-against."""
+from memory.write.system_prompts import CANDIDATES
 
 # A recorded reply's content as it is stored: a JSON string (escaped where Postgres cannot
 # hold the text, as `memory.write.appends.node_row` stores it).
