@@ -163,12 +163,6 @@ OURS = "<the conversation>"
         ("memory_expand", {"conversation": OURS, "node_id": 2**62}, f"node {2**62} does not"),
         ("memory_expand", {"conversation": OURS, "node_id": "x"}, "node_id must be an integer"),
         ("memory_find", {"conversation": OURS, "pattern": "(a|aa"}, "not a valid regular"),
-        # A megabyte of distinct words: Postgres refused its search vector (a protocol error).
-        (
-            "memory_search",
-            {"conversation": OURS, "query": " ".join(f"w{i:07d}" for i in range(120_000))},
-            "longer than 2000 characters",
-        ),
         ("memory_nothing", {"conversation": OURS}, "there is no tool 'memory_nothing'"),
     ],
 )
@@ -185,6 +179,20 @@ async def test_mistakes_are_tool_errors(
         result = await client.call_tool(name, arguments)
     assert result.is_error
     assert error in text(result)
+
+
+async def test_a_search_for_a_megabyte_of_words_is_answered(
+    gateway: GatewayProcess, keys: tuple[str, str], conversation: str
+) -> None:
+    """A query of a megabyte of distinct words is read from its start: Postgres refused its
+    search vector, and the call failed as a protocol error."""
+    query = "tomatoes " + " ".join(f"w{i:07d}" for i in range(120_000))
+    async with connect(gateway, keys[0]) as client:
+        result = await client.call_tool(
+            "memory_search", {"conversation": conversation, "query": query}
+        )
+    assert not result.is_error, text(result)
+    assert "tomatoes" in text(result)
 
 
 # -- tenants -------------------------------------------------------------------------------

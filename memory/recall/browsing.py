@@ -10,9 +10,8 @@
   in a worker thread (the GIL released) under one time budget, `Limits.regex_timeout`, so a
   catastrophic pattern yields `PatternRejected` quickly, never a hung worker; at most
   `MAX_MATCHES` results, with a note of where to continue.
-* `search(query, limit)`: hybrid retrieval (`memory.recall.retrieval.search`), at most `MAX_SEARCH`;
-  a query is refused above `MAX_QUERY_CHARS` (Postgres refuses the search vector of a long
-  one: a megabyte of distinct words failed the call).
+* `search(query, limit)`: hybrid retrieval (`memory.recall.retrieval.search`), at most `MAX_SEARCH`,
+  for the query's first `MAX_QUERY_CHARS` characters.
 
 Every function reads within a `Scope`: one tenant, one conversation, and for `expand` and
 `search` the other conversations it may recall; messages that left their conversation's
@@ -215,8 +214,9 @@ async def search(
     """The best matching nodes for `query`: the full-text leg runs while it is embedded, and
     the vector legs beside it in a spare connection when one is free (the tools' transactions
     write nothing the legs read)."""
-    if len(query) > MAX_QUERY_CHARS:
-        raise InvalidInput(f"the query is longer than {MAX_QUERY_CHARS} characters")
+    # A longer query is read from its start: Postgres refuses the search vector of a long one
+    # (a megabyte of distinct words failed the call), and the encoder reads far less anyway.
+    query = query[:MAX_QUERY_CHARS]
     limit = min(max(limit, 1), MAX_SEARCH)
     # Postgres and encoders refuse a NUL or an unpaired surrogate; stored text holds them
     # escaped, so the escaped query is also the one that finds them.
