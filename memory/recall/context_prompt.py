@@ -283,8 +283,8 @@ async def _advance(
     answers_calls: bool,
 ) -> tuple[wc.State, list[wc.Item], wc.Rendered, Change]:
     """The context as this turn finds it (built or rebuilt, compacted if it must be), its
-    verbatim turns, their rendering, and what changed: nothing (`kept`), a compaction, or a
-    build."""
+    verbatim turns, their rendering, and what changed: nothing (`kept`), a cut back to a
+    branch point (`cut`), a compaction, or a build."""
     state = await wc.load(conn, tenant_id=turn.tenant_id, conversation_id=turn.conversation_id)
     kept: Change = "kept"
     cut = None if state is None else _cut(state, turn)
