@@ -287,8 +287,7 @@ async def _advance(
     branch point (`cut`), a compaction, or a build."""
     state = await wc.load(conn, tenant_id=turn.tenant_id, conversation_id=turn.conversation_id)
     kept: Change = "kept"
-    cut = None if state is None else _cut(state, turn)
-    if state is not None and cut is not None:
+    if state is not None and (cut := _cut(state, turn)) is not None:
         state, kept = _cut_at(state, cut), "cut"
     if state is None or _branched(state, turn):
         built, items = await compaction.build(
