@@ -1,22 +1,24 @@
 """The fake upstream's ``POST /v1/responses`` (``devkit/upstream_server.py`` serves it unless
 started with ``--no-responses``, when it answers 404 like any unknown path).
 
-Default answer: one assistant message item whose text is ``"echo: " + <text of the last user
-message of the input>`` (``input`` a string, or items: the last item of role ``user``), with
-``id`` ``resp_...``, ``object`` ``"response"``, ``status`` ``"completed"``, the request's
-``model``, ``instructions``, ``tools`` and ``previous_response_id`` echoed, and ``usage`` (word
-counts). Scripted ``reply`` replaces the text; scripted ``tool_calls`` (only when the request
-has ``tools``) become ``function_call`` items (after the message item when ``reply`` is also
-scripted). With ``"stream": true``: ``text/event-stream`` of OpenAI's events, each with
-``event:`` and its ``sequence_number``: ``response.created``, ``response.in_progress``, per
-item ``response.output_item.added`` … ``response.output_item.done`` (text: one
+Default answer: one assistant message item whose text is ``"echo: " + <text of the last user message
+of the input>`` (``input`` a string, or items: the last item of role ``user``), with ``id``
+``resp_...``, ``object`` ``"response"``, ``status`` ``"completed"``, the request's ``model``,
+``instructions``, ``tools`` and ``previous_response_id`` echoed, and ``usage`` (word counts;
+``input_tokens_details.cached_tokens``: the tokens of the longest run of leading input items,
+``instructions`` first, that an earlier prompt began with, byte for byte, as on
+``/v1/chat/completions``). Scripted ``reply`` replaces the text; scripted ``tool_calls`` (only when
+the request has ``tools``) become ``function_call`` items (after the message item when ``reply`` is
+also scripted). With ``"stream": true``: ``text/event-stream`` of OpenAI's events, each with
+``event:`` and its ``sequence_number``: ``response.created``, ``response.in_progress``, per item
+``response.output_item.added`` … ``response.output_item.done`` (text: one
 ``response.output_text.delta`` per word; calls: ``response.function_call_arguments.delta``
-fragments), then ``response.completed``; ``chunk_delay`` apart; ``cut_after`` closes the
-connection after that many deltas. A ``previous_response_id`` is answered 404 ("Previous
-response … not found"): this upstream continues nothing, so a gateway must send the history
-itself. A response made without ``"store": false`` is kept, as OpenAI keeps it, for ``GET`` and
-``DELETE /v1/responses/{id}`` (an unknown id: 404). ``"background": true`` (not streamed) is
-answered ``queued`` with no output, the finished response kept for ``GET``.
+fragments), then ``response.completed``; ``chunk_delay`` apart; ``cut_after`` closes the connection
+after that many deltas. A ``previous_response_id`` is answered 404 ("Previous response … not
+found"): this upstream continues nothing, so a gateway must send the history itself. A response made
+without ``"store": false`` is kept, as OpenAI keeps it, for ``GET`` and ``DELETE
+/v1/responses/{id}`` (an unknown id: 404). ``"background": true`` (not streamed) is answered
+``queued`` with no output, the finished response kept for ``GET``.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ Record = Callable[[Request, Callable[[Any], str]], Awaitable[tuple[Any, Behaviou
 Scripted = Callable[[Request, Behaviour], Response | None]
 Headers = Callable[[Request, Behaviour], dict[str, str]]
 Abort = Callable[[Request], Awaitable[None]]
+Cached = Callable[[list[Any], list[int]], int]
 
 _ARGUMENT_FRAGMENT_CHARS = 8
 
@@ -68,6 +71,7 @@ def responses_routes(
     headers_for: Headers,
     abort: Abort,
     chunk_delay: Callable[[], float],
+    cached_tokens: Cached,
 ) -> list[Route]:
     """``POST /v1/responses`` and its kept responses' ``GET`` and ``DELETE``, built on the
     server's own helpers."""
@@ -89,7 +93,7 @@ def responses_routes(
                 error_body(message, status=status, param=param), status, headers=headers
             )
         assert isinstance(body, dict)
-        response = _response(body, behaviour)
+        response = _response(body, behaviour, cached_tokens)
         if body.get("store") is not False:
             kept[response["id"]] = response
         if body.get("background") is True and not stream:
@@ -147,7 +151,7 @@ def _problem(body: Any) -> tuple[int, str, str | None] | None:
     return None
 
 
-def _response(body: dict[str, Any], behaviour: Behaviour) -> dict[str, Any]:
+def _response(body: dict[str, Any], behaviour: Behaviour, cached_tokens: Cached) -> dict[str, Any]:
     output: list[dict[str, Any]] = []
     calls = behaviour.get("tool_calls") if body.get("tools") else None
     text = behaviour.get("reply", "echo: " + last_user_input(body))
@@ -173,7 +177,9 @@ def _response(body: dict[str, Any], behaviour: Behaviour) -> dict[str, Any]:
                 "arguments": arguments if isinstance(arguments, str) else json.dumps(arguments),
             }
         )
-    words = word_count(last_user_input(body)) + 3
+    prompt = _prompt_items(body)
+    counts = [word_count(_item_text(item)) + 3 for item in prompt]
+    words = sum(counts)
     produced = sum(
         word_count(item["content"][0]["text"]) if item["type"] == "message" else 1
         for item in output
@@ -197,12 +203,30 @@ def _response(body: dict[str, Any], behaviour: Behaviour) -> dict[str, Any]:
         "top_p": body.get("top_p", 1.0),
         "usage": {
             "input_tokens": words,
-            "input_tokens_details": {"cached_tokens": 0},
+            "input_tokens_details": {"cached_tokens": cached_tokens(prompt, counts)},
             "output_tokens": produced,
             "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": words + produced,
         },
     }
+
+
+def _prompt_items(body: dict[str, Any]) -> list[Any]:
+    """What a provider's cache would see of a request: its instructions, then its input."""
+    raw = body["input"]
+    items = [{"role": "user", "content": raw}] if isinstance(raw, str) else list(raw)
+    if body.get("instructions"):
+        items.insert(0, {"role": "system", "content": body["instructions"]})
+    return items
+
+
+def _item_text(item: Any) -> str:
+    if not isinstance(item, dict):
+        return ""
+    if "content" in item:
+        return content_text(item["content"])
+    value = item.get("output", item.get("arguments"))
+    return value if isinstance(value, str) else ""
 
 
 async def _events(

@@ -556,6 +556,7 @@ def create_upstream_app(
                     headers_for=headers_for,
                     abort=_abort_connection,
                     chunk_delay=lambda: state.chunk_delay,
+                    cached_tokens=state.cached_tokens,
                 )
                 if responses
                 else []

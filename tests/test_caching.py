@@ -6,7 +6,7 @@
 * the conversation's statistics and `/metrics` show memory reuse, compactions and what the
   upstream reported as cached;
 * a conversation-scoped `prompt_cache_key` goes upstream when the client sent none, never in
-  place of the client's own.
+  place of the client's own, on chat completions and the Responses API alike.
 """
 
 from __future__ import annotations
@@ -266,3 +266,29 @@ def test_the_clients_own_cache_key_is_kept(
         assert http.post(CHAT, json=body).status_code == 200
     [sent] = upstream.requests(CHAT)
     assert sent["body"]["prompt_cache_key"] == "mine"
+
+
+def test_responses_carry_the_conversations_cache_key_and_keep_the_clients(
+    gateways: tuple[GatewayProcess, GatewayProcess], upstream: UpstreamServer
+) -> None:
+    """A response request goes upstream with its conversation's key, the one its chat turns
+    carry, from either process; a client's own key is sent in its place."""
+    upstream.reset()
+    conversation = f"responses-{uuid.uuid4().hex}"
+    headers = {"X-Memstrata-Conversation": conversation}
+    clients = [httpx.Client(base_url=g.root_url, timeout=30) for g in gateways]
+    try:
+        for number in range(3):
+            body = {"model": MODEL, "input": f"question {number} {uuid.uuid4().hex}"}
+            answer = clients[number % 2].post("/v1/responses", json=body, headers=headers)
+            assert answer.status_code == 200, answer.text
+        chat = {"model": MODEL, "messages": [{"role": "user", "content": "and in chat?"}]}
+        assert clients[0].post(CHAT, json=chat, headers=headers).status_code == 200
+        mine = {"model": MODEL, "input": "my own key", "prompt_cache_key": "mine"}
+        assert clients[1].post("/v1/responses", json=mine, headers=headers).status_code == 200
+    finally:
+        for client in clients:
+            client.close()
+    keys = [request["body"]["prompt_cache_key"] for request in upstream.requests("/v1/responses")]
+    [chat_key] = [request["body"]["prompt_cache_key"] for request in upstream.requests(CHAT)]
+    assert keys == [chat_key] * 3 + ["mine"] and chat_key.startswith("memstrata-")

@@ -181,6 +181,40 @@ def test_five_turns_through_previous_response_id(
     assert items[0].content[0].text == texts[-1]  # type: ignore[union-attr]
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_the_upstreams_usage_is_stored_cached_tokens_included(
+    way: Way, client: openai.OpenAI, http: httpx.Client, stream: bool
+) -> None:
+    """Each turn's usage, as the client was shown it, adds up in the conversation's statistics:
+    input, output and cached tokens (each prompt repeats the last, which the fake caches)."""
+    previous: str | None = None
+    shown: list[Any] = []
+    conversation = ""
+    for n in range(3):
+        extra: dict[str, Any] = {"previous_response_id": previous} if previous else {}
+        raw = client.responses.with_raw_response.create(
+            model="gpt-4o-mini",
+            input=unique(f"usage turn {n}"),
+            instructions="Be brief.",
+            stream=stream,
+            **extra,
+        )
+        conversation = raw.headers[HEADER]
+        final = streamed_text(raw.parse())[1] if stream else raw.parse()
+        assert isinstance(final, Response) and final.usage is not None
+        shown.append(final.usage)
+        previous = final.id
+        stored(http, conversation, 3 + 2 * n)
+    assert sum(u.input_tokens_details.cached_tokens for u in shown) > 0
+    stats = http.get(f"/admin/conversations/{conversation}").json()
+    assert {key: stats[key] for key in ("requests", "tokens_cached")} == {
+        "requests": 3,
+        "tokens_cached": sum(u.input_tokens_details.cached_tokens for u in shown),
+    }
+    assert stats["upstream_prompt_tokens"] == sum(u.input_tokens for u in shown)
+    assert stats["upstream_completion_tokens"] == sum(u.output_tokens for u in shown)
+
+
 def test_a_working_context_names_no_memory_tool_where_none_is_offered(
     way: Way, client: openai.OpenAI
 ) -> None:

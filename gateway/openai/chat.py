@@ -176,8 +176,7 @@ def upstream_body(
     if assembled.messages is not body["messages"]:
         prompt["messages"] = assembled.messages
     if settings.sends_cache_key and "prompt_cache_key" not in body:
-        scope = f"{turn.tenant_id}:{turn.conversation_id}".encode()
-        prompt["prompt_cache_key"] = "memstrata-" + hashlib.sha256(scope).hexdigest()[:32]
+        prompt["prompt_cache_key"] = cache_key(turn)
     if stream and settings.stream_usage == "on":
         options = body.get("stream_options")
         options = dict(options) if isinstance(options, dict) else {}
@@ -186,6 +185,13 @@ def upstream_body(
             prompt["stream_options"] = options
             turn.hide_usage = True
     return prompt
+
+
+def cache_key(turn: Turn) -> str:
+    """The `prompt_cache_key` of the turn's conversation: one for all its requests, from any
+    process, and nothing a provider could read the tenant or conversation from."""
+    scope = f"{turn.tenant_id}:{turn.conversation_id}".encode()
+    return "memstrata-" + hashlib.sha256(scope).hexdigest()[:32]
 
 
 def _report(state: State, timings: stages.Record) -> None:

@@ -33,7 +33,10 @@ for OpenAI's own API, else learnt from the first request: an answer of 404, 405 
 than an unknown model's) means it does not, remembered by the process. A first request that
 could not be translated (built-in tools) learns it before anything is stored, from a request
 the upstream must refuse (`{}`: 400 if it serves the API), so that it is refused unstored.
-Upstream error answers are relayed with their status and body, as on the chat path.
+Upstream error answers are relayed with their status and body, as on the chat path. As there
+too, a stored conversation's request carries its `prompt_cache_key` when the client sent none
+and the settings send one (`chat.cache_key`), and the upstream's usage is recorded: the answer's
+`usage` (`ResponseTurn.record`), counted as a chat completion's is.
 
 What is stored for a response (`memory.write.responses`): the response object as the client
 saw it and the request's input items, beside the messages the conversation holds.
@@ -132,14 +135,22 @@ class ResponseTurn(Turn):
             headers[DEGRADED_HEADER] = "1"
         return headers
 
+    def answered(self) -> dict[str, Any] | None:
+        """The response object the client was given, as far as it came."""
+        return self.streamed.response() if self.streamed is not None else self.response
+
     async def record(
         self, state: State, reply: Mapping[str, Any] | None, *, complete: bool
     ) -> None:
-        if self.store:
-            await super().record(state, reply, complete=complete)
+        if not self.store:
+            return
+        body = self.answered()
+        if self.usage is None and body is not None:
+            self.usage = translate.chat_usage(body.get("usage"))
+        await super().record(state, reply, complete=complete)
 
     async def recorded(self, conn: AsyncConnection) -> None:
-        body = self.streamed.response() if self.streamed is not None else self.response
+        body = self.answered()
         if body is None or not isinstance(body.get("id"), str):
             return
         if self.background:
@@ -243,6 +254,8 @@ async def create(request: Request, state: State, *, tenant_id: int) -> Response:
     else:
         turn.overhead = time.perf_counter() - started
     prompt = messages if assembled is None else assembled.messages
+    if state.settings.sends_cache_key and turn.conversation_id and "prompt_cache_key" not in body:
+        body = {**body, "prompt_cache_key": chat.cache_key(turn)}
     forwarder = _Forward(state, turn, request=request, body=body, stream=bool(parsed.stream))
     return await forwarder.send(prompt, as_sent=prompt is messages)
 

@@ -514,6 +514,21 @@ def response_usage(usage: Any) -> dict[str, Any] | None:
     }
 
 
+def chat_usage(usage: Any) -> dict[str, Any] | None:
+    """A response's `usage` as a chat completion counts it (`response_usage` turned back)."""
+    if not isinstance(usage, dict):
+        return None
+    inputs = usage.get("input_tokens_details") or {}
+    outputs = usage.get("output_tokens_details") or {}
+    return {
+        "prompt_tokens": usage.get("input_tokens", 0),
+        "prompt_tokens_details": {"cached_tokens": inputs.get("cached_tokens") or 0},
+        "completion_tokens": usage.get("output_tokens", 0),
+        "completion_tokens_details": {"reasoning_tokens": outputs.get("reasoning_tokens") or 0},
+        "total_tokens": usage.get("total_tokens", 0),
+    }
+
+
 def response_object(completion: Any, body: Mapping[str, Any], *, response_id: str) -> Any:
     """The response object for a chat `completion` (None if it is not one)."""
     try:
