@@ -292,3 +292,28 @@ def test_responses_carry_the_conversations_cache_key_and_keep_the_clients(
     keys = [request["body"]["prompt_cache_key"] for request in upstream.requests("/v1/responses")]
     [chat_key] = [request["body"]["prompt_cache_key"] for request in upstream.requests(CHAT)]
     assert keys == [chat_key] * 3 + ["mine"] and chat_key.startswith("memstrata-")
+
+
+def test_compactions_of_response_turns_are_counted_in_metrics(
+    gateways: tuple[GatewayProcess, GatewayProcess],
+) -> None:
+    """Turns through the Responses API that compact the working context count in `/metrics`
+    as the conversation's statistics count them."""
+    conversation = f"responses-compact-{uuid.uuid4().hex}"
+    headers = {"X-Memstrata-Conversation": conversation, "X-Memstrata-Budget": "3000"}
+    with httpx.Client(base_url=gateways[0].root_url, timeout=60) as http:
+        imported = http.post(
+            f"/admin/conversations/{conversation}/messages",
+            json={"messages": synthetic.messages(300, seed=17), "model": MODEL},
+        )
+        assert imported.status_code == 201, imported.text
+        before = metric(http.get("/metrics").text, "memstrata_compactions_total")
+        asks = [m for m in synthetic.messages(200, seed=18) if m["role"] == "user"][:16]
+        for ask in asks:
+            body = {"model": MODEL, "input": ask["content"]}
+            answered = http.post("/v1/responses", json=body, headers=headers)
+            assert answered.status_code == 200, answered.text
+        compactions = http.get(f"/admin/conversations/{conversation}").json()["compactions"]
+        assert compactions >= 1
+        after = metric(http.get("/metrics").text, "memstrata_compactions_total")
+    assert after - before == compactions

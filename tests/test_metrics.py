@@ -228,6 +228,30 @@ async def test_request_path_stages_are_timed(client: httpx.AsyncClient) -> None:
     assert count("compaction") >= 1 and count("embed") >= 1 and count("note") >= 1
 
 
+async def test_response_requests_stages_are_timed(client: httpx.AsyncClient) -> None:
+    """A request through the Responses API times its stages as a chat request does, its
+    working context's compaction and recall note included."""
+    before = await scrape(client)
+    conversation = {"X-Memstrata-Conversation": f"stages-{uuid.uuid4().hex}"}
+    inputs = [f"note {n}: " + "words " * 60 for n in range(12)]
+    for text in inputs:
+        body = {"model": "gpt-4o", "input": text}
+        response = await client.post("/v1/responses", json=body, headers=conversation)
+        assert response.status_code == 200, response.text
+    tight = {**conversation, "X-Memstrata-Budget": "400"}
+    body = {"model": "gpt-4o", "input": "note 3?"}
+    response = await client.post("/v1/responses", json=body, headers=tight)
+    assert response.status_code == 200, response.text
+    after = await scrape(client)
+
+    def count(stage: str) -> float:
+        name = "memstrata_request_stage_seconds_count"
+        return value(after, name, stage=stage) - value(before, name, stage=stage)
+
+    assert count("store") == count("assemble") == count("record") == len(inputs) + 1
+    assert count("compaction") >= 1 and count("embed") >= 1 and count("note") >= 1
+
+
 async def test_request_ids_are_made_or_taken_and_echoed(client: httpx.AsyncClient) -> None:
     made = await client.get("/healthz")
     assert re.fullmatch(r"[0-9a-f]{32}", made.headers["x-request-id"])

@@ -154,7 +154,7 @@ async def complete(request: Request, state: State, *, tenant_id: int) -> Respons
         memory_tools=budget.tools_room > 0,
     )
     turn.sent(assembled, state.metrics)
-    _report(state, timings)
+    report_stages(state, timings)
     stream = bool(chat.stream)
     return await relay.forward(
         state,
@@ -194,7 +194,7 @@ def cache_key(turn: Turn) -> str:
     return "memstrata-" + hashlib.sha256(scope).hexdigest()[:32]
 
 
-def _report(state: State, timings: stages.Record) -> None:
+def report_stages(state: State, timings: stages.Record) -> None:
     """The request path's stages, to `/metrics` and, at DEBUG, to the log."""
     state.metrics.observe_stages(timings)
     if log.isEnabledFor(logging.DEBUG):

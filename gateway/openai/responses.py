@@ -69,7 +69,7 @@ from gateway.schemas import ResponsesRequest
 from gateway.settings import Settings
 from gateway.state import State
 from gateway.upstream import Upstream
-from memory import tokens
+from memory import stages, tokens
 from memory.db import transaction
 from memory.errors import InvalidConversationId, StorageUnavailable
 from memory.recall.assemble import Budget, StoredTurn, leading_system
@@ -223,34 +223,39 @@ async def create(request: Request, state: State, *, tenant_id: int) -> Response:
         idempotency_key=request.headers.get(chat.IDEMPOTENCY_HEADER),
         retry_count=request.headers.get(chat.RETRY_COUNT_HEADER),
     )
-    try:
-        if turn.store:
-            stored = await _store(
-                state,
-                turn,
-                messages,
-                budget,
-                previous=previous,
-                user=parsed.user,
-                request=request_key,
-            )
-        elif previous is not None:
-            stored = await _unstored(state, turn, messages, budget, previous=previous)
-        else:
-            stored = None
-        assembled = (
-            await chat.recall(state, stored, budget, tools_guide=False, persist=turn.store)
-            if stored
-            else None
-        )
-    except StorageUnavailable:
-        if state.settings.fail_open != "on" or previous is not None:
-            raise
-        log.warning("database unavailable, forwarding a response request without memory")
-        state.metrics.degraded.inc()
-        turn.store, turn.degraded, assembled = False, True, None
+    with stages.recording() as timings:
+        try:
+            with stages.stage("store"):
+                if turn.store:
+                    stored = await _store(
+                        state,
+                        turn,
+                        messages,
+                        budget,
+                        previous=previous,
+                        user=parsed.user,
+                        request=request_key,
+                    )
+                elif previous is not None:
+                    stored = await _unstored(state, turn, messages, budget, previous=previous)
+                else:
+                    stored = None
+            with stages.stage("assemble"):
+                assembled = (
+                    await chat.recall(state, stored, budget, tools_guide=False, persist=turn.store)
+                    if stored
+                    else None
+                )
+        except StorageUnavailable:
+            if state.settings.fail_open != "on" or previous is not None:
+                raise
+            log.warning("database unavailable, forwarding a response request without memory")
+            state.metrics.degraded.inc()
+            turn.store, turn.degraded, assembled = False, True, None
+    chat.report_stages(state, timings)
     if assembled is not None:
-        turn.sent(assembled)
+        # Only a stored turn saved the compaction it was assembled with.
+        turn.sent(assembled, state.metrics if turn.store else None)
     else:
         turn.overhead = time.perf_counter() - started
     prompt = messages if assembled is None else assembled.messages
