@@ -19,7 +19,7 @@ from gateway.errors import install_handlers
 from gateway.key_grace import KeyGrace
 from gateway.logs import RequestIdMiddleware
 from gateway.metrics import Metrics, MetricsMiddleware
-from gateway.openai import responses
+from gateway.openai import response_upstream
 from gateway.routes import admin, health, metrics, openai
 from gateway.settings import Settings
 from gateway.state import State
@@ -97,7 +97,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                     api_key=settings.upstream_api_key,
                     forward_client_auth=settings.auth == "off",
                     observe=app_metrics.observe_upstream,
-                    serves_responses=responses.serves_responses(settings),
+                    serves_responses=response_upstream.serves_responses(settings),
                 ),
                 embedder=embed,
                 default_tenant_id=default_tenant,

@@ -218,16 +218,17 @@ def test_the_upstreams_usage_is_stored_cached_tokens_included(
 def test_a_working_context_names_no_memory_tool_where_none_is_offered(
     way: Way, client: openai.OpenAI
 ) -> None:
-    """The Responses API is not offered the memory tools: a conversation past its budget is
-    sent its working context without the hints stable memory holds for them ("memory_browse
-    … reads them", "memory_expand opens a [#id]"), which pointed the model at tools it could
-    not call."""
+    """A client that lets the model call no tool (`tool_choice: none`) is not offered the
+    memory tools: a conversation past its budget is sent its working context without the hints
+    stable memory holds for them ("memory_browse … reads them", "memory_expand opens a
+    [#id]"), which would point the model at tools it cannot call."""
     previous: str | None = None
     for n in range(12):
         extra: dict[str, Any] = {"previous_response_id": previous} if previous else {}
         previous = client.responses.create(
             model="gpt-4o-mini",
             input=unique(f"turn {n}: " + "a long and winding story of the harbour " * 12),
+            tool_choice="none",
             extra_headers={"X-Memstrata-Budget": "1000"},
             **extra,
         ).id

@@ -25,7 +25,7 @@ from fastapi.responses import Response
 
 from gateway.errors import GatewayError
 from gateway.openai import passthrough
-from gateway.openai.responses import NOT_SERVED
+from gateway.openai.response_upstream import NOT_SERVED
 from gateway.state import State
 from memory.db import transaction
 from memory.write import responses as stored_responses

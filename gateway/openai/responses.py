@@ -19,39 +19,26 @@ new, whatever it repeats. A retry is told as on the chat path (`Idempotency-Key`
 `X-Stainless-Retry-Count`, the same body) and stores nothing.
 `store: false` stores nothing: the request reads memory (the history of `previous_response_id`, if
 named: its own branch's, when that fits the budget) and goes upstream, and the response cannot
-be retrieved or continued later. The memory tools are not offered on this path. With the
-database down and `MEMSTRATA_FAIL_OPEN=on`, a request that names no `previous_response_id` goes
-upstream as the client sent it, unrecorded, its answer marked `X-Memstrata-Degraded` as on the
-chat path.
+be retrieved or continued later. With the database down and `MEMSTRATA_FAIL_OPEN=on`, a request
+that names no `previous_response_id` goes upstream as the client sent it, unrecorded, its answer
+marked `X-Memstrata-Degraded` as on the chat path.
 
-Upstream, the request goes as a Responses request when the upstream serves the API: the
-client's own body when the prompt is its input unchanged, else with the assembled prompt as
-`input` (and no `previous_response_id`: the upstream gets the history itself). Otherwise it is
-translated to a chat completion and the answer back to a response object or Responses events.
-Whether the upstream serves it is `MEMSTRATA_UPSTREAM_RESPONSES`: `on`, `off`, or `auto`: on
-for OpenAI's own API, else learnt from the first request: an answer of 404, 405 or 501 (other
-than an unknown model's) means it does not, remembered by the process. A first request that
-could not be translated (built-in tools) learns it before anything is stored, from a request
-the upstream must refuse (`{}`: 400 if it serves the API), so that it is refused unstored.
-Upstream error answers are relayed with their status and body, as on the chat path. As there
-too, a stored conversation's request carries its `prompt_cache_key` when the client sent none
-and the settings send one (`chat.cache_key`), and the upstream's usage is recorded: the answer's
-`usage` (`ResponseTurn.record`), counted as a chat completion's is.
-
-What is stored for a response (`memory.write.responses`): the response object as the client
-saw it and the request's input items, beside the messages the conversation holds.
+The memory tools are offered as on the chat path (`gateway.openai.toolloop.offer`): the budget
+keeps room for their definitions, and the working context holds the hints to them. A stored
+conversation's request carries its `prompt_cache_key` when the client sent none and the
+settings send one (`chat.cache_key`). The way upstream and back, forwarded as Responses or
+translated to chat completions, is `gateway.openai.response_upstream`; what the turn records
+(the response object as the client saw it, the request's input items and the upstream's usage)
+is `gateway.openai.response_turn`.
 """
 
-import json
 import logging
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from datetime import timedelta
-from typing import Any, ClassVar
-from urllib.parse import urlsplit
+from typing import Any
 
-import httpx
 from fastapi import Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
@@ -60,15 +47,11 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 
 from gateway.bodies import read_json
 from gateway.errors import GatewayError
-from gateway.openai import chat, tenancy, translate
-from gateway.openai.degraded import DEGRADED_HEADER
-from gateway.openai.response_events import ChatEvents, ResponseReply
-from gateway.openai.streams import EventReader, sse_error
-from gateway.openai.turn import CONVERSATION_HEADER, REPLY_COMPLETE, Chunks, Turn
+from gateway.openai import chat, response_upstream, tenancy, toolloop, translate
+from gateway.openai.response_turn import ResponseTurn
+from gateway.openai.turn import CONVERSATION_HEADER
 from gateway.schemas import ResponsesRequest
-from gateway.settings import Settings
 from gateway.state import State
-from gateway.upstream import Upstream
 from memory import stages, tokens
 from memory.db import transaction
 from memory.errors import InvalidConversationId, StorageUnavailable
@@ -78,93 +61,8 @@ from memory.write import responses as stored_responses
 
 log = logging.getLogger(__name__)
 
+
 # What an upstream answers for a path it does not serve (the Responses API, or one response).
-NOT_SERVED = (404, 405, 501)
-_OPENAI_HOST = "api.openai.com"
-
-
-def serves_responses(settings: Settings) -> bool | None:
-    """What is known, at start, of whether the upstream serves the Responses API."""
-    if settings.upstream_responses != "auto":
-        return settings.upstream_responses == "on"
-    return True if urlsplit(settings.upstream_url).hostname == _OPENAI_HOST else None
-
-
-async def _probe(state: State, client_headers: Mapping[str, str]) -> None:
-    """Learn whether the upstream serves the Responses API from a request it must refuse
-    (no model, no input): it answers 400 if it serves it, else 404, 405 or 501. A failure to
-    reach it teaches nothing (the request then learns as any other)."""
-    upstream = state.upstream
-    try:
-        response = await upstream.open(
-            "POST", "/responses", headers=upstream.headers_for(client_headers), json={}
-        )
-        status = response.status_code
-        await upstream.read(response)
-    except GatewayError:
-        return
-    _learnt(upstream, served=status not in NOT_SERVED)
-
-
-def _learnt(upstream: Upstream, *, served: bool) -> None:
-    if not served:
-        log.info("the upstream does not serve the Responses API: translating to chat completions")
-    upstream.serves_responses = served
-
-
-@dataclass
-class ResponseTurn(Turn):
-    """A turn whose answer is a response: kept with its input items when it is recorded."""
-
-    records_without_reply: ClassVar[bool] = True
-    store: bool = True
-    input_items: list[dict[str, Any]] = field(default_factory=list)
-    response: dict[str, Any] | None = None
-    streamed: ResponseReply | None = None
-    degraded: bool = False
-    """Forwarded without memory, the database being down (fail-open)."""
-    background: bool = False
-    """Asked for with `background: true` (and run in the foreground): the stored response
-    says so, which is what lets a client cancel it."""
-
-    def headers(self) -> dict[str, str]:
-        headers = super().headers()
-        if not self.external_id:
-            del headers[CONVERSATION_HEADER]
-        if self.degraded:
-            headers[DEGRADED_HEADER] = "1"
-        return headers
-
-    def answered(self) -> dict[str, Any] | None:
-        """The response object the client was given, as far as it came."""
-        return self.streamed.response() if self.streamed is not None else self.response
-
-    async def record(
-        self, state: State, reply: Mapping[str, Any] | None, *, complete: bool
-    ) -> None:
-        if not self.store:
-            return
-        body = self.answered()
-        if self.usage is None and body is not None:
-            self.usage = translate.chat_usage(body.get("usage"))
-        await super().record(state, reply, complete=complete)
-
-    async def recorded(self, conn: AsyncConnection) -> None:
-        body = self.answered()
-        if body is None or not isinstance(body.get("id"), str):
-            return
-        if self.background:
-            body = {**body, "background": True}
-        await stored_responses.save(
-            conn,
-            tenant_id=self.tenant_id,
-            conversation_id=self.conversation_id,
-            response_id=body["id"],
-            body=body,
-            input_items=self.input_items,
-        )
-
-
 async def create(request: Request, state: State, *, tenant_id: int) -> Response:
     """Handle `POST /v1/responses`."""
     started = time.perf_counter()
@@ -186,7 +84,7 @@ async def create(request: Request, state: State, *, tenant_id: int) -> Response:
         body = {key: value for key, value in body.items() if key != "background"}
     if state.upstream.serves_responses is None and not translate.translatable(body):
         # Whether it can go upstream must be known before it is stored.
-        await _probe(state, request.headers)
+        await response_upstream.probe(state, request.headers)
     if state.upstream.serves_responses is False:
         # It can only go upstream translated: what cannot be is refused before it is stored.
         translate.check_translatable(body)
@@ -203,7 +101,8 @@ async def create(request: Request, state: State, *, tenant_id: int) -> Response:
         {"model": parsed.model, "tools": body.get("tools"), "max_tokens": parsed_max(body)},
         chat.budget_rules(state.settings),
         requested=chat.parse_budget(request.headers.get(chat.BUDGET_HEADER)),
-        tools_room=0,
+        # Room kept for the memory tools' definitions, when the gateway offers them.
+        tools_room=toolloop.reserved_tokens(state.settings, body),
     )
     turn = ResponseTurn(
         tenant_id=tenant_id,
@@ -214,6 +113,7 @@ async def create(request: Request, state: State, *, tenant_id: int) -> Response:
         store=parsed.store is not False,
         input_items=translate.stored_items(body),
         background=background,
+        memory_tools=budget.tools_room > 0,
     )
     previous = parsed.previous_response_id
     # What tells a retry of this request from a new one, as on the chat path: the SDKs retry
@@ -242,7 +142,13 @@ async def create(request: Request, state: State, *, tenant_id: int) -> Response:
                     stored = None
             with stages.stage("assemble"):
                 assembled = (
-                    await chat.recall(state, stored, budget, tools_guide=False, persist=turn.store)
+                    await chat.recall(
+                        state,
+                        stored,
+                        budget,
+                        tools_guide=budget.tools_room > 0,
+                        persist=turn.store,
+                    )
                     if stored
                     else None
                 )
@@ -261,7 +167,9 @@ async def create(request: Request, state: State, *, tenant_id: int) -> Response:
     prompt = messages if assembled is None else assembled.messages
     if state.settings.sends_cache_key and turn.conversation_id and "prompt_cache_key" not in body:
         body = {**body, "prompt_cache_key": chat.cache_key(turn)}
-    forwarder = _Forward(state, turn, request=request, body=body, stream=bool(parsed.stream))
+    forwarder = response_upstream.Forward(
+        state, turn, request=request, body=body, stream=bool(parsed.stream)
+    )
     return await forwarder.send(prompt, as_sent=prompt is messages)
 
 
@@ -418,184 +326,3 @@ async def _previous(
         )
     turn.external_id = found.external_id
     return found
-
-
-class _Forward:
-    """One response request's way upstream, and its answer's way back."""
-
-    def __init__(
-        self,
-        state: State,
-        turn: ResponseTurn,
-        *,
-        request: Request,
-        body: dict[str, Any],
-        stream: bool,
-    ) -> None:
-        self._state = state
-        self._turn = turn
-        self._upstream = state.upstream
-        self._headers = state.upstream.headers_for(request.headers)
-        self._query = request.url.query
-        self._body = body
-        self._stream = stream
-
-    async def send(self, prompt: list[dict[str, Any]], *, as_sent: bool) -> Response:
-        """Send `prompt` (`as_sent`: the client's own input, unchanged) upstream."""
-        if self._upstream.serves_responses is not False:
-            body = self._body if as_sent else self._responses_body(prompt)
-            response = await self._open("/responses", body)
-            if self._upstream.serves_responses is None:
-                answer = await self._learn(response)
-                if answer is not None:
-                    return answer
-            if self._upstream.serves_responses:
-                return await self._relay(response)
-        return await self._translated(prompt)
-
-    async def _learn(self, response: httpx.Response) -> Response | None:
-        """Learn whether the upstream serves the Responses API from its first answer; the
-        answer to relay when it had to be read to tell (an unknown model's 404), else None."""
-        if response.status_code not in NOT_SERVED:
-            _learnt(self._upstream, served=True)
-            return None
-        content = await self._read(response)
-        error = _json(content)
-        code = error.get("error", {}).get("code") if isinstance(error, dict) else None
-        if isinstance(code, str) and code == "model_not_found":
-            _learnt(self._upstream, served=True)
-            return await self._turn.answer(self._state, content, response)
-        _learnt(self._upstream, served=False)
-        return None
-
-    def _responses_body(self, prompt: list[dict[str, Any]]) -> dict[str, Any]:
-        instructions = self._body.get("instructions")
-        if instructions and prompt and prompt[0] == translate.instructions_message(instructions):
-            prompt = prompt[1:]
-        body = {**self._body, "input": translate.input_items(prompt)}
-        body.pop("previous_response_id", None)
-        return body
-
-    async def _open(self, path: str, body: dict[str, Any]) -> httpx.Response:
-        try:
-            return await self._upstream.open(
-                "POST",
-                path,
-                headers=self._headers,
-                json=body,
-                query=self._query,
-                stream=self._stream,
-            )
-        except GatewayError as exc:
-            exc.headers.update(self._turn.headers())
-            raise
-
-    async def _read(self, response: httpx.Response) -> bytes:
-        try:
-            return await self._upstream.read(response)
-        except GatewayError as exc:
-            exc.headers.update(self._turn.headers())
-            raise
-
-    async def _relay(self, response: httpx.Response) -> Response:
-        """The upstream's Responses answer, relayed as it is."""
-        if self._stream and response.is_success:
-            streamed = self._turn.streamed = ResponseReply()
-            chunks = self._passed(response, streamed)
-            return self._turn.stream(self._state, response, chunks, streamed)
-        content = await self._read(response)
-        answer = _json(content)
-        reply = None
-        if response.is_success and isinstance(answer, dict):
-            self._turn.response = answer
-            reply = translate.reply_message(answer.get("output"))
-        return await self._turn.answer(self._state, content, response, reply)
-
-    async def _passed(self, response: httpx.Response, reply: ResponseReply) -> Chunks:
-        reader = EventReader()
-        try:
-            async for data in response.aiter_bytes():
-                for event in reader.feed(data):
-                    final = reply.ends(event)
-                    reply.feed(event.raw)
-                    if final:
-                        yield REPLY_COMPLETE
-                    yield event.raw
-            for event in reader.close():
-                reply.feed(event.raw)
-                yield event.raw
-        except httpx.HTTPError as exc:
-            yield self._interrupted(type(exc).__name__)
-        finally:
-            await response.aclose()
-
-    async def _translated(self, prompt: list[dict[str, Any]]) -> Response:
-        """The request as a chat completion; its answer as a response."""
-        response = await self._open("/chat/completions", translate.chat_request(self._body, prompt))
-        response_id = translate.new_id("resp")
-        if self._stream and response.is_success:
-            streamed = self._turn.streamed = ResponseReply()
-            skeleton = translate.response_skeleton(
-                self._body, response_id=response_id, model=str(self._body.get("model"))
-            )
-            events = ChatEvents(skeleton)
-            chunks = self._converted(response, events, streamed)
-            return self._turn.stream(self._state, response, chunks, streamed)
-        content = await self._read(response)
-        converted = translate.response_object(_json(content), self._body, response_id=response_id)
-        if not response.is_success or converted is None:
-            return await self._turn.answer(self._state, content, response)
-        self._turn.response = converted
-        reply = translate.reply_message(converted["output"])
-        return await self._turn.answer(self._state, translate.dumps(converted), response, reply)
-
-    async def _converted(
-        self, response: httpx.Response, events: ChatEvents, reply: ResponseReply
-    ) -> Chunks:
-        def sent(data: bytes) -> bytes:
-            reply.feed(data)
-            return data
-
-        reader = EventReader()
-        try:
-            yield sent(events.start())
-            async for data in response.aiter_bytes():
-                for event in reader.feed(data):
-                    if out := events.event(event):
-                        yield sent(out)
-            for event in reader.close():
-                if out := events.event(event):
-                    yield sent(out)
-            if events.failed:
-                # Not a completed response: no final event, and the reply is recorded (by the
-                # turn, as the stream ends) as incomplete.
-                return
-            if not events.finished:  # cut short, though without a transport error
-                yield sent(self._interrupted("the stream ended early"))
-                return
-            final = events.finish()
-            reply.feed(final)
-            yield REPLY_COMPLETE
-            yield final
-        except httpx.HTTPError as exc:
-            yield sent(self._interrupted(type(exc).__name__))
-        finally:
-            await response.aclose()
-
-    def _interrupted(self, cause: str) -> bytes:
-        log.warning(
-            "upstream stream interrupted: %s",
-            cause,
-            extra={"conversation": self._turn.external_id},
-        )
-        return sse_error(
-            f"the upstream stream was interrupted ({cause}); the partial reply was kept",
-            code="upstream_stream_interrupted",
-        )
-
-
-def _json(content: bytes) -> Any:
-    try:
-        return json.loads(content)
-    except ValueError:
-        return None

@@ -1,4 +1,7 @@
-"""The memory-tool loop (SPEC §7): the model may read memory before it answers the client.
+"""The memory-tool loop (SPEC §7): the model may read memory before it answers the client. This
+is the chat completions' loop (a Responses request translated to chat completions goes through
+it too); a Responses request forwarded as one has its own rounds
+(`gateway.openai.response_tools`), which run their calls through the same `MemoryCalls`.
 
 When the tools are offered (`offer()`: `MEMSTRATA_MEMORY_TOOLS=always`, or `auto` and the prompt
 was rebuilt from memory), their definitions are added after the client's own `tools`. A reply
@@ -113,8 +116,11 @@ def _offerable(body: Mapping[str, Any]) -> bool:
 
 
 def _tool_name(tool: Any) -> str | None:
-    function = tool.get("function") if isinstance(tool, dict) else None
-    name = function.get("name") if isinstance(function, dict) else None
+    if not isinstance(tool, dict):
+        return None
+    # A chat tool names its function; a Responses function tool is named itself.
+    function = tool.get("function")
+    name = function.get("name") if isinstance(function, dict) else tool.get("name")
     # Only a string can name a tool; anything else (a list is unhashable) is the upstream's to
     # refuse, not a reason to fail here.
     return name if isinstance(name, str) else None
@@ -141,33 +147,33 @@ class ToolLoop:
         self._offer = offer
         self._messages: list[Any] = list(body["messages"])
         self._max_rounds = state.settings.max_tool_rounds
-        self._limits = tools.Limits(
-            regex_timeout=state.settings.regex_timeout,
-            result_chars=state.settings.tool_result_chars,
-        )
-        self._scope: tools.Scope | None = None
-        self._model = str(body.get("model", ""))
-        # Tokens the prompt may still grow by within the model's window (set at the first call).
-        self._room: int | None = None
+        self._calls = MemoryCalls(state, turn, body=body, prompt=self._messages)
 
     async def complete(self) -> Response:
         """Non-stream: the final completion."""
+        content, response, completion = await self.whole()
+        reply = from_completion(completion) if completion is not None else None
+        return await self._answer(content, response, reply)
+
+    async def whole(self) -> tuple[bytes, httpx.Response, dict[str, Any] | None]:
+        """Non-stream: the final answer's bytes and response, and the completion when it is
+        one (a success the gateway understands; anything else is relayed as it is)."""
         usage: dict[str, Any] | None = None
         for round_ in range(self._max_rounds + 1):
             final = self._final(round_)
             response = await self._open(final=final, stream=False)
             content = await self._read(response)
             if not response.is_success:
-                return await self._answer(content, response)
+                return content, response, None
             completion = _json(content)
             message = _message(completion)
             if message is None:  # not a completion we understand: relayed as it is
-                return await self._answer(content, response)
+                return content, response, None
             usage = add_usage(usage, completion.get("usage"))
             calls = message.get("tool_calls") or []
             memory = [call for call in calls if is_memory_call(call)]
             if memory and len(memory) == len(calls) and not final:
-                await self._run(message.get("content"), memory)
+                self._messages.extend(await self._calls.run(message.get("content"), memory))
                 continue
             if memory or round_ > 0:
                 _drop_memory_calls(completion, message)
@@ -175,16 +181,25 @@ class ToolLoop:
                     completion["usage"] = usage
                 content = json.dumps(completion, ensure_ascii=False).encode()
             self._turn.usage = usage
-            return await self._answer(content, response, from_completion(completion))
+            return content, response, completion
         raise AssertionError("unreachable: the last round always answers")
 
     async def stream(self) -> Response:
         """Stream: one client stream over all the rounds."""
+        opened = await self.open_stream()
+        if isinstance(opened, Response):
+            return opened
+        first, chunks, merged = opened
+        return self._turn.stream(self._state, first, chunks, merged.reply)
+
+    async def open_stream(self) -> Response | tuple[httpx.Response, Chunks, MergedStream]:
+        """Stream: the first round's response, and the chunks of all the rounds as one chat
+        stream, or the answer to relay when the first round failed."""
         first = await self._open(final=False, stream=True)
         if not first.is_success:
             return await self._answer(await self._read(first), first)
         merged = MergedStream(hide_usage=self._turn.hide_usage)
-        return self._turn.stream(self._state, first, self._rounds(first, merged), merged.reply)
+        return first, self._rounds(first, merged), merged
 
     async def _rounds(self, response: httpx.Response, merged: MergedStream) -> Chunks:
         try:
@@ -216,7 +231,9 @@ class ToolLoop:
                 # that leaves still records their usage with the partial reply.
                 self._turn.usage = merged.usage
                 message = current.assistant_message()
-                await self._run(message["content"], message["tool_calls"])
+                self._messages.extend(
+                    await self._calls.run(message["content"], message["tool_calls"])
+                )
         except httpx.HTTPError as exc:
             log.warning(
                 "upstream stream interrupted: %s",
@@ -251,7 +268,7 @@ class ToolLoop:
     def _final(self, round_: int) -> bool:
         """Whether round `round_` goes without the memory tools: the last one, or once the
         window is (nearly) full."""
-        return round_ == self._max_rounds or (self._room is not None and self._room < MIN_ROOM)
+        return round_ == self._max_rounds or self._calls.full
 
     # -- one round -------------------------------------------------------------------------
 
@@ -290,8 +307,37 @@ class ToolLoop:
     ) -> Response:
         return await self._turn.answer(self._state, content, response, reply)
 
-    async def _run(self, content: Any, calls: list[dict[str, Any]]) -> None:
-        """Run the memory calls and add them and their results to the prompt."""
+
+class MemoryCalls:
+    """The memory calls of one request's rounds, run in its turn's tenant and recall scope,
+    their results kept within the room the model's window has left (see the module
+    docstring). `body` is the request as a chat completion counts it (model, tools, output
+    reserve); `prompt` the messages sent first, counted when the turn did not count them."""
+
+    def __init__(
+        self, state: State, turn: Turn, *, body: Mapping[str, Any], prompt: list[Any]
+    ) -> None:
+        self._state = state
+        self._turn = turn
+        self._body = body
+        self._prompt = prompt
+        self._model = str(body.get("model", ""))
+        self._limits = tools.Limits(
+            regex_timeout=state.settings.regex_timeout,
+            result_chars=state.settings.tool_result_chars,
+        )
+        self._scope: tools.Scope | None = None
+        # Tokens the prompt may still grow by within the model's window (set at the first call).
+        self._room: int | None = None
+
+    @property
+    def full(self) -> bool:
+        """Whether the window is (nearly) full: no more memory is to be read."""
+        return self._room is not None and self._room < MIN_ROOM
+
+    async def run(self, content: Any, calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Run the calls: the assistant message that made them, then one tool message per
+        call with its result (calls without an id are given one)."""
         began = time.perf_counter()
         for call in calls:
             call["id"] = call.get("id") or f"call_memstrata_{uuid.uuid4().hex[:20]}"
@@ -304,9 +350,9 @@ class ToolLoop:
             result = await self._call(call, room=share) if share >= MIN_ROOM else _FULL
             answered.append({"role": "tool", "tool_call_id": call["id"], "content": result})
             room -= tokens.count_message(answered[-1], model=self._model)
-        self._messages.extend([called, *answered])
         self._room = room
         self._turn.overhead += time.perf_counter() - began
+        return [called, *answered]
 
     def _window_room(self) -> int:
         """Tokens the prompt may still grow by within the model's window."""
@@ -323,7 +369,7 @@ class ToolLoop:
             )
             prompt = self._turn.context_tokens
             if prompt is None:
-                prompt = tokens.count_messages(self._messages, model=self._model)
+                prompt = tokens.count_messages(self._prompt, model=self._model)
             self._room = window.limit - prompt
         return self._room
 
