@@ -6,7 +6,8 @@ The agent's run makes two requests: the question, answered by a call of the tool
 whole input again with the call and its result, answered in words. Each message must be stored
 once, in one conversation, and the upstream must see each message once. Runs that name their
 conversation (`conversation_id`) share its memory, as do runs with a session or chained by
-`previous_response_id`. Tracing is off: the SDK sends nothing
+`previous_response_id`. When the gateway offers its memory tools, the model may read memory
+inside a run: the agent sees only its own calls. Tracing is off: the SDK sends nothing
 anywhere but the gateway.
 """
 
@@ -194,3 +195,66 @@ async def test_a_session_or_chained_responses_keep_one_conversation(
         ("user", questions[2]),
         ("assistant", f"echo: {questions[2]}"),
     ]
+
+
+@pytest.fixture(scope="module", params=["forward", "translate"])
+def reading(
+    request: pytest.FixtureRequest, database_url: str
+) -> Iterator[tuple[str, UpstreamServer, GatewayProcess]]:
+    """A way upstream whose gateway always offers the memory tools."""
+    serves = request.param == "forward"
+    with (
+        UpstreamServer(chunk_delay=0.002, responses=serves) as upstream,
+        GatewayProcess(
+            database_url=database_url,
+            upstream_url=upstream.url,
+            workers=0,
+            memory_tools="always",
+            upstream_responses="on" if serves else "off",
+        ) as gw,
+    ):
+        yield request.param, upstream, gw
+
+
+@pytest.mark.parametrize("streamed", [False, True])
+async def test_the_model_reads_memory_inside_an_agents_run(
+    reading: tuple[str, UpstreamServer, GatewayProcess], engine: AsyncEngine, streamed: bool
+) -> None:
+    """The model calls a memory tool, then the agent's tool, then answers: the agent sees its
+    own call and the answer, never the memory call, and each message is stored once."""
+    name, upstream, gateway = reading
+    path = "/v1/responses" if name == "forward" else "/v1/chat/completions"
+    upstream.reset()
+    upstream.script(
+        {"tool_calls": [{"name": "memory_search", "arguments": {"query": "Paris"}}]},
+        {"tool_calls": [{"name": "get_weather", "arguments": {"city": "Paris"}}]},
+        {"reply": "It is sunny in Paris."},
+    )
+    client = openai.AsyncOpenAI(base_url=gateway.url, api_key="sk-agents", max_retries=0)
+    config = RunConfig(model_provider=OpenAIProvider(openai_client=client), tracing_disabled=True)
+    instructions = f"You answer about the weather. {uuid.uuid4().hex}"
+    agent = Agent(name="weather", instructions=instructions, tools=[get_weather], model="gpt-4o")
+    question = f"What is the weather in Paris? {uuid.uuid4().hex}"
+    if streamed:
+        run = Runner.run_streamed(agent, question, run_config=config)
+        async for _ in run.stream_events():
+            pass
+        result: Any = run
+    else:
+        result = await Runner.run(agent, question, run_config=config)
+    await client.close()
+
+    assert result.final_output == "It is sunny in Paris."
+    called = [item.raw_item for item in result.new_items if item.type == "tool_call_item"]
+    assert [getattr(call, "name", None) for call in called] == ["get_weather"]
+    assert len(upstream.requests(path)) == 3  # the memory round, the agent's call, the answer
+    messages = await stored(engine, instructions, 5)
+    assert [(m["role"], m["content"]) for m in messages] == [
+        ("system", instructions),
+        ("user", question),
+        ("assistant", None),
+        ("tool", "sunny in Paris"),
+        ("assistant", "It is sunny in Paris."),
+    ]
+    [call] = messages[2]["tool_calls"]
+    assert call["function"]["name"] == "get_weather"
