@@ -269,18 +269,14 @@ def start_query(
     )
 
 
-async def recall(
-    state: State, stored: StoredTurn, budget: Budget, *, tools_guide: bool, persist: bool = True
+async def recall_unstored(
+    state: State, turn: StoredTurn, budget: Budget, *, tools_guide: bool
 ) -> Assembled:
-    """Assemble in a transaction of its own, for a turn stored in an earlier one (the
-    Responses API): the conversation is locked again when its working context may advance."""
+    """Assemble, in a transaction of its own, the prompt of a turn that stores nothing (the
+    Responses API's `store: false`): the working context is read, never advanced."""
     async with transaction(state.engine) as conn:
-        if persist:
-            await store.lock(
-                conn, tenant_id=stored.tenant_id, conversation_id=stored.conversation_id
-            )
         return await assemble(
-            conn, stored, budget, recall_of(state), tools_guide=tools_guide, persist=persist
+            conn, turn, budget, recall_of(state), tools_guide=tools_guide, persist=False
         )
 
 

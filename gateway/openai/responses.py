@@ -3,8 +3,9 @@ by `gateway.openai.response_objects`).
 
 A response request goes the chat path's way (`gateway.openai.chat`): its `instructions` and
 `input` are read as chat messages (`gateway.openai.translate`), then identified and stored
-(`chat.store_turn`), the prompt assembled (`chat.recall`), forwarded, and the reply recorded by
-the turn. The conversation is the one `previous_response_id` names (404 if it names none of this
+(`chat.store_turn`) and the prompt assembled in the same transaction, the query's embedding
+started once the conversation is identified, then forwarded, and the reply recorded by the
+turn. The conversation is the one `previous_response_id` names (404 if it names none of this
 tenant's), else the one `X-Memstrata-Conversation` names, else the one whose stored chain the
 messages extend: a client that resends the whole input each time (openai-agents does) is
 recognised as a chat client is. `conversation` (the Conversations API's field: an id, or an
@@ -32,6 +33,7 @@ translated to chat completions, is `gateway.openai.response_upstream`; what the 
 is `gateway.openai.response_turn`.
 """
 
+import functools
 import logging
 import time
 from collections.abc import Mapping
@@ -55,7 +57,15 @@ from gateway.state import State
 from memory import stages, tokens
 from memory.db import transaction
 from memory.errors import InvalidConversationId, StorageUnavailable
-from memory.recall.assemble import Budget, StoredTurn, leading_system
+from memory.recall.assemble import (
+    Assembled,
+    Budget,
+    StoredTurn,
+    assemble,
+    leading_system,
+    query_guess,
+)
+from memory.recall.early import Early
 from memory.write import identity, retries
 from memory.write import responses as stored_responses
 
@@ -123,35 +133,26 @@ async def create(request: Request, state: State, *, tenant_id: int) -> Response:
         idempotency_key=request.headers.get(chat.IDEMPOTENCY_HEADER),
         retry_count=request.headers.get(chat.RETRY_COUNT_HEADER),
     )
+    assembled: Assembled | None = None
     with stages.recording() as timings:
         try:
-            with stages.stage("store"):
-                if turn.store:
-                    stored = await _store(
-                        state,
-                        turn,
-                        messages,
-                        budget,
-                        previous=previous,
-                        user=parsed.user,
-                        request=request_key,
-                    )
-                elif previous is not None:
-                    stored = await _unstored(state, turn, messages, budget, previous=previous)
-                else:
-                    stored = None
-            with stages.stage("assemble"):
-                assembled = (
-                    await chat.recall(
-                        state,
-                        stored,
-                        budget,
-                        tools_guide=budget.tools_room > 0,
-                        persist=turn.store,
-                    )
-                    if stored
-                    else None
+            if turn.store:
+                assembled = await _store(
+                    state,
+                    turn,
+                    messages,
+                    budget,
+                    previous=previous,
+                    user=parsed.user,
+                    request=request_key,
                 )
+            elif previous is not None:
+                with stages.stage("store"):
+                    unstored = await _unstored(state, turn, messages, budget, previous=previous)
+                with stages.stage("assemble"):
+                    assembled = await chat.recall_unstored(
+                        state, unstored, budget, tools_guide=budget.tools_room > 0
+                    )
         except StorageUnavailable:
             if state.settings.fail_open != "on" or previous is not None:
                 raise
@@ -236,37 +237,66 @@ async def _store(
     previous: str | None,
     user: str | None,
     request: retries.RequestKey,
-) -> StoredTurn:
-    """Identify and store the request's messages (see the module docstring); a retry of
-    `request` stores nothing."""
-    async with transaction(state.engine) as conn:
-        # Continuing the latest response, the input is new whatever it repeats (`new_only`).
-        new_only = False
-        if previous is not None:
-            found = await _previous(conn, turn, previous, lock=True)
-            new_only = found.at_head
-            if not found.at_head:
-                history = await stored_responses.history(
-                    conn, tenant_id=turn.tenant_id, found=found
+) -> Assembled:
+    """Identify and store the request's messages (see the module docstring; a retry of
+    `request` stores nothing), then assemble its prompt in the same transaction, as the chat
+    path does: the query's embedding starts once the conversation is identified, while the
+    turn is stored (`memory.recall.early`)."""
+    early = Early(state.embedder)
+    recall = chat.recall_of(state, embedder=early)
+    named = turn.external_id or None
+    if named is not None and state.past_budget.holds(turn.tenant_id, named):
+        # Past its budget last time: a guess of the query starts embedding now.
+        early.start(query_guess(messages, recall=recall))
+    try:
+        async with transaction(state.engine) as conn:
+            with stages.stage("store"):
+                # Continuing the latest response, its input is new whatever it repeats.
+                new_only = False
+                if previous is not None:
+                    found = await _previous(conn, turn, previous, lock=True)
+                    new_only = found.at_head
+                    if not found.at_head:
+                        history = await stored_responses.history(
+                            conn, tenant_id=turn.tenant_id, found=found
+                        )
+                        system = leading_system(history)
+                        messages = [
+                            *history,
+                            *messages[len(leading_system(messages)) if system else 0 :],
+                        ]
+                stored, appended = await chat.store_turn(
+                    conn,
+                    tenant_id=turn.tenant_id,
+                    external_id=turn.external_id or None,
+                    user=user,
+                    messages=messages,
+                    model=turn.model,
+                    budget=budget,
+                    request=request,
+                    window=timedelta(seconds=state.settings.idempotency_window_seconds),
+                    identified=functools.partial(
+                        chat.start_query,
+                        early,
+                        messages=messages,
+                        budget=budget,
+                        recall=recall,
+                        model=turn.model,
+                    ),
+                    new_only=new_only,
                 )
-                new = messages[len(leading_system(messages)) if leading_system(history) else 0 :]
-                messages = [*history, *new]
-        stored, appended = await chat.store_turn(
-            conn,
-            tenant_id=turn.tenant_id,
-            external_id=turn.external_id or None,
-            user=user,
-            messages=messages,
-            model=turn.model,
-            budget=budget,
-            request=request,
-            window=timedelta(seconds=state.settings.idempotency_window_seconds),
-            new_only=new_only,
-        )
-    turn.conversation_id = stored.conversation_id
-    turn.external_id = appended.conversation.external_id
-    turn.reply_to = appended.reply_to
-    return stored
+            turn.conversation_id = stored.conversation_id
+            turn.external_id = appended.conversation.external_id
+            turn.reply_to = appended.reply_to
+            if named is not None:
+                past = (stored.stored_tokens or 0) > budget.limit
+                state.past_budget.saw(turn.tenant_id, named, past=past)
+            with stages.stage("assemble"):
+                return await assemble(
+                    conn, stored, budget, recall, tools_guide=budget.tools_room > 0
+                )
+    finally:
+        early.close()
 
 
 async def _unstored(
