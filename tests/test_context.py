@@ -334,6 +334,41 @@ async def test_tool_results_keep_their_call(
     check_tool_pairs(built.messages)
 
 
+async def test_tool_results_keep_the_question_of_their_exchange_while_it_fits(
+    engine: AsyncEngine, built_tree: tuple[int, int, list[Message], list[int]]
+) -> None:
+    """Tool results that leave the recent turns no room still bring the question their
+    exchange answers (its earlier rounds too); with no room even for it, only their call."""
+    tenant_id, _conversation_id, messages, _ = built_tree
+
+    def call(call_id: str) -> Message:
+        function = {"name": "lookup", "arguments": "{}"}
+        return {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [{"id": call_id, "type": "function", "function": function}],
+        }
+
+    question = {"role": "user", "content": "Which invoice did the plumber send in March?"}
+    earlier = [call("call_1"), {"role": "tool", "tool_call_id": "call_1", "content": "none yet"}]
+    history = [*messages[:300], question, *earlier, call("call_2")]
+    conv, _ = await store_conversation(engine, tenant_id, history)
+    new = [{"role": "tool", "tool_call_id": "call_2", "content": "invoice line " * 150}]
+    exchange = [question, *earlier, call("call_2"), *new]
+    for budget in (700, tokens.count_messages(exchange, model=MODEL) + 5):
+        built = await build(
+            engine, tenant_id, conv, system=[], new=new, new_from=len(history), budget=budget
+        )
+        assert built.messages[-5:] == exchange
+        assert built.tokens <= budget
+        check_tool_pairs(built.messages)
+    tight = tokens.count_messages([call("call_2"), *new], model=MODEL) + 10
+    built = await build(
+        engine, tenant_id, conv, system=[], new=new, new_from=len(history), budget=tight
+    )
+    assert built.messages == [call("call_2"), *new]
+
+
 async def test_system_prompt_and_new_messages_over_the_budget(
     engine: AsyncEngine, built_tree: tuple[int, int, list[Message], list[int]]
 ) -> None:

@@ -15,7 +15,8 @@ nothing a provider can cache. `build()` returns the messages, in this order:
    its speaker, in chronological order under a heading per sitting that gives its date and
    the time it began (`memory.recall.memory_block`);
 3. the most recent stored turns verbatim, never starting inside a tool call's results;
-4. the new messages (and, when they are tool results, the assistant message that called them).
+4. the new messages (and, when they are tool results, the assistant message that called them,
+   and while it fits, the question their exchange answers, with its earlier rounds).
 
 Contract: `tokens` is the exact count (`memory.tokens.count_messages`, the model's tiktoken
 encoding) of the messages returned, and `tokens + reserved_tokens <= budget`; when the system
@@ -240,7 +241,7 @@ async def build(
     message was recalled."""
     shares = shares or BudgetSplit()
     limit = budget - reserved_tokens
-    must = await _calls_of(conn, tenant_id, conversation_id, new_messages, new_from)
+    asked, must = await _exchange_of(conn, tenant_id, conversation_id, new_messages, new_from)
     head = [dict(m) for m in system]
     tail_new = [*(store.prompt_message(row) for row in must), *(dict(m) for m in new_messages)]
     first_kept = must[0].seq if must else new_from
@@ -250,6 +251,10 @@ async def build(
             f"the system prompt and the new messages need {fixed} tokens, more than the budget "
             f"of {limit} (MEMSTRATA_CONTEXT_BUDGET or X-Memstrata-Budget)"
         )
+    # The question the tool results answer goes with them while it fits, before any memory.
+    with_question = [*(store.prompt_message(row) for row in asked), *tail_new]
+    if asked and (counted := tokens.count_messages([*head, *with_question], model=model)) <= limit:
+        tail_new, first_kept, fixed = with_question, asked[0].seq, counted
     preamble = _preamble(stored_messages, stored_tokens, tools_guide)
     # The memory message's own framing and preamble.
     frame = tokens.count_message({"role": "system", "content": preamble}, model=model)
@@ -437,17 +442,19 @@ async def _opening(
 
 
 @staged("recent")
-async def _calls_of(
+async def _exchange_of(
     conn: AsyncConnection,
     tenant_id: int,
     conversation_id: int,
     new_messages: Sequence[Mapping[str, Any]],
     new_from: int,
-) -> list[Any]:
-    """When the new messages begin with tool results, the stored messages back to (and with)
-    the assistant message that called them: a call and its results are never split."""
+) -> tuple[list[Any], list[Any]]:
+    """When the new messages begin with tool results: the stored messages back to (and with)
+    the assistant message that called them, which a call's results are never split from;
+    and before those, the user message that asked what the exchange answers, with the
+    exchange's earlier rounds (none when it is not among the newest stored messages)."""
     if not new_messages or new_messages[0].get("role") != "tool":
-        return []
+        return [], []
     rows = list(
         await conn.execute(
             _TAIL,
@@ -459,14 +466,18 @@ async def _calls_of(
             },
         )
     )
-    kept = []
-    for row in rows:
-        kept.append(row)
-        if row.role == "assistant" and row.tool_calls:
-            return kept[::-1]
-        if row.role != "tool":
+    calls = next(
+        (i for i, row in enumerate(rows) if row.role == "assistant" and row.tool_calls), None
+    )
+    if calls is None or any(row.role != "tool" for row in rows[:calls]):
+        return [], []
+    for index in range(calls + 1, len(rows)):
+        row = rows[index]
+        if row.role == "user":
+            return rows[calls + 1 : index + 1][::-1], rows[: calls + 1][::-1]
+        if row.role != "tool" and not (row.role == "assistant" and row.tool_calls):
             break
-    return []
+    return [], rows[: calls + 1][::-1]
 
 
 @staged("recent")
