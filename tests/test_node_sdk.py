@@ -1,6 +1,7 @@
 """End to end: the openai Node SDK (`node`, `tests/node/client.mjs`) and the Vercel AI SDK
 (`tests/node/ai_sdk.mjs`) as clients of a gateway process in front of the fake upstream: chat
-completions and the Responses API, streamed and not.
+completions and the Responses API, streamed and not, and the Node SDK reading one response over
+the gateway's memory-tool rounds (`tests/node/memory_rounds.mjs`).
 
 The SDKs are installed from npm into `tests/node/node_modules` (`npm ci`, pinned by
 `tests/node/package-lock.json`) the first time the test runs. The test is skipped, saying why,
@@ -160,3 +161,45 @@ def test_the_vercel_ai_sdk_keeps_one_conversation_with_each_message_once(
         ("user", asked[2]),
         ("assistant", out["named"][2]),
     ]
+
+
+def test_the_node_sdk_reads_one_response_over_the_gateways_memory_rounds(
+    node_sdk: str, database_url: str
+) -> None:
+    """The model calls a memory tool before answering, streamed and not: the Node SDK reads
+    one response (one `response.created`, the same id at its end), with no memory call."""
+    tag = uuid.uuid4().hex
+    with (
+        UpstreamServer() as upstream,
+        GatewayProcess(
+            database_url=database_url,
+            upstream_url=upstream.url,
+            workers=0,
+            memory_tools="always",
+            upstream_responses="on",
+        ) as gw,
+    ):
+        memory_call = {"tool_calls": [{"name": "memory_find", "arguments": {"pattern": tag}}]}
+        upstream.script(
+            memory_call,
+            {"reply": f"streamed after reading {tag}"},
+            memory_call,
+            {"reply": f"whole after reading {tag}"},
+        )
+        out = run_node(node_sdk, "memory_rounds.mjs", gw, tag)
+        rounds = upstream.requests("/v1/responses")
+
+    assert out["streamText"] == f"streamed after reading {tag}"
+    assert out["kinds"].count("response.created") == 1
+    assert out["kinds"][-1] == "response.completed"
+    assert not any("function_call" in kind for kind in out["kinds"])
+    assert out["completed"]["id"] == out["createdId"]
+    assert [item["type"] for item in out["completed"]["output"]] == ["message"]
+    assert out["wholeText"] == f"whole after reading {tag}"
+    assert out["wholeOutput"] == ["message"]
+    # Each request took two rounds upstream; the second read what the memory call found.
+    assert len(rounds) == 4
+    outputs = [
+        item for item in rounds[1]["body"]["input"] if item.get("type") == "function_call_output"
+    ]
+    assert len(outputs) == 1 and tag in outputs[0]["output"]
