@@ -163,6 +163,7 @@ def test_the_model_reads_memory_before_it_answers(
         final = response.model_dump()
     assert text == answer
     assert [item["type"] for item in final["output"]] == ["message"]
+    assert not any(tool.get("name") in MEMORY_TOOLS for tool in final.get("tools") or [])
     assert final["output"][0]["content"][0]["text"] == answer
 
     # Two rounds upstream: the first offered the memory tools, the second read what they found.

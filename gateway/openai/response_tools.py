@@ -15,7 +15,8 @@ summed over the rounds. Stream (`rounds`): one stream of Responses events over a
 The first round's `response.created` and `response.in_progress` open it; the items of every
 round follow, a memory call's events never sent, each renumbered after what was sent before it
 (`output_index`, `sequence_number`); one final event closes it, the last round's, carrying the
-first round's id (the one the client was shown), every item sent and the usage summed. An
+first round's id (the one the client was shown), every item sent and the usage summed. The
+response objects the client sees list its own tools only, not the memory tools. An
 upstream error answering a later round arrives as an `error` event, as does a stream cut
 mid-way, and the partial reply is kept, marked incomplete.
 """
@@ -129,7 +130,8 @@ class ResponseToolLoop:
                 answer["output"] = [item for item in output if not _is_memory_item(item)]
                 if usage is not None:
                     answer["usage"] = usage
-                content = translate.dumps(answer)
+            _as_asked(answer)
+            content = translate.dumps(answer)
             self._turn.usage = translate.chat_usage(usage)
             return content, response, answer
         raise AssertionError("unreachable: the last round always answers")
@@ -317,9 +319,24 @@ class _Merged:
     def emit(self, payload: dict[str, Any]) -> bytes:
         kind = payload.get("type")
         payload = {**payload, "sequence_number": self._sequence}
+        if isinstance(payload.get("response"), dict):
+            _as_asked(payload["response"])
         self._sequence += 1
         data = json.dumps(payload, ensure_ascii=False)
         return f"event: {kind}\ndata: {data}\n\n".encode()
+
+
+def _as_asked(response: dict[str, Any]) -> None:
+    """`response` (in place) with the tools the client asked for only: the memory tools the
+    gateway added are not the client's (which has none of their names, or they would not
+    have been offered)."""
+    offered = response.get("tools")
+    if isinstance(offered, list):
+        response["tools"] = [
+            tool
+            for tool in offered
+            if not (isinstance(tool, dict) and tool.get("name") in TOOL_NAMES)
+        ]
 
 
 def _interrupted(turn: Turn, cause: str) -> bytes:
