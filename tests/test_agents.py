@@ -67,6 +67,25 @@ async def stored(engine: AsyncEngine, first: str, count: int) -> list[dict[str, 
         await asyncio.sleep(0.05)
 
 
+async def weather_run(gateway: GatewayProcess, *, streamed: bool) -> tuple[Any, str, str]:
+    """A run of a weather agent with its tool through the gateway: its result (a streamed
+    run's once it is over), its instructions and its question, both made unique."""
+    client = openai.AsyncOpenAI(base_url=gateway.url, api_key="sk-agents", max_retries=0)
+    config = RunConfig(model_provider=OpenAIProvider(openai_client=client), tracing_disabled=True)
+    instructions = f"You answer about the weather. {uuid.uuid4().hex}"
+    agent = Agent(name="weather", instructions=instructions, tools=[get_weather], model="gpt-4o")
+    question = f"What is the weather in Paris? {uuid.uuid4().hex}"
+    result: Any
+    if streamed:
+        result = Runner.run_streamed(agent, question, run_config=config)
+        async for _ in result.stream_events():
+            pass
+    else:
+        result = await Runner.run(agent, question, run_config=config)
+    await client.close()
+    return result, instructions, question
+
+
 @pytest.mark.parametrize("streamed", [False, True])
 async def test_an_agent_with_a_tool_runs_through_the_gateway(
     way: tuple[str, UpstreamServer, GatewayProcess], engine: AsyncEngine, streamed: bool
@@ -78,21 +97,9 @@ async def test_an_agent_with_a_tool_runs_through_the_gateway(
         {"path": path, "tool_calls": [{"name": "get_weather", "arguments": {"city": "Paris"}}]},
         {"path": path, "reply": "It is sunny in Paris."},
     )
-    client = openai.AsyncOpenAI(base_url=gateway.url, api_key="sk-agents", max_retries=0)
-    config = RunConfig(model_provider=OpenAIProvider(openai_client=client), tracing_disabled=True)
-    instructions = f"You answer about the weather. {uuid.uuid4().hex}"
-    agent = Agent(name="weather", instructions=instructions, tools=[get_weather], model="gpt-4o")
-    question = f"What is the weather in Paris? {uuid.uuid4().hex}"
-    if streamed:
-        run = Runner.run_streamed(agent, question, run_config=config)
-        async for _ in run.stream_events():
-            pass
-        output = run.final_output
-    else:
-        output = (await Runner.run(agent, question, run_config=config)).final_output
-    await client.close()
+    result, instructions, question = await weather_run(gateway, streamed=streamed)
 
-    assert output == "It is sunny in Paris."
+    assert result.final_output == "It is sunny in Paris."
     requests = upstream.requests(path)
     assert len(requests) == 2
     if name == "forward":
@@ -230,19 +237,7 @@ async def test_the_model_reads_memory_inside_an_agents_run(
         {"tool_calls": [{"name": "get_weather", "arguments": {"city": "Paris"}}]},
         {"reply": "It is sunny in Paris."},
     )
-    client = openai.AsyncOpenAI(base_url=gateway.url, api_key="sk-agents", max_retries=0)
-    config = RunConfig(model_provider=OpenAIProvider(openai_client=client), tracing_disabled=True)
-    instructions = f"You answer about the weather. {uuid.uuid4().hex}"
-    agent = Agent(name="weather", instructions=instructions, tools=[get_weather], model="gpt-4o")
-    question = f"What is the weather in Paris? {uuid.uuid4().hex}"
-    if streamed:
-        run = Runner.run_streamed(agent, question, run_config=config)
-        async for _ in run.stream_events():
-            pass
-        result: Any = run
-    else:
-        result = await Runner.run(agent, question, run_config=config)
-    await client.close()
+    result, instructions, question = await weather_run(gateway, streamed=streamed)
 
     assert result.final_output == "It is sunny in Paris."
     called = [item.raw_item for item in result.new_items if item.type == "tool_call_item"]
