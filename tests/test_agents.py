@@ -12,6 +12,7 @@ anywhere but the gateway.
 """
 
 import asyncio
+import contextlib
 import time
 import uuid
 from collections.abc import Iterator
@@ -35,16 +36,27 @@ def get_weather(city: str) -> str:
     return f"sunny in {city}"
 
 
-@pytest.fixture(scope="module", params=["forward", "translate"])
-def way(
-    request: pytest.FixtureRequest, database_url: str
-) -> Iterator[tuple[str, UpstreamServer, GatewayProcess]]:
-    serves = request.param == "forward"
+Way = tuple[str, UpstreamServer, GatewayProcess]
+
+
+@contextlib.contextmanager
+def serving(name: str, database_url: str, **settings: Any) -> Iterator[Way]:
+    """A way upstream (`forward`: an upstream that serves the Responses API; `translate`: one
+    that does not) and a gateway with `settings` in front of it."""
+    serves = name == "forward"
     with (
         UpstreamServer(chunk_delay=0.002, responses=serves) as upstream,
-        GatewayProcess(database_url=database_url, upstream_url=upstream.url, workers=0) as gw,
+        GatewayProcess(
+            database_url=database_url, upstream_url=upstream.url, workers=0, **settings
+        ) as gw,
     ):
-        yield request.param, upstream, gw
+        yield name, upstream, gw
+
+
+@pytest.fixture(scope="module", params=["forward", "translate"])
+def way(request: pytest.FixtureRequest, database_url: str) -> Iterator[Way]:
+    with serving(request.param, database_url) as chosen:
+        yield chosen
 
 
 async def stored(engine: AsyncEngine, first: str, count: int) -> list[dict[str, Any]]:
@@ -88,7 +100,7 @@ async def weather_run(gateway: GatewayProcess, *, streamed: bool) -> tuple[Any, 
 
 @pytest.mark.parametrize("streamed", [False, True])
 async def test_an_agent_with_a_tool_runs_through_the_gateway(
-    way: tuple[str, UpstreamServer, GatewayProcess], engine: AsyncEngine, streamed: bool
+    way: Way, engine: AsyncEngine, streamed: bool
 ) -> None:
     name, upstream, gateway = way
     path = "/v1/responses" if name == "forward" else "/v1/chat/completions"
@@ -129,9 +141,7 @@ async def test_an_agent_with_a_tool_runs_through_the_gateway(
     assert call["function"] == {"name": "get_weather", "arguments": '{"city": "Paris"}'}
 
 
-async def test_runs_in_a_named_conversation_share_its_memory(
-    way: tuple[str, UpstreamServer, GatewayProcess], engine: AsyncEngine
-) -> None:
+async def test_runs_in_a_named_conversation_share_its_memory(way: Way, engine: AsyncEngine) -> None:
     """`Runner.run(..., conversation_id=...)` sends each run's new input only, naming the
     conversation (`conversation`): the runs land in one conversation, and the second run's
     prompt holds the first's exchange, from the gateway's memory."""
@@ -160,7 +170,7 @@ async def test_runs_in_a_named_conversation_share_its_memory(
 
 @pytest.mark.parametrize("memory", ["session", "previous_response_id"])
 async def test_a_session_or_chained_responses_keep_one_conversation(
-    way: tuple[str, UpstreamServer, GatewayProcess], engine: AsyncEngine, memory: str
+    way: Way, engine: AsyncEngine, memory: str
 ) -> None:
     """The agent's own memory across runs: a `SQLiteSession` resends every earlier item (the
     call and the output messages with their ids) before the new input; `previous_response_id`
@@ -205,27 +215,18 @@ async def test_a_session_or_chained_responses_keep_one_conversation(
 
 
 @pytest.fixture(scope="module", params=["forward", "translate"])
-def reading(
-    request: pytest.FixtureRequest, database_url: str
-) -> Iterator[tuple[str, UpstreamServer, GatewayProcess]]:
+def reading(request: pytest.FixtureRequest, database_url: str) -> Iterator[Way]:
     """A way upstream whose gateway always offers the memory tools."""
-    serves = request.param == "forward"
-    with (
-        UpstreamServer(chunk_delay=0.002, responses=serves) as upstream,
-        GatewayProcess(
-            database_url=database_url,
-            upstream_url=upstream.url,
-            workers=0,
-            memory_tools="always",
-            upstream_responses="on" if serves else "off",
-        ) as gw,
-    ):
-        yield request.param, upstream, gw
+    known = "on" if request.param == "forward" else "off"  # no first request spent learning
+    with serving(
+        request.param, database_url, memory_tools="always", upstream_responses=known
+    ) as chosen:
+        yield chosen
 
 
 @pytest.mark.parametrize("streamed", [False, True])
 async def test_the_model_reads_memory_inside_an_agents_run(
-    reading: tuple[str, UpstreamServer, GatewayProcess], engine: AsyncEngine, streamed: bool
+    reading: Way, engine: AsyncEngine, streamed: bool
 ) -> None:
     """The model calls a memory tool, then the agent's tool, then answers: the agent sees its
     own call and the answer, never the memory call, and each message is stored once."""
