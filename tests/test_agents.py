@@ -79,6 +79,22 @@ async def stored(engine: AsyncEngine, first: str, count: int) -> list[dict[str, 
         await asyncio.sleep(0.05)
 
 
+async def stored_once(engine: AsyncEngine, instructions: str, question: str) -> None:
+    """The weather run is one conversation, each of its messages stored once: no memory call
+    nor its result among them."""
+    messages = await stored(engine, instructions, 5)
+    assert len({m["conversation_id"] for m in messages}) == 1
+    assert [(m["role"], m["content"]) for m in messages] == [
+        ("system", instructions),
+        ("user", question),
+        ("assistant", None),
+        ("tool", "sunny in Paris"),
+        ("assistant", "It is sunny in Paris."),
+    ]
+    [call] = messages[2]["tool_calls"]
+    assert call["function"] == {"name": "get_weather", "arguments": '{"city": "Paris"}'}
+
+
 async def weather_run(gateway: GatewayProcess, *, streamed: bool) -> tuple[Any, str, str]:
     """A run of a weather agent with its tool through the gateway: its result (a streamed
     run's once it is over), its instructions and its question, both made unique."""
@@ -127,18 +143,7 @@ async def test_an_agent_with_a_tool_runs_through_the_gateway(
         assert [m["role"] for m in second] == ["system", "user", "assistant", "tool"]
         assert second[3]["content"] == "sunny in Paris"
 
-    # One conversation, each message once.
-    messages = await stored(engine, instructions, 5)
-    assert len({m["conversation_id"] for m in messages}) == 1
-    assert [(m["role"], m["content"]) for m in messages] == [
-        ("system", instructions),
-        ("user", question),
-        ("assistant", None),
-        ("tool", "sunny in Paris"),
-        ("assistant", "It is sunny in Paris."),
-    ]
-    [call] = messages[2]["tool_calls"]
-    assert call["function"] == {"name": "get_weather", "arguments": '{"city": "Paris"}'}
+    await stored_once(engine, instructions, question)
 
 
 async def test_runs_in_a_named_conversation_share_its_memory(way: Way, engine: AsyncEngine) -> None:
@@ -244,13 +249,4 @@ async def test_the_model_reads_memory_inside_an_agents_run(
     called = [item.raw_item for item in result.new_items if item.type == "tool_call_item"]
     assert [getattr(call, "name", None) for call in called] == ["get_weather"]
     assert len(upstream.requests(path)) == 3  # the memory round, the agent's call, the answer
-    messages = await stored(engine, instructions, 5)
-    assert [(m["role"], m["content"]) for m in messages] == [
-        ("system", instructions),
-        ("user", question),
-        ("assistant", None),
-        ("tool", "sunny in Paris"),
-        ("assistant", "It is sunny in Paris."),
-    ]
-    [call] = messages[2]["tool_calls"]
-    assert call["function"]["name"] == "get_weather"
+    await stored_once(engine, instructions, question)
