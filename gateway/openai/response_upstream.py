@@ -66,10 +66,10 @@ async def probe(state: State, client_headers: Mapping[str, str]) -> None:
         await upstream.read(response)
     except GatewayError:
         return
-    learnt(upstream, served=status not in NOT_SERVED)
+    _learnt(upstream, served=status not in NOT_SERVED)
 
 
-def learnt(upstream: Upstream, *, served: bool) -> None:
+def _learnt(upstream: Upstream, *, served: bool) -> None:
     if not served:
         log.info("the upstream does not serve the Responses API: translating to chat completions")
     upstream.serves_responses = served
@@ -130,15 +130,15 @@ class Forward:
         """Learn whether the upstream serves the Responses API from its first answer; the
         answer to relay when it had to be read to tell (an unknown model's 404), else None."""
         if response.status_code not in NOT_SERVED:
-            learnt(self._upstream, served=True)
+            _learnt(self._upstream, served=True)
             return None
         content = await self._read(response)
         error = _json(content)
         code = error.get("error", {}).get("code") if isinstance(error, dict) else None
         if isinstance(code, str) and code == "model_not_found":
-            learnt(self._upstream, served=True)
+            _learnt(self._upstream, served=True)
             return await self._turn.answer(self._state, content, response)
-        learnt(self._upstream, served=False)
+        _learnt(self._upstream, served=False)
         return None
 
     def _responses_body(self, prompt: list[dict[str, Any]]) -> dict[str, Any]:
