@@ -189,6 +189,12 @@ def test_the_model_reads_memory_before_it_answers(
         ("assistant", answer, None),
     ]
     assert client.responses.retrieve(final["id"]).output_text == answer
+    # And it is continued as any response is: its conversation, its history upstream.
+    after = client.responses.with_raw_response.create(
+        model="gpt-4o-mini", input="Thanks.", previous_response_id=final["id"]
+    )
+    assert after.headers[HEADER] == conversation
+    assert [m[1] for m in stored(http, conversation, 6)[-2:]] == ["Thanks.", "echo: Thanks."]
 
 
 @pytest.mark.parametrize("stream", [False, True])
