@@ -4,7 +4,8 @@ upstream process, with a client tool, over chat completions and over the Respons
 langchain keeps a tool call's arguments parsed and serializes them again when it sends the
 history back (`{"x":1}` from the upstream returns as `{"x": 1}`): the conversation must still
 be recognised without a conversation id, each message stored once, and every prompt must reach
-the upstream with each message once, in a valid order.
+the upstream with each message once, in a valid order. Over the Responses API with the memory
+tools offered, langchain is shown its own calls only.
 """
 
 import uuid
@@ -141,3 +142,53 @@ async def test_the_responses_api_keeps_one_conversation_with_each_message_once(
     roles = ["system", "user", "assistant", "tool", "assistant", "user", "assistant"]
     assert [role for role, _ in messages] == roles
     assert all(superseded_at is None for _, superseded_at in messages)
+
+
+@pytest.fixture(scope="module")
+def reading_gateway(database_url: str, upstream: UpstreamServer) -> Iterator[GatewayProcess]:
+    """A gateway that always offers the memory tools, forwarding responses as Responses."""
+    with GatewayProcess(
+        database_url=database_url,
+        upstream_url=upstream.url,
+        workers=0,
+        memory_tools="always",
+        upstream_responses="on",
+    ) as process:
+        yield process
+
+
+@pytest.mark.parametrize("streaming", [False, True], ids=["whole", "streamed"])
+async def test_the_responses_api_over_memory_rounds_shows_langchain_its_own_call_only(
+    reading_gateway: GatewayProcess,
+    engine: AsyncEngine,
+    upstream: UpstreamServer,
+    streaming: bool,
+) -> None:
+    """The model reads memory, then calls langchain's tool, then answers: langchain is shown
+    its own call alone, and the conversation holds each message once, no memory call."""
+    system = f"You add numbers. [{uuid.uuid4().hex}]"
+    llm = ChatOpenAI(
+        model="gpt-4o-mini",
+        base_url=reading_gateway.url,
+        api_key="sk-langchain",
+        max_retries=0,
+        use_responses_api=True,
+        streaming=streaming,
+    )
+    with_tools = llm.bind_tools([add_one])
+    upstream.script(
+        {"tool_calls": [{"name": "memory_search", "arguments": {"query": "numbers"}}]},
+        {"tool_calls": [{"name": "add_one", "arguments": '{"x":1}'}]},
+    )
+    history: list[BaseMessage] = [SystemMessage(system), HumanMessage("What is 1 + 1?")]
+    called = await with_tools.ainvoke(history)
+    assert [call["name"] for call in called.tool_calls] == ["add_one"]
+    history.append(called)
+    for call in called.tool_calls:
+        history.append(ToolMessage(str(add_one.invoke(call["args"])), tool_call_id=call["id"]))
+    answer = await with_tools.ainvoke(history)
+    assert answer.text == "echo: What is 1 + 1?"
+    found = await conversations_opening_with(engine, system)
+    assert len(found) == 1, found
+    [messages] = found.values()
+    assert [role for role, _ in messages] == ["system", "user", "assistant", "tool", "assistant"]
