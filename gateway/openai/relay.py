@@ -11,8 +11,6 @@ kept on the turn; a stream's usage chunk, when the gateway asked for it and the 
 (`Turn.hide_usage`), is kept from the client (the other chunks then carry `"usage": null`).
 """
 
-import json
-import logging
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
@@ -22,11 +20,9 @@ from fastapi.responses import Response
 from gateway.errors import GatewayError
 from gateway.openai import toolloop
 from gateway.openai.replies import StreamedReply, from_completion
-from gateway.openai.streams import Event, EventReader, sse_error, usage_of
+from gateway.openai.streams import Event, EventReader, interrupted, parsed_json, usage_of
 from gateway.openai.turn import REPLY_COMPLETE, Chunks, Turn
 from gateway.state import State
-
-log = logging.getLogger(__name__)
 
 
 async def forward(
@@ -63,7 +59,7 @@ async def forward(
     except GatewayError as exc:
         exc.headers.update(turn.headers())
         raise
-    completion = _json(content)
+    completion = parsed_json(content)
     if isinstance(completion, dict) and isinstance(completion.get("usage"), dict):
         turn.usage = completion["usage"]
     return await turn.answer(state, content, response, from_completion(completion))
@@ -91,16 +87,7 @@ async def _relay(response: httpx.Response, reply: StreamedReply, turn: Turn) -> 
             reply.feed(rest)
             yield rest
     except httpx.HTTPError as exc:
-        log.warning(
-            "upstream stream interrupted: %s",
-            type(exc).__name__,
-            extra={"conversation": turn.external_id},
-        )
-        yield sse_error(
-            f"the upstream stream was interrupted ({type(exc).__name__}); "
-            "the partial reply was kept",
-            code="upstream_stream_interrupted",
-        )
+        yield interrupted(type(exc).__name__, conversation=turn.external_id)
     finally:
         await response.aclose()
 
@@ -113,10 +100,3 @@ def _shown(events: Iterable[Event], turn: Turn) -> Iterator[bytes]:
             yield event.raw
         else:
             turn.usage = usage
-
-
-def _json(content: bytes) -> Any:
-    try:
-        return json.loads(content)
-    except ValueError:
-        return None

@@ -28,18 +28,14 @@ import json
 from typing import Any
 
 from gateway.openai import translate
-from gateway.openai.streams import Event, EventReader
+from gateway.openai.streams import Event, EventReader, parsed_json
 
 FINAL_EVENTS = frozenset({"response.completed", "response.incomplete", "response.failed"})
 
 
-def _payload(event: Event) -> dict[str, Any] | None:
-    if event.data is None:
-        return None
-    try:
-        payload = json.loads(event.data)
-    except ValueError:
-        return None
+def payload_of(event: Event) -> dict[str, Any] | None:
+    """An event's data as a JSON object, or None."""
+    payload = parsed_json(event.data) if event.data is not None else None
     return payload if isinstance(payload, dict) else None
 
 
@@ -58,13 +54,13 @@ class ResponseReply:
 
     def feed(self, data: bytes) -> None:
         for event in self._reader.feed(data):
-            payload = _payload(event)
+            payload = payload_of(event)
             if payload is not None:
                 self._event(payload)
 
     @staticmethod
     def ends(event: Event) -> bool:
-        payload = _payload(event)
+        payload = payload_of(event)
         return payload is not None and payload.get("type") in FINAL_EVENTS
 
     def response(self) -> dict[str, Any] | None:
@@ -136,7 +132,7 @@ class ChatEvents:
         if event.data.strip() == "[DONE]":
             self._done = True
             return b""
-        chunk = _payload(event)
+        chunk = payload_of(event)
         if chunk is None:
             return b""
         if isinstance(chunk.get("error"), dict):

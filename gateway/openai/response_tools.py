@@ -22,7 +22,6 @@ mid-way, and the partial reply is kept, marked incomplete.
 """
 
 import json
-import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -30,14 +29,12 @@ import httpx
 
 from gateway.errors import GatewayError
 from gateway.openai import translate
-from gateway.openai.response_events import FINAL_EVENTS, ResponseReply
-from gateway.openai.streams import Event, EventReader, add_usage, sse_error
+from gateway.openai.response_events import FINAL_EVENTS, ResponseReply, payload_of
+from gateway.openai.streams import Event, EventReader, add_usage, interrupted, parsed_json
 from gateway.openai.toolloop import MemoryCalls, Offer
 from gateway.openai.turn import REPLY_COMPLETE, Chunks, Turn
 from gateway.state import State
 from memory.recall.tools import TOOL_NAMES
-
-log = logging.getLogger(__name__)
 
 Open = Callable[[dict[str, Any]], Awaitable[httpx.Response]]
 Read = Callable[[httpx.Response], Awaitable[bytes]]
@@ -117,7 +114,7 @@ class ResponseToolLoop:
             if round_ > 0:
                 response = await self._open(self.request(round_))
             content = await self._read(response)
-            answer = _json(content) if response.is_success else None
+            answer = parsed_json(content) if response.is_success else None
             output = answer.get("output") if isinstance(answer, dict) else None
             if answer is None or not isinstance(output, list):
                 return content, response, None
@@ -167,7 +164,9 @@ class ResponseToolLoop:
                 if merged.failed:
                     return
                 if merged.ended is None:
-                    yield sent(_interrupted(self._turn, "the stream ended early"))
+                    yield sent(
+                        interrupted("the stream ended early", conversation=self._turn.external_id)
+                    )
                     return
                 if merged.continues and not self._final(round_):
                     await self._run(merged.round_output())
@@ -177,7 +176,7 @@ class ResponseToolLoop:
                 yield final
                 return
         except httpx.HTTPError as exc:
-            yield sent(_interrupted(self._turn, type(exc).__name__))
+            yield sent(interrupted(type(exc).__name__, conversation=self._turn.external_id))
         finally:
             await response.aclose()
 
@@ -190,7 +189,7 @@ class ResponseToolLoop:
             content = await self._read(response)
         except GatewayError as exc:
             return {"type": "error", "code": exc.code, "message": exc.message, "param": None}
-        answer = _json(content)
+        answer = parsed_json(content)
         error = answer.get("error") if isinstance(answer, dict) else None
         if isinstance(error, dict):
             return {
@@ -264,7 +263,7 @@ class _Merged:
 
     def event(self, event: Event) -> bytes:
         """What the client is sent of one upstream event."""
-        payload = _payload(event)
+        payload = payload_of(event)
         if payload is None:
             return event.raw if self._rounds == 1 else b""
         kind = payload.get("type")
@@ -337,25 +336,3 @@ def _as_asked(response: dict[str, Any]) -> None:
             for tool in offered
             if not (isinstance(tool, dict) and tool.get("name") in TOOL_NAMES)
         ]
-
-
-def _interrupted(turn: Turn, cause: str) -> bytes:
-    log.warning("upstream stream interrupted: %s", cause, extra={"conversation": turn.external_id})
-    return sse_error(
-        f"the upstream stream was interrupted ({cause}); the partial reply was kept",
-        code="upstream_stream_interrupted",
-    )
-
-
-def _payload(event: Event) -> dict[str, Any] | None:
-    if event.data is None:
-        return None
-    payload = _json(event.data.encode())
-    return payload if isinstance(payload, dict) else None
-
-
-def _json(content: bytes) -> Any:
-    try:
-        return json.loads(content)
-    except ValueError:
-        return None

@@ -18,7 +18,6 @@ requests (`gateway.openai.response_tools`); translated, in the chat path's round
 """
 
 import functools
-import json
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Mapping
 from typing import Any
@@ -33,7 +32,7 @@ from gateway.openai import toolloop, translate
 from gateway.openai.response_events import ChatEvents, ResponseReply
 from gateway.openai.response_tools import ResponseToolLoop
 from gateway.openai.response_turn import ResponseTurn
-from gateway.openai.streams import EventReader, sse_error
+from gateway.openai.streams import EventReader, interrupted, parsed_json
 from gateway.openai.turn import REPLY_COMPLETE, Chunks, Mark
 from gateway.settings import Settings
 from gateway.state import State
@@ -133,7 +132,7 @@ class Forward:
             _learnt(self._upstream, served=True)
             return None
         content = await self._read(response)
-        error = _json(content)
+        error = parsed_json(content)
         code = error.get("error", {}).get("code") if isinstance(error, dict) else None
         if isinstance(code, str) and code == "model_not_found":
             _learnt(self._upstream, served=True)
@@ -183,7 +182,7 @@ class Forward:
             content, response, answer = await loop.whole(response)
         else:
             content = await self._read(response)
-            answer = _json(content)
+            answer = parsed_json(content)
         reply = None
         if response.is_success and isinstance(answer, dict):
             self._turn.response = answer
@@ -246,7 +245,9 @@ class Forward:
             content = await self._read(response)
         else:
             content, response, _ = await loop.whole()
-        converted = translate.response_object(_json(content), self._body, response_id=response_id)
+        converted = translate.response_object(
+            parsed_json(content), self._body, response_id=response_id
+        )
         if not response.is_success or converted is None:
             return await self._turn.answer(self._state, content, response)
         self._turn.response = converted
@@ -298,19 +299,4 @@ class Forward:
             await response.aclose()
 
     def _interrupted(self, cause: str) -> bytes:
-        log.warning(
-            "upstream stream interrupted: %s",
-            cause,
-            extra={"conversation": self._turn.external_id},
-        )
-        return sse_error(
-            f"the upstream stream was interrupted ({cause}); the partial reply was kept",
-            code="upstream_stream_interrupted",
-        )
-
-
-def _json(content: bytes) -> Any:
-    try:
-        return json.loads(content)
-    except ValueError:
-        return None
+        return interrupted(cause, conversation=self._turn.external_id)

@@ -1,6 +1,9 @@
 """Server-sent events: reading an upstream stream event by event, and merging the streams of
 several upstream rounds into the one stream a client sees.
 
+`interrupted` logs an upstream stream cut short and makes the error event the client is sent;
+`parsed_json` reads a body or an event's data that may not be JSON.
+
 `EventReader.feed(bytes)` yields whole `Event`s (the raw bytes, terminator included, and the
 joined `data:` payload) in whatever pieces the network delivers; `\\n`, `\\r\\n` and `\\r` line
 ends are all understood.
@@ -27,6 +30,7 @@ each event (often the raw bytes unchanged, sometimes a rewritten chunk, sometime
 """
 
 import json
+import logging
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -35,6 +39,8 @@ from typing import Any
 from gateway.errors import error_body
 from gateway.openai.replies import StreamedReply
 from memory.recall.tools import TOOL_NAMES
+
+log = logging.getLogger(__name__)
 
 # What makes the chunks of a stream one completion's.
 _IDENTITY = ("id", "created", "model")
@@ -81,6 +87,24 @@ def data_event(payload: Any) -> bytes:
 def sse_error(message: str, *, code: str | None, type: str = "upstream_error") -> bytes:
     """An error event in a stream, as OpenAI sends one (the SDK raises `APIError` on it)."""
     return data_event(error_body(message, type=type, code=code))
+
+
+def interrupted(cause: str, *, conversation: str) -> bytes:
+    """Log an upstream stream cut short (`cause`), and the error event that tells the client,
+    whose partial reply is kept."""
+    log.warning("upstream stream interrupted: %s", cause, extra={"conversation": conversation})
+    return sse_error(
+        f"the upstream stream was interrupted ({cause}); the partial reply was kept",
+        code="upstream_stream_interrupted",
+    )
+
+
+def parsed_json(content: bytes | str) -> Any:
+    """`content` as JSON, or None when it is not."""
+    try:
+        return json.loads(content)
+    except ValueError:
+        return None
 
 
 def add_usage(total: dict[str, Any] | None, usage: Any) -> dict[str, Any] | None:

@@ -47,7 +47,15 @@ from fastapi.responses import Response
 
 from gateway.errors import GatewayError
 from gateway.openai.replies import from_completion
-from gateway.openai.streams import EventReader, MergedStream, add_usage, is_memory_call, sse_error
+from gateway.openai.streams import (
+    EventReader,
+    MergedStream,
+    add_usage,
+    interrupted,
+    is_memory_call,
+    parsed_json,
+    sse_error,
+)
 from gateway.openai.turn import REPLY_COMPLETE, Chunks, Turn
 from gateway.settings import Settings
 from gateway.state import State
@@ -165,7 +173,7 @@ class ToolLoop:
             content = await self._read(response)
             if not response.is_success:
                 return content, response, None
-            completion = _json(content)
+            completion = parsed_json(content)
             message = _message(completion)
             if message is None:  # not a completion we understand: relayed as it is
                 return content, response, None
@@ -235,18 +243,8 @@ class ToolLoop:
                     await self._calls.run(message["content"], message["tool_calls"])
                 )
         except httpx.HTTPError as exc:
-            log.warning(
-                "upstream stream interrupted: %s",
-                type(exc).__name__,
-                extra={"conversation": self._turn.external_id},
-            )
-            yield merged.send(
-                sse_error(
-                    f"the upstream stream was interrupted ({type(exc).__name__}); "
-                    "the partial reply was kept",
-                    code="upstream_stream_interrupted",
-                )
-            )
+            cause = type(exc).__name__
+            yield merged.send(interrupted(cause, conversation=self._turn.external_id))
         finally:
             await response.aclose()
 
@@ -259,7 +257,7 @@ class ToolLoop:
             content = await self._state.upstream.read(response)
         except GatewayError as exc:
             return sse_error(exc.message, code=exc.code, type=exc.type)
-        error = _json(content)
+        error = parsed_json(content)
         if isinstance(error, dict) and isinstance(error.get("error"), dict):
             return f"data: {json.dumps(error, ensure_ascii=False)}\n\n".encode()
         text = content.decode(errors="replace")[:500]
@@ -422,13 +420,6 @@ class MemoryCalls:
             },
         )
         return result
-
-
-def _json(content: bytes) -> Any:
-    try:
-        return json.loads(content)
-    except ValueError:
-        return None
 
 
 def _message(completion: Any) -> dict[str, Any] | None:
