@@ -94,8 +94,10 @@ def configure(*, level: str, format: Literal["json", "text"] = "json") -> None:
         uvicorn_logger = logging.getLogger(name)
         uvicorn_logger.handlers.clear()
         uvicorn_logger.propagate = True
-    # One line per upstream call is noise at INFO (and httpx would log URLs).
-    logging.getLogger("httpx").setLevel(logging.WARNING)
+    # One line per upstream call is noise at INFO (and httpx would log URLs). The openai SDK
+    # (summaries, upstream embeddings) calls through its own fork of httpx, `httpx2`.
+    for name in ("httpx", "httpx2"):
+        logging.getLogger(name).setLevel(logging.WARNING)
 
 
 def route_template(scope: Scope) -> str | None:
