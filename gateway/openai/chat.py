@@ -151,6 +151,7 @@ async def complete(request: Request, state: State, *, tenant_id: int) -> Respons
         model=chat.model,
         started=started,
         reply_to=appended.reply_to,
+        stored_from=appended.first_seq if appended.node_ids else None,
         memory_tools=budget.tools_room > 0,
     )
     turn.sent(assembled, state.metrics)

@@ -288,6 +288,7 @@ async def _store(
             turn.conversation_id = stored.conversation_id
             turn.external_id = appended.conversation.external_id
             turn.reply_to = appended.reply_to
+            turn.stored_from = appended.first_seq if appended.node_ids else None
             if named is not None:
                 past = (stored.stored_tokens or 0) > budget.limit
                 state.past_budget.saw(turn.tenant_id, named, past=past)

@@ -10,7 +10,9 @@ conversation, with its build queued by the write path, and the request's tokens 
 what the upstream reported and how much of the prompt repeated the previous one's prefix): a
 stream's reply before the client is sent its last bytes (a client that sends its next turn as
 soon as it has the answer must find the reply stored), or, if the stream is cut or the client
-leaves, with what arrived, marked incomplete. Every response of the turn carries `headers()`.
+leaves, with what arrived, marked incomplete. An answer that refuses the request as invalid
+(`REFUSED`) takes the turn's messages off the current branch instead (`withdraw`). Every
+response of the turn carries `headers()`.
 
 A reply that cannot be stored because the database is down is not given up: once the client
 has its answer, this process tries again, backing off, for `RECORD_RETRY_SECONDS`; a reply
@@ -36,13 +38,19 @@ from gateway.state import State
 from gateway.upstream import relayed_headers
 from memory.db import transaction
 from memory.errors import StorageUnavailable
+from memory.recall import working_context
 from memory.recall.assemble import Assembled
-from memory.write import appends, replies, store
+from memory.write import appends, refusals, replies, store
 
 log = logging.getLogger(__name__)
 
 CONVERSATION_HEADER = "X-Memstrata-Conversation"
 RECORD_RETRY_SECONDS = 120.0
+# The upstream's answers that refuse the request itself as invalid (a content part, an image,
+# a prompt too long for the model), which it would refuse again with every later prompt that
+# repeats the turn. Not 404 (an unknown model: the turn is sound), nor 408, 409 or 429
+# (try again), nor 401 or 403 (the key).
+REFUSED = frozenset({400, 413, 422})
 # Headers a relayed stream sets itself, in place of the upstream's.
 _STREAM_HEADERS = frozenset({"cache-control", "x-accel-buffering"})
 
@@ -91,6 +99,9 @@ class Turn:
     memory_tools: bool = True
     # Where the reply goes, as the write path said when it stored the turn.
     reply_to: store.ReplyTo | None = None
+    # The seq of the first message the turn stored (None: it stored none, a retry), from
+    # which its messages leave the current branch if the upstream refuses it (`withdraw`).
+    stored_from: int | None = None
     # The prompt's tokens that repeat the previous prompt's prefix, and its fingerprint.
     reused: int = 0
     fingerprint: list[Any] | None = None
@@ -132,9 +143,12 @@ class Turn:
         reply: Mapping[str, Any] | None = None,
     ) -> Response:
         """A whole answer relayed with the upstream's status and headers; `reply` (the message
-        the client is shown) recorded first when the answer is a success."""
+        the client is shown) recorded first when the answer is a success, the turn withdrawn
+        when it refuses the request."""
         if response.is_success:
             await self.record(state, reply, complete=True)
+        elif response.status_code in REFUSED:
+            await self.withdraw(state)
         return Response(
             content,
             status_code=response.status_code,
@@ -205,6 +219,35 @@ class Turn:
             spent = time.perf_counter() - began
             self.overhead += spent
             state.metrics.observe_stages({"record": spent})
+
+    async def withdraw(self, state: State) -> None:
+        """Take the messages the turn stored off the current branch, the upstream having
+        refused the request (`memory.write.refusals`), with the working context that holds
+        them; logged, never raised, if it cannot be done: the client has its answer."""
+        if self.stored_from is None or self.reply_to is None:
+            return
+        extra = {"conversation": self.external_id}
+        try:
+            async with transaction(state.engine) as conn:
+                withdrawn = await refusals.withdraw(
+                    conn,
+                    tenant_id=self.tenant_id,
+                    conversation_id=self.conversation_id,
+                    first_seq=self.stored_from,
+                    head=self.reply_to,
+                )
+                if withdrawn:
+                    await working_context.forget(
+                        conn,
+                        tenant_id=self.tenant_id,
+                        conversation_id=self.conversation_id,
+                        branched_at=self.stored_from,
+                    )
+        except Exception:
+            log.exception("could not withdraw a turn the upstream refused", extra=extra)
+            return
+        if withdrawn:
+            log.info("the upstream refused the turn: its messages left the branch", extra=extra)
 
     # A turn whose answer is worth keeping even without a reply message (a response object).
     records_without_reply: ClassVar[bool] = False
