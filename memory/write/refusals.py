@@ -12,7 +12,7 @@ messages stay stored, off the current branch, and the head goes back to where th
 stored after them, or answered them, they are part of a history that went on.
 """
 
-from sqlalchemy import func, select, update
+from sqlalchemy import ColumnElement, func, select, update
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from memory.schema import conversations, nodes
@@ -41,13 +41,7 @@ async def withdraw(
     if conv is None or (conv.head_hash, conv.head_seq) != (head.parent, head.parent_seq):
         return False
     first = (
-        await conn.execute(
-            select(nodes.c.follows_seq).where(
-                nodes.c.conversation_id == conversation_id,
-                nodes.c.level == 0,
-                nodes.c.seq == first_seq,
-            )
-        )
+        await conn.execute(select(nodes.c.follows_seq).where(*_message(conversation_id, first_seq)))
     ).one_or_none()
     if first is None:
         return False
@@ -68,13 +62,7 @@ async def withdraw(
         )
         return True
     parent_hash = (
-        await conn.execute(
-            select(nodes.c.chain_hash).where(
-                nodes.c.conversation_id == conversation_id,
-                nodes.c.level == 0,
-                nodes.c.seq == parent_seq,
-            )
-        )
+        await conn.execute(select(nodes.c.chain_hash).where(*_message(conversation_id, parent_seq)))
     ).scalar_one()
     await conn.execute(
         appends.MOVE_HEAD,
@@ -84,3 +72,8 @@ async def withdraw(
         },
     )
     return True
+
+
+def _message(conversation_id: int, seq: int) -> tuple[ColumnElement[bool], ...]:
+    """The conditions that name the message `seq` of a conversation."""
+    return nodes.c.conversation_id == conversation_id, nodes.c.level == 0, nodes.c.seq == seq
