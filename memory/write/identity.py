@@ -49,7 +49,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 from memory.db import AnyRow
 from memory.errors import InvalidConversationId
 from memory.schema import conversations, nodes
-from memory.write import chains, retries, rewritten, system_prompts, tool_results
+from memory.write import chains, retries, rewritten, system_prompts, tool_results, windows
 from memory.write.placement import Branch, Found
 
 CONVERSATION_ID_PATTERN = r"^[A-Za-z0-9._:-]*[A-Za-z0-9_:-][A-Za-z0-9._:-]*$"
@@ -360,6 +360,9 @@ async def _rewritten(
         # Another request may have moved the head while this one waited for the lock.
         if not await rewritten.continues_head(conn, row, messages):
             return None
+        window = await windows.place(conn, row, messages)
+        if window is not None:  # not rewritten: trimmed (`memory.write.windows`)
+            return _window(row, window, created=False)
         # The opening shared too: a reply alike ("Sure!") ends chats that share nothing else.
         path = await _path(conn, row.id, hashes)
         return _branch(row, path, hashes, created=False) if path else None
@@ -428,6 +431,9 @@ async def _place(
     path = await _path(conn, row.id, hashes)
     if path and await _may_branch(conn, row.id, path):
         return _branch(row, path, hashes, created=created)
+    window = await windows.place(conn, row, messages)
+    if window is not None:
+        return _window(row, window, created=created)
     if not named:
         # One under another system prompt is `_prompt_changed`'s to find.
         rewrote = await rewritten.continues_head(conn, row, messages)
@@ -471,6 +477,24 @@ def _extends(row: AnyRow, start: int, *, created: bool) -> Found:
         created=created,
         parent=row.head_hash,
         parent_seq=row.head_seq,
+        whole=True,
+    )
+
+
+def _window(row: AnyRow, window: windows.Window, *, created: bool) -> Found:
+    """A history that is a window onto the current branch of the locked conversation `row`
+    (`memory.write.windows`): the client's whole view of it."""
+    if window.resent is None:
+        parent, parent_seq, branch = row.head_hash, row.head_seq, None
+    else:  # the head's request again: a retry (`memory.write.retries`), else a regeneration
+        (parent, parent_seq), branch = window.resent, Branch(fork_seq=window.resent[1])
+    return Found(
+        row=row,
+        start=window.start,
+        created=created,
+        parent=parent,
+        parent_seq=parent_seq,
+        branch=branch,
         whole=True,
     )
 

@@ -1,0 +1,91 @@
+"""A history that is a window onto its conversation: the client sent only its latest turns.
+
+Clients trim what they resend to fit a model's window: the system prompt and the last N
+messages (LangChain's `trim_messages`, a chat app's "keep the last 20"). Chain hashes
+(`memory.write.chains`) name a message by the whole path before it, so a trimmed history
+shares no stored path past its system prompt, and its last assistant message, the gateway's
+own reply, made it look like a client that rewrote its messages (`memory.write.rewritten`):
+each turn branched from the opening, superseding the whole conversation (and the summaries
+over it) to store the window again. Ten turns in a window of six stored 56 messages, and the
+current branch held only the last window.
+
+A window is told apart by what it shares with the current branch: its turns (the messages
+after its system prompt) begin with the branch's last messages, in order, up to its head,
+with a user message among them; what follows the head is new. A window that ends with the
+message before the head resends the head's request: a retry, or its answer regenerated.
+`place` says where its new messages go, checking each place the head could sit by the chain
+hashes the window's turns would have, had they followed the branch message before them. A
+window is the client's whole view of the conversation (`Found.whole`): while the conversation
+fits the budget, it goes upstream as the client sent it; past the budget, the prompt comes
+from memory.
+"""
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Final
+
+from sqlalchemy import select
+from sqlalchemy.ext.asyncio import AsyncConnection
+
+from memory.db import AnyRow
+from memory.schema import nodes
+from memory.write import chains, system_prompts
+
+MAX_WINDOW: Final = 1000
+"""Turns of a window compared with the branch at most: its start is within them."""
+
+
+@dataclass(frozen=True)
+class Window:
+    """Where a window's new messages go: from `start` on, after the head, or, for a window that
+    resends the head's request (a retry, or its answer regenerated), after `resent` (the chain
+    hash and seq of the message before the head), where it branches."""
+
+    start: int
+    resent: tuple[str, int] | None = None
+
+
+async def place(
+    conn: AsyncConnection, row: AnyRow, messages: Sequence[Mapping[str, Any]]
+) -> Window | None:
+    """Where `messages` go when it is a window onto the current branch of the locked
+    conversation `row` (module docstring); None when it is not one."""
+    if row.head_hash is None or row.head_seq is None:
+        return None
+    opening = system_prompts.opening(messages)
+    turns = messages[opening:][:MAX_WINDOW]
+    if len(turns) < 2:  # one message: new after the head, or a retry (`memory.write.retries`)
+        return None
+    # The branch's last messages, newest first, as far back as the window could reach.
+    tail = (
+        await conn.execute(
+            select(nodes.c.chain_hash, nodes.c.seq)
+            .where(
+                nodes.c.conversation_id == row.id,
+                nodes.c.level == 0,
+                nodes.c.superseded_at.is_(None),
+                nodes.c.seq <= row.head_seq,
+            )
+            .order_by(nodes.c.seq.desc())
+            .limit(len(turns) + 2)
+        )
+    ).all()
+    hashes = [*(found.chain_hash for found in tail), chains.ROOT_HASH]
+
+    def reaches(overlap: int, last: int) -> bool:
+        """Whether the first `overlap` turns are the branch's messages up to `tail[last]`."""
+        shared = turns[:overlap]
+        return (
+            overlap + last < len(hashes)
+            and any(message.get("role") == "user" for message in shared)
+            and chains.chain_hash(hashes[last + 1], shared[-1]) == hashes[last]
+            and chains.chain(shared, hashes[overlap + last])[-1] == hashes[last]
+        )
+
+    # The latest place first: a window ends with what is new.
+    for end in reversed(range(len(turns))):
+        if reaches(end + 1, 0):
+            return Window(start=opening + end + 1)
+    if len(tail) > 1 and reaches(len(turns), 1):
+        return Window(start=len(messages), resent=(tail[1].chain_hash, tail[1].seq))
+    return None

@@ -1,0 +1,126 @@
+"""End to end: a client that resends only its latest turns (`memory.write.windows`), through a
+`memstrata serve` process and the fake upstream process: raw HTTP for each way of naming the
+conversation, and langchain-openai's `trim_messages` as a real client trims.
+
+Each window must continue the one conversation with its new messages only: every message
+stored once, on one branch, and the prompt sent upstream holding the turns the client no
+longer sends (the conversation fits the budget, so it goes whole, from memory).
+"""
+
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+from langchain_core.messages import AIMessage, BaseMessage, HumanMessage, SystemMessage
+from langchain_core.messages.utils import trim_messages
+from langchain_openai import ChatOpenAI
+
+from devkit.gateway import GatewayProcess
+from devkit.upstream import UpstreamServer
+
+pytestmark = pytest.mark.usefixtures("fresh_upstream")
+
+CHAT = "/v1/chat/completions"
+HEADER = "X-Memstrata-Conversation"
+TURNS = 12
+WORDS = "tulips go in before the first frost and the soil must drain well"
+
+
+@pytest.fixture(scope="module")
+def gateway(database_url: str, upstream: UpstreamServer) -> Iterator[GatewayProcess]:
+    with GatewayProcess(database_url=database_url, upstream_url=upstream.url, workers=0) as gw:
+        yield gw
+
+
+@pytest.fixture
+def http(gateway: GatewayProcess) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=gateway.root_url, timeout=15) as raw:
+        yield raw
+
+
+def branch(http: httpx.Client, conversation: str) -> tuple[list[Any], int]:
+    """The contents of the conversation's current branch, and how many messages it stores."""
+    answer = http.get(f"/admin/conversations/{conversation}/messages", params={"limit": 200})
+    assert answer.status_code == 200, answer.text
+    messages = answer.json()["messages"]
+    return [m["content"] for m in messages if m["superseded_at"] is None], len(messages)
+
+
+# The window holds the last three messages one turn, the last four the next: it starts on a
+# user message, then on an assistant message.
+@pytest.mark.parametrize("named", [False, True], ids=["no-header", "header"])
+@pytest.mark.parametrize("system", [False, True], ids=["no-system", "system"])
+@pytest.mark.parametrize("budget", [8000, 700], ids=["fits", "past-budget"])
+def test_a_window_of_the_last_messages_continues_its_conversation_storing_each_once(
+    http: httpx.Client, upstream: UpstreamServer, named: bool, system: bool, budget: int
+) -> None:
+    tag = uuid.uuid4().hex[:8]
+    opening = [{"role": "system", "content": f"You are terse. [{tag}]"}] if system else []
+    headers = {"X-Memstrata-Budget": str(budget)}
+    if named:
+        headers[HEADER] = f"window-{tag}"
+    said: list[dict[str, Any]] = []
+    named_as = set()
+    for turn in range(TURNS):
+        said.append(
+            {"role": "user", "content": f"Question {turn} about the garden [{tag}] {WORDS}"}
+        )
+        window = [*opening, *said[-(3 + turn % 2) :]]
+        answer = http.post(CHAT, json={"model": "m", "messages": window}, headers=headers)
+        assert answer.status_code == 200, answer.text
+        named_as.add(answer.headers[HEADER])
+        reply = answer.json()["choices"][0]["message"]["content"]
+        said.append({"role": "assistant", "content": reply})
+    assert len(named_as) == 1
+    [conversation] = named_as
+    current, stored = branch(http, conversation)
+    assert current == [m["content"] for m in [*opening, *said]]
+    assert stored == len(opening) + 2 * TURNS
+    prompt = [m["content"] for m in upstream.requests(CHAT)[-1]["body"]["messages"]]
+    if budget == 8000:  # the conversation fits: sent as the client sent it
+        assert prompt == [m["content"] for m in window]
+    else:  # past the budget: from memory, which holds turns the window no longer does
+        sent = [m["content"] for m in window]
+        assert any(m.startswith("[Memory of this conversation") for m in prompt), prompt
+        assert prompt[-1] == sent[-1]
+
+    # The same window again (an SDK's retry) is a retry: nothing stored.
+    again = http.post(CHAT, json={"model": "m", "messages": window}, headers=headers)
+    assert again.status_code == 200, again.text
+    assert branch(http, conversation)[1] == stored
+
+
+def test_langchain_trimming_its_history_keeps_one_conversation(
+    gateway: GatewayProcess, http: httpx.Client, upstream: UpstreamServer
+) -> None:
+    """`trim_messages` keeps the system prompt and the last messages that fit, starting on a
+    human message: what a langchain app sends once its history outgrows its model."""
+    system = f"You garden. [{uuid.uuid4().hex}]"
+    llm = ChatOpenAI(model="m", base_url=gateway.url, api_key="sk-langchain", max_retries=0)
+    history: list[BaseMessage] = [SystemMessage(system)]
+    for turn in range(TURNS):
+        history.append(HumanMessage(f"When do I plant bulb {turn}?"))
+        window = trim_messages(
+            history,
+            strategy="last",
+            token_counter=len,
+            max_tokens=4,
+            start_on="human",
+            include_system=True,
+        )
+        reply = llm.invoke(window)
+        history.append(AIMessage(reply.content))
+    conversations = {
+        c["conversation"]
+        for c in http.get("/admin/conversations", params={"limit": 100}).json()["data"]
+    }
+    ours = [c for c in conversations if branch(http, c)[0][:1] == [system]]
+    assert len(ours) == 1
+    current, stored = branch(http, ours[0])
+    assert current == [message.content for message in history]
+    assert stored == 1 + 2 * TURNS
+    # It fits the budget: sent as langchain sent it.
+    prompt = upstream.requests(CHAT)[-1]["body"]["messages"]
+    assert [m["content"] for m in prompt] == [message.content for message in window]
