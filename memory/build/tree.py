@@ -462,14 +462,21 @@ async def _embed_pending(
 async def _summarize_all(
     config: TreeConfig, groups: Sequence[Sequence[SummaryInput]], *, level: int
 ) -> list[Summary]:
-    return list(
-        await asyncio.gather(
-            *(
-                config.summarizer.summarize(group, level=level, target_tokens=config.summary_tokens)
-                for group in groups
-            )
+    summaries = [
+        asyncio.ensure_future(
+            config.summarizer.summarize(group, level=level, target_tokens=config.summary_tokens)
         )
-    )
+        for group in groups
+    ]
+    try:
+        return list(await asyncio.gather(*summaries))
+    except Exception:
+        # One failure fails the build and its job is retried: the rest of the batch (LLM
+        # requests, each billed) must not run on for an attempt that will store none of them.
+        for summary in summaries:
+            summary.cancel()
+        await asyncio.gather(*summaries, return_exceptions=True)
+        raise
 
 
 @dataclass(frozen=True)
