@@ -82,6 +82,8 @@ class Provider:
             return json.loads(text)
         except ValueError as exc:
             raise ProviderError(f"{what} upstream sent a body that is not JSON") from exc
+        except RecursionError as exc:
+            raise ProviderError(f"{what} upstream sent JSON nested too deeply") from exc
 
     async def aclose(self) -> None:
         await self._client.close()

@@ -470,6 +470,10 @@ async def test_llm_tolerates_odd_fact_shapes(upstream: UpstreamServer, client: P
         {"reply": ""},
         {"reply": json.dumps({"identifiers": ["x"]})},  # JSON without a narrative
         {"cut_after": 0},  # the connection closes without an answer
+        # Nested deeper than Python's parser recurses (a model caught in a loop of brackets),
+        # in the reply or in the body around it.
+        {"reply": '{"narrative": "x", "numbers": ' + "[" * 5000 + "]" * 5000 + "}"},
+        {"body": '{"choices": ' + "[" * 5000 + "]" * 5000 + "}"},
     ],
 )
 async def test_llm_failures_raise_provider_error(

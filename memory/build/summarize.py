@@ -343,7 +343,12 @@ class LLMSummarizer:
             "response_format": {"type": "json_object"},
         }
         content, finish_reason = await self._complete(payload)
-        return self._parse(content, finish_reason, items)
+        try:
+            return self._parse(content, finish_reason, items)
+        except RecursionError as exc:
+            # JSON nested deeper than Python reads it (a model caught in a loop of brackets): a
+            # malformed reply like any other, so that `auto` falls back instead of failing.
+            raise ProviderError("summary upstream's JSON is nested too deeply") from exc
 
     async def _complete(self, payload: dict[str, Any]) -> tuple[str, str | None]:
         body = await self._provider.post("chat", payload, what="summary", seconds=self._timeout)
