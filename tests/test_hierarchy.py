@@ -1000,3 +1000,35 @@ async def test_a_failed_summary_stops_the_rest_of_its_batch(
         assert summarizer.finished == 0, f"{summarizer.finished} summaries ran on, unused"
     assert len(fresh_upstream.requests("/v1/chat/completions")) == 8
     assert await level_counts(engine, tenant_id, conversation_id) == {0: 16}
+
+
+async def test_a_summary_postgres_cannot_hold_is_stored_escaped(
+    engine: AsyncEngine,
+    embedder: MemoEmbedder,
+    fresh_upstream: UpstreamServer,
+    tenant_id: int,
+) -> None:
+    """A model that copies `\\u0000` from a conversation about C strings into its JSON (or
+    writes half a surrogate pair) hands back a NUL or an unpaired surrogate, which Postgres
+    cannot hold: the summary is stored escaped, as a message would be, instead of failing the
+    build on every attempt (the model answers the same each time) and the conversation's
+    tree stopping there."""
+    reply = {
+        **LLM_FACTS,
+        "narrative": "The buffer ends in a \x00 byte; the name was cut at \ud83d.",
+        "identifiers": ["buf\x00end", "\ud83d"],
+    }
+    fresh_upstream.set_default({"path": "/v1/chat/completions", "reply": json.dumps(reply)})
+    provider = Provider(base_url=fresh_upstream.url, api_key=None, max_retries=0)
+    async with contextlib.aclosing(provider):
+        config = tree.TreeConfig(
+            embedder=embedder,
+            summarizer=LLMSummarizer(provider, model=SUMMARY_MODEL),
+            policy=PAIRS,
+        )
+        _, walk = await build_triage(engine, tenant_id, config)
+    for summary in walk.summaries:
+        assert summary.method == "llm"
+        assert summary.text == "The buffer ends in a \\u0000 byte; the name was cut at \\ud83d."
+        assert summary.facts is not None
+        assert summary.facts["identifiers"][:2] == ["buf\\u0000end", "\\ud83d"]
