@@ -474,6 +474,13 @@ async def test_llm_tolerates_odd_fact_shapes(upstream: UpstreamServer, client: P
         # in the reply or in the body around it.
         {"reply": '{"narrative": "x", "numbers": ' + "[" * 5000 + "]" * 5000 + "}"},
         {"body": '{"choices": ' + "[" * 5000 + "]" * 5000 + "}"},
+        # Cut at the length limit: no summary, though an object inside it is whole.
+        {"reply": '{"narrative": "INV-2041 was refun', "finish_reason": "length"},
+        {
+            "reply": '{"narrative": "INV-2041 was refunded.", "decisions": '
+            '[{"text": "Refund the duplicate.", "by": "Maria"}, {"te',
+            "finish_reason": "length",
+        },
     ],
 )
 async def test_llm_failures_raise_provider_error(
@@ -483,6 +490,16 @@ async def test_llm_failures_raise_provider_error(
     with pytest.raises(ProviderError) as caught:
         await llm(upstream, client).summarize(CONVERSATION, level=1, target_tokens=100)
     assert "INV-2041" not in str(caught.value)  # no conversation text in errors
+
+
+async def test_llm_reply_whole_before_its_length_limit_is_kept(
+    upstream: UpstreamServer, client: Provider
+) -> None:
+    # JSON mode's known failure: the object, then whitespace until the limit.
+    body = json.dumps({"narrative": NARRATIVE, **LLM_FACTS})
+    upstream.script({"reply": body + "\n" * 50, "finish_reason": "length"})
+    summary = await llm(upstream, client).summarize(CONVERSATION, level=1, target_tokens=100)
+    assert summary.text == NARRATIVE
 
 
 async def test_llm_http_error_keeps_its_cause(upstream: UpstreamServer, client: Provider) -> None:

@@ -238,8 +238,9 @@ _FENCE_RE = re.compile(r"```(?:json|JSON)?[ \t]*\n?(.*?)```", re.DOTALL)
 _MAX_JSON_ATTEMPTS = 32
 
 
-def _first_json_object(content: str) -> dict[str, Any] | None:
-    """The first JSON object in ``content``: bare, fenced in ```json```, or inside prose."""
+def _first_json_object(content: str, *, inner: bool = True) -> dict[str, Any] | None:
+    """The first JSON object in ``content``: bare, fenced in ```json```, or inside prose; with
+    ``inner`` False, only one that opens at the first brace (no object nested in it)."""
     stripped = content.strip()
     candidates: list[str] = [stripped]
     fence = _FENCE_RE.search(stripped)
@@ -256,7 +257,7 @@ def _first_json_object(content: str) -> dict[str, Any] | None:
     decoder = json.JSONDecoder()
     position = stripped.find("{")
     # Bounded: each failed attempt may scan the rest of the text.
-    for _ in range(_MAX_JSON_ATTEMPTS):
+    for _ in range(_MAX_JSON_ATTEMPTS if inner else 1):
         if position < 0:
             break
         try:
@@ -365,7 +366,10 @@ class LLMSummarizer:
     def _parse(
         self, content: str, finish_reason: str | None, items: Sequence[SummaryInput]
     ) -> Summary:
-        obj = _first_json_object(content)
+        # A reply cut at its length limit is kept only if its own object came whole before the
+        # cut (whitespace after it, JSON mode's known runaway): one of its facts' objects,
+        # whole before the cut, is no summary.
+        obj = _first_json_object(content, inner=finish_reason != "length")
         facts = FactSet()
         if obj is None:
             if finish_reason == "length":
