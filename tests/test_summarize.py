@@ -481,6 +481,10 @@ async def test_llm_tolerates_odd_fact_shapes(upstream: UpstreamServer, client: P
             '[{"text": "Refund the duplicate.", "by": "Maria"}, {"te',
             "finish_reason": "length",
         },
+        # Stopped by a content filter part way: what came is no summary.
+        {"reply": '{"narrative": "INV-2041 was refun', "finish_reason": "content_filter"},
+        # JSON that does not parse (a trailing comma) is a malformed reply, not prose.
+        {"reply": '{"narrative": "INV-2041 was refunded.", "identifiers": ["INV-2041",],}'},
     ],
 )
 async def test_llm_failures_raise_provider_error(

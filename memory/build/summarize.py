@@ -236,6 +236,8 @@ dates exactly as written in the input. Never invent facts that are not stated.""
 
 _FENCE_RE = re.compile(r"```(?:json|JSON)?[ \t]*\n?(.*?)```", re.DOTALL)
 _MAX_JSON_ATTEMPTS = 32
+# Finish reasons of a reply the upstream cut before the model ended it.
+_CUT_SHORT = frozenset({"length", "content_filter"})
 
 
 def _first_json_object(content: str, *, inner: bool = True) -> dict[str, Any] | None:
@@ -366,18 +368,24 @@ class LLMSummarizer:
     def _parse(
         self, content: str, finish_reason: str | None, items: Sequence[SummaryInput]
     ) -> Summary:
-        # A reply cut at its length limit is kept only if its own object came whole before the
-        # cut (whitespace after it, JSON mode's known runaway): one of its facts' objects,
-        # whole before the cut, is no summary.
-        obj = _first_json_object(content, inner=finish_reason != "length")
+        # A reply cut short (its length limit, a content filter) is kept only if its own object
+        # came whole before the cut (whitespace after it, JSON mode's known runaway): one of
+        # its facts' objects, whole before the cut, is no summary.
+        cut = finish_reason in _CUT_SHORT
+        obj = _first_json_object(content, inner=not cut)
         facts = FactSet()
         if obj is None:
             if finish_reason == "length":
                 raise ProviderError("summary upstream stopped at its length limit")
+            if cut:
+                raise ProviderError(f"summary upstream stopped early ({finish_reason})")
             # A model that ignored the format still wrote a summary; its facts come from the
             # input, which holds them verbatim.
             fence = _FENCE_RE.fullmatch(content.strip())
             narrative = (fence.group(1) if fence else content).strip()
+            if narrative.startswith("{"):
+                # It kept the format but wrote JSON that does not parse: malformed, not prose.
+                raise ProviderError("summary upstream's JSON does not parse")
             facts.merge_children([extract_facts(items)])
         else:
             narrative = next(
