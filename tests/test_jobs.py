@@ -886,6 +886,33 @@ async def test_stop_finishes_the_current_job_then_returns(
     assert (await row(engine, second)).status == "queued"
 
 
+async def test_a_job_deleted_with_its_conversation_is_not_said_to_be_reclaimed(
+    engine: AsyncEngine, tenant_id: int, kind: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A conversation deleted while its jobs run takes them with it: the log says so, rather
+    than that another worker took them over (which sends an operator looking for two workers
+    running one job)."""
+    finished = await new_conversation(engine, tenant_id)
+    running = await new_conversation(engine, tenant_id)
+    first = await put(engine, kind=kind, tenant_id=tenant_id, conversation_id=finished)
+    second = await put(engine, kind=kind, tenant_id=tenant_id, conversation_id=running)
+
+    async def delete_its_conversation(job: jobs.Job) -> None:
+        async with engine.begin() as conn:
+            await conn.execute(
+                delete(conversations).where(conversations.c.id == job.conversation_id)
+            )
+        if job.id == second:
+            await asyncio.sleep(30)  # until the lease keeper finds the job gone
+
+    worker = Worker(engine, {kind: delete_its_conversation}, kinds=[kind], lease_seconds=0.3)
+    with caplog.at_level(logging.INFO, logger="memory.build"):
+        assert await asyncio.wait_for(worker.run_until_idle(), 10) == 2
+    assert "another worker" not in caplog.text
+    assert f"job {first} ({kind}) was deleted" in caplog.text
+    assert f"job {second} ({kind}) was deleted" in caplog.text
+
+
 def test_the_listen_connection_uses_the_engine_url_as_asyncpg_understands_it() -> None:
     url = make_url(
         "postgresql+asyncpg://u:p%40ss@db:5433/app?ssl=require&prepared_statement_cache_size=0"

@@ -30,6 +30,7 @@ from memory.build.jobs import (
     Job,
     claim,
     complete,
+    describe_lost,
     extend_lease,
     fail,
 )
@@ -200,9 +201,8 @@ class Worker:
             if current is not None and current.cancelling():
                 raise  # we are being cancelled: the lease runs out and another worker retries
             if lost.is_set():
-                log.warning(
-                    "job %d (%s): lease lost to another worker; abandoned", job.id, job.kind
-                )
+                what = await describe_lost(self._engine, job=job)
+                log.warning("job %d (%s) %s; abandoned", job.id, job.kind, what)
                 self._observed(job, started, "abandoned")
             else:
                 self._observed(job, started, "failed")
