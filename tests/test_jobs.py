@@ -5,6 +5,7 @@ its own and claims only that kind: leftovers of other tests are never seen.
 """
 
 import asyncio
+import contextlib
 import logging
 import random
 import time
@@ -15,7 +16,8 @@ from typing import Any
 
 import pytest
 from sqlalchemy import delete, insert, make_url, select, text, update
-from sqlalchemy.ext.asyncio import AsyncEngine
+from sqlalchemy.exc import TimeoutError as PoolTimeout
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from memory.build import backlog, jobs
 from memory.build.worker import Worker, _listen_dsn
@@ -616,6 +618,48 @@ async def test_a_worker_outlasts_a_pool_with_no_free_connection(
         await asyncio.wait_for(running, 5)
     finally:
         stop.set()
+        await small.dispose()
+
+
+async def test_a_worker_that_cannot_claim_warns_once_per_outage(
+    database_url: str,
+    engine: AsyncEngine,
+    tenant_id: int,
+    kind: str,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A worker that cannot reach the database warns when it starts failing, as its LISTEN
+    connection does, not at every poll: a minute's outage was 60 warnings per job loop."""
+    small = connect(database_url, pool_size=1, pool_timeout=0.05)
+    handled = asyncio.Event()
+
+    async def handle(job: jobs.Job) -> None:
+        handled.set()
+
+    stop = asyncio.Event()
+    worker = Worker(small, {kind: handle}, kinds=[kind], poll_interval=0.02, listen=False)
+    running = asyncio.create_task(worker.run(stop))
+
+    def warnings() -> int:
+        return sum("cannot claim jobs" in r.getMessage() for r in caplog.records)
+
+    try:
+        with caplog.at_level(logging.WARNING, logger="memory.build.worker"):
+            for outage in (1, 2):
+                held: list[AsyncConnection] = []
+                while len(held) < 2:  # the pool and its overflow, once the worker lets go
+                    with contextlib.suppress(PoolTimeout):
+                        held.append(await small.connect())
+                await asyncio.sleep(0.5)  # claims that found no connection, every ~0.07 s
+                for conn in held:
+                    await conn.close()
+                await put(engine, kind=kind, tenant_id=tenant_id)
+                await asyncio.wait_for(handled.wait(), 5)
+                handled.clear()
+                assert warnings() == outage  # once per outage
+    finally:
+        stop.set()
+        await asyncio.wait_for(running, 5)
         await small.dispose()
 
 
