@@ -384,6 +384,36 @@ async def test_llm_request_and_parsed_summary(upstream: UpstreamServer, client: 
     assert summary.facts["names"] == LLM_FACTS["names"]  # fuzzy kinds are left to the model
 
 
+async def test_llm_a_model_that_takes_no_temperature_is_asked_without_one(
+    upstream: UpstreamServer, client: Provider
+) -> None:
+    """Reasoning models (o-series, gpt-5) refuse any temperature but their default: the
+    request is sent again without one, and so is every later one; the refusal never reaches
+    the build (a summary model such as gpt-5-mini made no summary at all)."""
+    refusal = {
+        "error": {
+            "message": "Unsupported value: 'temperature' does not support 0 with this model. "
+            "Only the default (1) value is supported.",
+            "type": "invalid_request_error",
+            "param": "temperature",
+            "code": "unsupported_value",
+        }
+    }
+    reply = json.dumps({"narrative": NARRATIVE, **LLM_FACTS})
+    upstream.script({"status": 400, "body": refusal}, {"reply": reply}, {"reply": reply})
+    summarizer = llm(upstream, client)
+    for _ in range(2):
+        summary = await summarizer.summarize(CONVERSATION, level=1, target_tokens=120)
+        assert (summary.text, summary.method) == (NARRATIVE, "llm")
+    sent = [request["body"] for request in upstream.requests("/v1/chat/completions")]
+    assert [body.get("temperature") for body in sent] == [0, None, None]
+
+    # Another refusal is the summary's failure, as before.
+    upstream.script({"status": 400})
+    with pytest.raises(ProviderError, match="HTTP 400"):
+        await summarizer.summarize(CONVERSATION, level=1, target_tokens=120)
+
+
 async def test_llm_level_two_prompt_carries_children_and_their_facts(
     upstream: UpstreamServer, client: Provider
 ) -> None:

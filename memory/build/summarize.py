@@ -25,9 +25,10 @@ Three implementations:
   Pure CPU, about 0.1 ms per message: it runs on the event loop, where a thread hop would cost
   more than it saves.
 * :class:`LLMSummarizer` -- asks an OpenAI-compatible ``/chat/completions`` for a JSON object
-  (narrative + facts), parses it leniently, and adds the identifiers, numbers and dates the
-  regular expressions find in the input that the model left out: models drop exact strings
-  silently, and these expressions are precise enough to trust.
+  (narrative + facts), at temperature 0 unless the model refuses one (reasoning models),
+  parses it leniently, and adds the identifiers, numbers and dates the regular expressions
+  find in the input that the model left out: models drop exact strings silently, and these
+  expressions are precise enough to trust.
 * :class:`FallbackSummarizer` -- ``auto`` mode: the LLM, and the extractive summarizer whenever
   the LLM fails; each Summary's ``method`` says which one made it.
 """
@@ -46,7 +47,7 @@ from typing import Any, Literal, Protocol
 
 from memory.build.facts import FACT_KEYS, FactSet, Sentence, analyze, extract_facts, string_list
 from memory.errors import ProviderError
-from memory.provider import Provider
+from memory.provider import Provider, refused_parameter
 from memory.tokens import count_text, encoding_name_for_model, get_encoding
 
 __all__ = [
@@ -305,6 +306,9 @@ class LLMSummarizer:
         self._timeout = timeout
         self._max_item_chars = max_item_chars
         self._augment_facts = augment_facts
+        # None once the model refused it: reasoning models (o-series, gpt-5) take only their
+        # default temperature, and answered every summary 400.
+        self._temperature: float | None = 0
 
     def _prompt(self, items: Sequence[SummaryInput], level: int) -> str:
         if level == 1:
@@ -341,7 +345,6 @@ class LLMSummarizer:
                 {"role": "system", "content": _SYSTEM_PROMPT.format(target_tokens=target_tokens)},
                 {"role": "user", "content": self._prompt(items, level)},
             ],
-            "temperature": 0,
             "stream": False,
             "response_format": {"type": "json_object"},
         }
@@ -354,7 +357,13 @@ class LLMSummarizer:
             raise ProviderError("summary upstream's JSON is nested too deeply") from exc
 
     async def _complete(self, payload: dict[str, Any]) -> tuple[str, str | None]:
-        body = await self._provider.post("chat", payload, what="summary", seconds=self._timeout)
+        try:
+            body = await self._post(payload)
+        except ProviderError as exc:
+            if self._temperature is None or refused_parameter(exc) != "temperature":
+                raise
+            self._temperature = None
+            body = await self._post(payload)
         try:
             choice = body["choices"][0]
             content = choice["message"]["content"]
@@ -364,6 +373,11 @@ class LLMSummarizer:
             raise ProviderError("summary upstream sent an empty message")
         finish_reason = choice.get("finish_reason")
         return content, finish_reason if isinstance(finish_reason, str) else None
+
+    async def _post(self, payload: dict[str, Any]) -> Any:
+        if self._temperature is not None:
+            payload = {**payload, "temperature": self._temperature}
+        return await self._provider.post("chat", payload, what="summary", seconds=self._timeout)
 
     def _parse(
         self, content: str, finish_reason: str | None, items: Sequence[SummaryInput]
