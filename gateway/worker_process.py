@@ -15,7 +15,8 @@ many jobs at once, exactly as `memstrata worker` does (`gateway.background`).
 * Job outcomes cross back through a queue, so `serve`'s `/metrics` still counts them.
 * The child stops when `serve` stops (it finishes the jobs in hand for a grace period, then is
   terminated; an unfinished job's lease runs out and another worker takes it over), and also
-  when `serve` dies without stopping it: it watches its parent and exits once orphaned.
+  when `serve` dies without stopping it: it watches its parent and exits once orphaned. It
+  ignores SIGINT, which a terminal's Ctrl-C sends it beside `serve`: `serve` stops it.
 * A child that dies while `serve` runs (killed by the OOM killer, crashed) is logged and
   replaced by a new one, after a delay that doubles while children keep dying young: without
   it `serve` went on answering while the jobs it queued were never run. A job the dead child
@@ -29,6 +30,7 @@ import logging
 import multiprocessing
 import os
 import queue
+import signal
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
@@ -151,6 +153,10 @@ def _main(
     settings: Settings, database_url: str, outcomes: Any, stop: ProcessEvent, parent: int
 ) -> None:
     """The child: run the queue until `stop` is set or the parent is gone."""
+    # Ctrl-C in a terminal signals the whole foreground process group, this child too: `serve`
+    # stops on it and tells the child to (`stop`), which finishes its jobs in hand first.
+    # Interrupted by the signal itself, the child abandoned them, each until its lease ran out.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     os.nice(settings.worker_nice)
     logs.configure(level=settings.log_level, format=settings.log_format)
     asyncio.run(_work(settings, database_url, outcomes, stop, parent))

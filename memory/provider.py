@@ -10,7 +10,8 @@ header is sent at all (local servers such as Ollama or vLLM need none).
 `post` returns the answer's JSON as the server sent it, so the callers keep parsing it
 themselves (and stay indifferent to the SDK's own models); every failure becomes a
 `ProviderError` whose message names the status and the error's type or code, never the
-request's text.
+request's text; `refused_parameter` reads which request parameter a 400 answer named, so that a
+caller may send the request again without it.
 """
 
 import json
@@ -82,9 +83,23 @@ class Provider:
             return json.loads(text)
         except ValueError as exc:
             raise ProviderError(f"{what} upstream sent a body that is not JSON") from exc
+        except RecursionError as exc:
+            raise ProviderError(f"{what} upstream sent JSON nested too deeply") from exc
 
     async def aclose(self) -> None:
         await self._client.close()
+
+
+def refused_parameter(error: ProviderError) -> str | None:
+    """The request parameter a 400 answer named (OpenAI's `error.param`: `temperature` from a
+    reasoning model), or None."""
+    cause = error.__cause__
+    if not isinstance(cause, openai.BadRequestError):
+        return None
+    body = cause.body
+    detail = body.get("error", body) if isinstance(body, dict) else None
+    param = detail.get("param") if isinstance(detail, dict) else None
+    return param if isinstance(param, str) else None
 
 
 def _error_kind(body: object) -> str:

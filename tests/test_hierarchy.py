@@ -15,6 +15,7 @@ inference: the vectors are the model's all the same.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import itertools
@@ -37,9 +38,16 @@ from gateway.settings import Settings
 from memory.build import passages, tree
 from memory.build.facts import FACT_KEYS
 from memory.build.segments import SegmentMessage, SegmentPolicy, split
-from memory.build.summarize import ExtractiveSummarizer, FallbackSummarizer, LLMSummarizer
+from memory.build.summarize import (
+    ExtractiveSummarizer,
+    FallbackSummarizer,
+    LLMSummarizer,
+    Summary,
+    SummaryInput,
+)
 from memory.build.worker import Worker
 from memory.embeddings import LocalEmbedder
+from memory.errors import ProviderError
 from memory.provider import Provider
 from memory.schema import jobs, nodes, tenants
 from memory.schema import passages as passages_table
@@ -942,3 +950,85 @@ async def test_auto_mode_falls_back_to_extractive_on_upstream_500(
     top = next(s for s in walk.summaries if s.level == 2)
     assert top.facts is not None
     assert "INV-2041" in top.facts["identifiers"] and "$18,400" in top.facts["numbers"]
+
+
+class Finishing:
+    """A summarizer that counts the summaries `inner` finished."""
+
+    def __init__(self, inner: LLMSummarizer) -> None:
+        self.inner = inner
+        self.finished = 0
+
+    async def summarize(
+        self, items: Sequence[SummaryInput], *, level: int, target_tokens: int
+    ) -> Summary:
+        summary = await self.inner.summarize(items, level=level, target_tokens=target_tokens)
+        self.finished += 1
+        return summary
+
+
+async def test_a_failed_summary_stops_the_rest_of_its_batch(
+    engine: AsyncEngine,
+    embedder: MemoEmbedder,
+    fresh_upstream: UpstreamServer,
+    tenant_id: int,
+) -> None:
+    """In `llm` mode a summary the upstream refuses fails the build (its job is retried): the
+    other summaries of its batch, still waiting for their answers, are cancelled with it, not
+    left running (and billed) for an attempt that stores none of them, beside its retry's."""
+    fresh_upstream.set_default(
+        {"path": "/v1/chat/completions", "delay": 1.0, "reply": json.dumps(LLM_FACTS)}
+    )
+    fresh_upstream.script({"path": "/v1/chat/completions", "status": 400})
+    provider = Provider(base_url=fresh_upstream.url, api_key=None, max_retries=0)
+    async with contextlib.aclosing(provider):
+        summarizer = Finishing(LLMSummarizer(provider, model=SUMMARY_MODEL))
+        config = tree.TreeConfig(embedder=embedder, summarizer=summarizer, policy=PAIRS)
+        conversation_id = await store_messages(
+            engine, tenant_id=tenant_id, external_id="refused", messages=triage_messages()
+        )
+        with pytest.raises(ProviderError, match="HTTP 400"):
+            await tree.build(
+                engine,
+                tenant_id=tenant_id,
+                conversation_id=conversation_id,
+                config=config,
+                final=True,
+            )
+        # Longer than the answers the other 7 summaries were waiting for.
+        await asyncio.sleep(1.5)
+        assert summarizer.finished == 0, f"{summarizer.finished} summaries ran on, unused"
+    assert len(fresh_upstream.requests("/v1/chat/completions")) == 8
+    assert await level_counts(engine, tenant_id, conversation_id) == {0: 16}
+
+
+async def test_a_summary_postgres_cannot_hold_is_stored_escaped(
+    engine: AsyncEngine,
+    embedder: MemoEmbedder,
+    fresh_upstream: UpstreamServer,
+    tenant_id: int,
+) -> None:
+    """A model that copies `\\u0000` from a conversation about C strings into its JSON (or
+    writes half a surrogate pair) hands back a NUL or an unpaired surrogate, which Postgres
+    cannot hold: the summary is stored escaped, as a message would be, instead of failing the
+    build on every attempt (the model answers the same each time) and the conversation's
+    tree stopping there."""
+    reply = {
+        **LLM_FACTS,
+        "narrative": "The buffer ends in a \x00 byte; the name was cut at \ud83d.",
+        "identifiers": ["buf\x00end", "\ud83d"],
+    }
+    fresh_upstream.set_default({"path": "/v1/chat/completions", "reply": json.dumps(reply)})
+    provider = Provider(base_url=fresh_upstream.url, api_key=None, max_retries=0)
+    async with contextlib.aclosing(provider):
+        config = tree.TreeConfig(
+            embedder=embedder,
+            summarizer=LLMSummarizer(provider, model=SUMMARY_MODEL),
+            policy=PAIRS,
+        )
+        _, walk = await build_triage(engine, tenant_id, config)
+    for summary in walk.summaries:
+        assert summary.method == "llm"
+        assert summary.text == "The buffer ends in a \\u0000 byte; the name was cut at \\ud83d."
+        assert summary.facts is not None
+        assert summary.facts["identifiers"][:2] == ["buf\\u0000end", "\\ud83d"]

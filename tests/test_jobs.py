@@ -5,6 +5,7 @@ its own and claims only that kind: leftovers of other tests are never seen.
 """
 
 import asyncio
+import contextlib
 import logging
 import random
 import time
@@ -15,7 +16,8 @@ from typing import Any
 
 import pytest
 from sqlalchemy import delete, insert, make_url, select, text, update
-from sqlalchemy.ext.asyncio import AsyncEngine
+from sqlalchemy.exc import TimeoutError as PoolTimeout
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from memory.build import backlog, jobs
 from memory.build.worker import Worker, _listen_dsn
@@ -619,6 +621,48 @@ async def test_a_worker_outlasts_a_pool_with_no_free_connection(
         await small.dispose()
 
 
+async def test_a_worker_that_cannot_claim_warns_once_per_outage(
+    database_url: str,
+    engine: AsyncEngine,
+    tenant_id: int,
+    kind: str,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A worker that cannot reach the database warns when it starts failing, as its LISTEN
+    connection does, not at every poll: a minute's outage was 60 warnings per job loop."""
+    small = connect(database_url, pool_size=1, pool_timeout=0.05)
+    handled = asyncio.Event()
+
+    async def handle(job: jobs.Job) -> None:
+        handled.set()
+
+    stop = asyncio.Event()
+    worker = Worker(small, {kind: handle}, kinds=[kind], poll_interval=0.02, listen=False)
+    running = asyncio.create_task(worker.run(stop))
+
+    def warnings() -> int:
+        return sum("cannot claim jobs" in r.getMessage() for r in caplog.records)
+
+    try:
+        with caplog.at_level(logging.WARNING, logger="memory.build.worker"):
+            for outage in (1, 2):
+                held: list[AsyncConnection] = []
+                while len(held) < 2:  # the pool and its overflow, once the worker lets go
+                    with contextlib.suppress(PoolTimeout):
+                        held.append(await small.connect())
+                await asyncio.sleep(0.5)  # claims that found no connection, every ~0.07 s
+                for conn in held:
+                    await conn.close()
+                await put(engine, kind=kind, tenant_id=tenant_id)
+                await asyncio.wait_for(handled.wait(), 5)
+                handled.clear()
+                assert warnings() == outage  # once per outage
+    finally:
+        stop.set()
+        await asyncio.wait_for(running, 5)
+        await small.dispose()
+
+
 async def test_a_busy_pool_does_not_give_up_the_lease_of_a_running_job(
     database_url: str, engine: AsyncEngine, tenant_id: int, kind: str
 ) -> None:
@@ -884,6 +928,33 @@ async def test_stop_finishes_the_current_job_then_returns(
     assert finished == [first]
     assert (await row(engine, first)).status == "done"
     assert (await row(engine, second)).status == "queued"
+
+
+async def test_a_job_deleted_with_its_conversation_is_not_said_to_be_reclaimed(
+    engine: AsyncEngine, tenant_id: int, kind: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A conversation deleted while its jobs run takes them with it: the log says so, rather
+    than that another worker took them over (which sends an operator looking for two workers
+    running one job)."""
+    finished = await new_conversation(engine, tenant_id)
+    running = await new_conversation(engine, tenant_id)
+    first = await put(engine, kind=kind, tenant_id=tenant_id, conversation_id=finished)
+    second = await put(engine, kind=kind, tenant_id=tenant_id, conversation_id=running)
+
+    async def delete_its_conversation(job: jobs.Job) -> None:
+        async with engine.begin() as conn:
+            await conn.execute(
+                delete(conversations).where(conversations.c.id == job.conversation_id)
+            )
+        if job.id == second:
+            await asyncio.sleep(30)  # until the lease keeper finds the job gone
+
+    worker = Worker(engine, {kind: delete_its_conversation}, kinds=[kind], lease_seconds=0.3)
+    with caplog.at_level(logging.INFO, logger="memory.build"):
+        assert await asyncio.wait_for(worker.run_until_idle(), 10) == 2
+    assert "another worker" not in caplog.text
+    assert f"job {first} ({kind}) was deleted" in caplog.text
+    assert f"job {second} ({kind}) was deleted" in caplog.text
 
 
 def test_the_listen_connection_uses_the_engine_url_as_asyncpg_understands_it() -> None:

@@ -384,6 +384,36 @@ async def test_llm_request_and_parsed_summary(upstream: UpstreamServer, client: 
     assert summary.facts["names"] == LLM_FACTS["names"]  # fuzzy kinds are left to the model
 
 
+async def test_llm_a_model_that_takes_no_temperature_is_asked_without_one(
+    upstream: UpstreamServer, client: Provider
+) -> None:
+    """Reasoning models (o-series, gpt-5) refuse any temperature but their default: the
+    request is sent again without one, and so is every later one; the refusal never reaches
+    the build (a summary model such as gpt-5-mini made no summary at all)."""
+    refusal = {
+        "error": {
+            "message": "Unsupported value: 'temperature' does not support 0 with this model. "
+            "Only the default (1) value is supported.",
+            "type": "invalid_request_error",
+            "param": "temperature",
+            "code": "unsupported_value",
+        }
+    }
+    reply = json.dumps({"narrative": NARRATIVE, **LLM_FACTS})
+    upstream.script({"status": 400, "body": refusal}, {"reply": reply}, {"reply": reply})
+    summarizer = llm(upstream, client)
+    for _ in range(2):
+        summary = await summarizer.summarize(CONVERSATION, level=1, target_tokens=120)
+        assert (summary.text, summary.method) == (NARRATIVE, "llm")
+    sent = [request["body"] for request in upstream.requests("/v1/chat/completions")]
+    assert [body.get("temperature") for body in sent] == [0, None, None]
+
+    # Another refusal is the summary's failure, as before.
+    upstream.script({"status": 400})
+    with pytest.raises(ProviderError, match="HTTP 400"):
+        await summarizer.summarize(CONVERSATION, level=1, target_tokens=120)
+
+
 async def test_llm_level_two_prompt_carries_children_and_their_facts(
     upstream: UpstreamServer, client: Provider
 ) -> None:
@@ -470,6 +500,21 @@ async def test_llm_tolerates_odd_fact_shapes(upstream: UpstreamServer, client: P
         {"reply": ""},
         {"reply": json.dumps({"identifiers": ["x"]})},  # JSON without a narrative
         {"cut_after": 0},  # the connection closes without an answer
+        # Nested deeper than Python's parser recurses (a model caught in a loop of brackets),
+        # in the reply or in the body around it.
+        {"reply": '{"narrative": "x", "numbers": ' + "[" * 5000 + "]" * 5000 + "}"},
+        {"body": '{"choices": ' + "[" * 5000 + "]" * 5000 + "}"},
+        # Cut at the length limit: no summary, though an object inside it is whole.
+        {"reply": '{"narrative": "INV-2041 was refun', "finish_reason": "length"},
+        {
+            "reply": '{"narrative": "INV-2041 was refunded.", "decisions": '
+            '[{"text": "Refund the duplicate.", "by": "Maria"}, {"te',
+            "finish_reason": "length",
+        },
+        # Stopped by a content filter part way: what came is no summary.
+        {"reply": '{"narrative": "INV-2041 was refun', "finish_reason": "content_filter"},
+        # JSON that does not parse (a trailing comma) is a malformed reply, not prose.
+        {"reply": '{"narrative": "INV-2041 was refunded.", "identifiers": ["INV-2041",],}'},
     ],
 )
 async def test_llm_failures_raise_provider_error(
@@ -479,6 +524,16 @@ async def test_llm_failures_raise_provider_error(
     with pytest.raises(ProviderError) as caught:
         await llm(upstream, client).summarize(CONVERSATION, level=1, target_tokens=100)
     assert "INV-2041" not in str(caught.value)  # no conversation text in errors
+
+
+async def test_llm_reply_whole_before_its_length_limit_is_kept(
+    upstream: UpstreamServer, client: Provider
+) -> None:
+    # JSON mode's known failure: the object, then whitespace until the limit.
+    body = json.dumps({"narrative": NARRATIVE, **LLM_FACTS})
+    upstream.script({"reply": body + "\n" * 50, "finish_reason": "length"})
+    summary = await llm(upstream, client).summarize(CONVERSATION, level=1, target_tokens=100)
+    assert summary.text == NARRATIVE
 
 
 async def test_llm_http_error_keeps_its_cause(upstream: UpstreamServer, client: Provider) -> None:

@@ -500,3 +500,46 @@ async def test_serve_starts_another_worker_process_when_its_child_dies(
 
         (job,) = await wait_for(built, within=90, what="a new child's build", workers=[])
         assert int(job.locked_by.split(":")[1]) != child.pid
+
+
+async def test_ctrl_c_lets_serve_s_worker_process_finish_its_job(
+    engine: AsyncEngine, database_url: str, tenant_id: int
+) -> None:
+    """Ctrl-C in a terminal signals every process of its foreground group, `serve` and its
+    worker process alike. `serve` stops and tells its worker process to, which finishes the
+    job in hand first: the signal itself must not interrupt the worker process, which left
+    the job running until its lease ran out (one of its attempts burnt: five Ctrl-Cs and it is
+    a dead letter) and printed a KeyboardInterrupt traceback."""
+    with summaries_taking(0.5) as upstream:
+        gateway = GatewayProcess(
+            database_url=database_url,
+            upstream_url=upstream.url,
+            workers=1,
+            worker_nice=0,
+            summary_mode="llm",
+            summary_model="slow-model",
+            segment_token_cap=KILLED_TOKEN_CAP,
+        )
+        try:
+            deadline = time.monotonic() + 60
+            while not _children(gateway.pid):
+                assert time.monotonic() < deadline, "no worker process was started"
+                await asyncio.sleep(0.2)
+            await import_one(engine, tenant_id, "interrupted", seed=13)
+
+            async def running() -> bool:
+                rows = await job_rows(engine, tenant_id)
+                return bool(rows and rows[0].status == "running")
+
+            await wait_for(running, within=120, what="the child's build", workers=[])
+            # What the terminal does: the signal to every process of the group.
+            for pid in (gateway.pid, *_children(gateway.pid)):
+                os.kill(pid, signal.SIGINT)
+            await asyncio.to_thread(gateway.process.wait, 60)
+        finally:
+            gateway.stop()
+    logs = gateway.logs()
+    (job,) = await job_rows(engine, tenant_id)
+    assert (job.status, job.attempts, job.last_error) == ("done", 1, None), logs[-3000:]
+    assert "KeyboardInterrupt" not in logs, logs[-3000:]
+    assert "exited with code" not in logs, logs[-3000:]

@@ -14,8 +14,10 @@ from memory.text import MONTHS, WEEKDAYS
 MILESTONE: Final = 0.8
 
 _REMEMBER = re.compile(
+    # "important" only before its colon: the closing \b after a colon needs a word next
+    # ("important:x"), so "important: ..." as people write it never counted.
     r"\b(remember( that| this)?|don'?t forget|do not forget|note that|keep in mind|"
-    r"important:|for the record|my (name|birthday|address|email|phone) is)\b",
+    r"important(?=:)|for the record|my (name|birthday|address|email|phone) is)\b",
     re.IGNORECASE,
 )
 _DECISION = re.compile(
@@ -24,7 +26,9 @@ _DECISION = re.compile(
     re.IGNORECASE,
 )
 _IDENTIFIER = re.compile(
-    r"\b([A-Z]{2,}-\d+|#\d+|[0-9a-f]{7,40}|[\w.+-]+@[\w-]+\.[\w.]+|https?://\S+)\b"
+    # "#1234" outside the leading \b, which before a "#" needs a word right before it: "ticket
+    # #1234", as people write it, never counted.
+    r"(\b([A-Z]{2,}-\d+|[0-9a-f]{7,40}|[\w.+-]+@[\w-]+\.[\w.]+|https?://\S+)|#\d+)\b"
 )
 _NUMBER = re.compile(r"\b\d[\d,.:/-]*\b")
 _MONTH_PREFIXES = "|".join(month[:3] for month in MONTHS)  # jan|feb|...|dec

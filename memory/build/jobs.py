@@ -21,7 +21,7 @@ Contract
   the eligibility is re-checked under that lock with a fresh snapshot (see `claim`).
 * `extend_lease`, `complete` and `fail` act only while the caller still owns the claim (same
   `locked_by` *and* `attempts`, which every claim increments): a worker whose job was reclaimed
-  cannot overwrite the new owner's state.
+  cannot overwrite the new owner's state. `describe_lost` says what became of a lost claim.
 * `fail` requeues with exponential backoff and jitter, or after `max_attempts` attempts moves the
   job to `dead` (the dead letter), keeping `last_error`; `retry` revives it;
   `memory.build.backlog` shows both. A job whose worker keeps dying (killed, out of memory) never
@@ -473,6 +473,25 @@ def _owned(job: Job) -> ColumnElement[bool]:
     )
 
 
+async def describe_lost(engine: AsyncEngine, *, job: Job) -> str:
+    """What became of a claim that is no longer ours, for the log: the job was deleted (with
+    its conversation), dead-lettered (its lease ran out on its last attempt), or reclaimed."""
+    try:
+        async with _storage(f"reading job {job.id}"), engine.connect() as conn:
+            row = (
+                await conn.execute(
+                    select(jobs.c.status, jobs.c.locked_by).where(jobs.c.id == job.id)
+                )
+            ).one_or_none()
+    except StorageUnavailable:
+        return "is no longer ours"
+    if row is None:
+        return "was deleted (with its conversation)"
+    if row.status == DEAD:
+        return "was dead-lettered (its lease ran out on its last attempt)"
+    return f"was reclaimed by worker {row.locked_by}"
+
+
 async def extend_lease(engine: AsyncEngine, *, job: Job, lease_seconds: float) -> bool:
     """Push the lease to now + `lease_seconds`; False if the job is no longer ours."""
     async with _storage(f"extending the lease of job {job.id}"), engine.begin() as conn:
@@ -497,7 +516,12 @@ async def complete(engine: AsyncEngine, *, job: Job) -> None:
             .returning(jobs.c.id)
         )
     if done is None:
-        log.info("job %d (%s) was reclaimed by another worker; not marked done", job.id, job.kind)
+        log.info(
+            "job %d (%s) %s; not marked done",
+            job.id,
+            job.kind,
+            await describe_lost(engine, job=job),
+        )
 
 
 def backoff_seconds(
@@ -561,7 +585,10 @@ async def fail(
                 status = await conn.scalar(statement)
     if status is None:
         log.info(
-            "job %d (%s) was reclaimed by another worker; failure not recorded", job.id, job.kind
+            "job %d (%s) %s; failure not recorded",
+            job.id,
+            job.kind,
+            await describe_lost(engine, job=job),
         )
     elif status == DEAD:
         log.warning("job %d (%s) is dead after %d attempts", job.id, job.kind, job.attempts)

@@ -25,9 +25,10 @@ Three implementations:
   Pure CPU, about 0.1 ms per message: it runs on the event loop, where a thread hop would cost
   more than it saves.
 * :class:`LLMSummarizer` -- asks an OpenAI-compatible ``/chat/completions`` for a JSON object
-  (narrative + facts), parses it leniently, and adds the identifiers, numbers and dates the
-  regular expressions find in the input that the model left out: models drop exact strings
-  silently, and these expressions are precise enough to trust.
+  (narrative + facts), at temperature 0 unless the model refuses one (reasoning models),
+  parses it leniently, and adds the identifiers, numbers and dates the regular expressions
+  find in the input that the model left out: models drop exact strings silently, and these
+  expressions are precise enough to trust.
 * :class:`FallbackSummarizer` -- ``auto`` mode: the LLM, and the extractive summarizer whenever
   the LLM fails; each Summary's ``method`` says which one made it.
 """
@@ -46,7 +47,7 @@ from typing import Any, Literal, Protocol
 
 from memory.build.facts import FACT_KEYS, FactSet, Sentence, analyze, extract_facts, string_list
 from memory.errors import ProviderError
-from memory.provider import Provider
+from memory.provider import Provider, refused_parameter
 from memory.tokens import count_text, encoding_name_for_model, get_encoding
 
 __all__ = [
@@ -236,10 +237,13 @@ dates exactly as written in the input. Never invent facts that are not stated.""
 
 _FENCE_RE = re.compile(r"```(?:json|JSON)?[ \t]*\n?(.*?)```", re.DOTALL)
 _MAX_JSON_ATTEMPTS = 32
+# Finish reasons of a reply the upstream cut before the model ended it.
+_CUT_SHORT = frozenset({"length", "content_filter"})
 
 
-def _first_json_object(content: str) -> dict[str, Any] | None:
-    """The first JSON object in ``content``: bare, fenced in ```json```, or inside prose."""
+def _first_json_object(content: str, *, inner: bool = True) -> dict[str, Any] | None:
+    """The first JSON object in ``content``: bare, fenced in ```json```, or inside prose; with
+    ``inner`` False, only one that opens at the first brace (no object nested in it)."""
     stripped = content.strip()
     candidates: list[str] = [stripped]
     fence = _FENCE_RE.search(stripped)
@@ -256,7 +260,7 @@ def _first_json_object(content: str) -> dict[str, Any] | None:
     decoder = json.JSONDecoder()
     position = stripped.find("{")
     # Bounded: each failed attempt may scan the rest of the text.
-    for _ in range(_MAX_JSON_ATTEMPTS):
+    for _ in range(_MAX_JSON_ATTEMPTS if inner else 1):
         if position < 0:
             break
         try:
@@ -302,6 +306,9 @@ class LLMSummarizer:
         self._timeout = timeout
         self._max_item_chars = max_item_chars
         self._augment_facts = augment_facts
+        # None once the model refused it: reasoning models (o-series, gpt-5) take only their
+        # default temperature, and answered every summary 400.
+        self._temperature: float | None = 0
 
     def _prompt(self, items: Sequence[SummaryInput], level: int) -> str:
         if level == 1:
@@ -338,15 +345,25 @@ class LLMSummarizer:
                 {"role": "system", "content": _SYSTEM_PROMPT.format(target_tokens=target_tokens)},
                 {"role": "user", "content": self._prompt(items, level)},
             ],
-            "temperature": 0,
             "stream": False,
             "response_format": {"type": "json_object"},
         }
         content, finish_reason = await self._complete(payload)
-        return self._parse(content, finish_reason, items)
+        try:
+            return self._parse(content, finish_reason, items)
+        except RecursionError as exc:
+            # JSON nested deeper than Python reads it (a model caught in a loop of brackets): a
+            # malformed reply like any other, so that `auto` falls back instead of failing.
+            raise ProviderError("summary upstream's JSON is nested too deeply") from exc
 
     async def _complete(self, payload: dict[str, Any]) -> tuple[str, str | None]:
-        body = await self._provider.post("chat", payload, what="summary", seconds=self._timeout)
+        try:
+            body = await self._post(payload)
+        except ProviderError as exc:
+            if self._temperature is None or refused_parameter(exc) != "temperature":
+                raise
+            self._temperature = None
+            body = await self._post(payload)
         try:
             choice = body["choices"][0]
             content = choice["message"]["content"]
@@ -357,18 +374,32 @@ class LLMSummarizer:
         finish_reason = choice.get("finish_reason")
         return content, finish_reason if isinstance(finish_reason, str) else None
 
+    async def _post(self, payload: dict[str, Any]) -> Any:
+        if self._temperature is not None:
+            payload = {**payload, "temperature": self._temperature}
+        return await self._provider.post("chat", payload, what="summary", seconds=self._timeout)
+
     def _parse(
         self, content: str, finish_reason: str | None, items: Sequence[SummaryInput]
     ) -> Summary:
-        obj = _first_json_object(content)
+        # A reply cut short (its length limit, a content filter) is kept only if its own object
+        # came whole before the cut (whitespace after it, JSON mode's known runaway): one of
+        # its facts' objects, whole before the cut, is no summary.
+        cut = finish_reason in _CUT_SHORT
+        obj = _first_json_object(content, inner=not cut)
         facts = FactSet()
         if obj is None:
             if finish_reason == "length":
                 raise ProviderError("summary upstream stopped at its length limit")
+            if cut:
+                raise ProviderError(f"summary upstream stopped early ({finish_reason})")
             # A model that ignored the format still wrote a summary; its facts come from the
             # input, which holds them verbatim.
             fence = _FENCE_RE.fullmatch(content.strip())
             narrative = (fence.group(1) if fence else content).strip()
+            if narrative.startswith("{"):
+                # It kept the format but wrote JSON that does not parse: malformed, not prose.
+                raise ProviderError("summary upstream's JSON does not parse")
             facts.merge_children([extract_facts(items)])
         else:
             narrative = next(

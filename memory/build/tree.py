@@ -58,6 +58,7 @@ from memory.build.summarize import Summarizer, Summary, SummaryInput
 from memory.db import FLOATS, AnyRow, transaction
 from memory.embeddings import Embedder, Vector, centroid
 from memory.schema import conversations, nodes
+from memory.text import escape_unstorable
 
 log = logging.getLogger(__name__)
 
@@ -462,14 +463,21 @@ async def _embed_pending(
 async def _summarize_all(
     config: TreeConfig, groups: Sequence[Sequence[SummaryInput]], *, level: int
 ) -> list[Summary]:
-    return list(
-        await asyncio.gather(
-            *(
-                config.summarizer.summarize(group, level=level, target_tokens=config.summary_tokens)
-                for group in groups
-            )
+    summaries = [
+        asyncio.ensure_future(
+            config.summarizer.summarize(group, level=level, target_tokens=config.summary_tokens)
         )
-    )
+        for group in groups
+    ]
+    try:
+        return list(await asyncio.gather(*summaries))
+    except Exception:
+        # One failure fails the build and its job is retried: the rest of the batch (LLM
+        # requests, each billed) must not run on for an attempt that will store none of them.
+        for summary in summaries:
+            summary.cancel()
+        await asyncio.gather(*summaries, return_exceptions=True)
+        raise
 
 
 @dataclass(frozen=True)
@@ -532,6 +540,11 @@ async def _insert_summaries(
         raise _Branched
     rows = []
     for item in new:
+        # A model may answer a NUL or an unpaired surrogate (the `\u0000` of a conversation about
+        # C strings, copied into its JSON), which Postgres refuses: stored escaped, as a
+        # message is, rather than failing the build on every attempt.
+        text, text_escaped = escape_unstorable(item.summary.text)
+        facts, facts_escaped = escape_unstorable(item.summary.facts)
         children = item.children
         stamps = [child.created_at for child in children if child.created_at is not None]
         starts = [s for s in item.started if s is not None] if item.started is not None else stamps
@@ -543,11 +556,12 @@ async def _insert_summaries(
                 "seq": item.seq,
                 "span_start": children[0].seq_start,
                 "span_end": children[-1].seq_end,
-                "text": item.summary.text,
-                "facts": item.summary.facts,
+                "text": text,
+                "facts": facts,
+                "escaped": text_escaped or facts_escaped,
                 "method": item.summary.method,
                 "model": item.summary.model,
-                "token_count": tokens.count_text(item.summary.text, model=config.token_model),
+                "token_count": tokens.count_text(text, model=config.token_model),
                 "embedding": (
                     None
                     if item.vector is None

@@ -30,6 +30,7 @@ from memory.build.jobs import (
     Job,
     claim,
     complete,
+    describe_lost,
     extend_lease,
     fail,
 )
@@ -147,15 +148,24 @@ class Worker:
         )
 
     async def _loop(self, stop: asyncio.Event) -> None:
+        failures = 0
         while not stop.is_set():
             # Cleared before claiming, so a notice that arrives during the claim is not lost.
             self._wake.clear()
             try:
                 job = await self._claim()
             except StorageUnavailable as exc:
-                log.warning("worker %s cannot claim jobs: %s", self.worker_id, exc)
+                failures += 1
+                # Once per outage, not once per poll (as the LISTEN connection does).
+                log.log(
+                    logging.WARNING if failures == 1 else logging.DEBUG,
+                    "worker %s cannot claim jobs: %s",
+                    self.worker_id,
+                    exc,
+                )
                 await self._idle(stop, wake=False)
                 continue
+            failures = 0
             if job is None:
                 await self._idle(stop, wake=True)
             else:
@@ -200,9 +210,8 @@ class Worker:
             if current is not None and current.cancelling():
                 raise  # we are being cancelled: the lease runs out and another worker retries
             if lost.is_set():
-                log.warning(
-                    "job %d (%s): lease lost to another worker; abandoned", job.id, job.kind
-                )
+                what = await describe_lost(self._engine, job=job)
+                log.warning("job %d (%s) %s; abandoned", job.id, job.kind, what)
                 self._observed(job, started, "abandoned")
             else:
                 self._observed(job, started, "failed")
