@@ -1,9 +1,11 @@
 """`memstrata import`: messages from a file into a conversation, in batches, resumable.
 
-A file is JSONL (one OpenAI-format message a line) or JSON (a list of messages, or an object
-with `messages`); each message may carry `created_at` (ISO 8601). Every message is validated
-before anything is written. The import continues after the messages the conversation already
-holds (same hash chain), so running it twice, or again after a failure, stores nothing twice.
+A file is UTF-8 text (a leading byte order mark is skipped): JSONL (one OpenAI-format message a
+line) or JSON (a list of messages, or an object with `messages`); each message may carry
+`created_at` (ISO 8601). A file that cannot be read so is refused with `InvalidInput` saying
+why. Every message is validated before anything is written. The import continues after the
+messages the conversation already holds (same hash chain), so running it twice, or again after
+a failure, stores nothing twice.
 """
 
 import json
@@ -24,7 +26,13 @@ from memory.write import store
 
 def read_messages(path: Path) -> tuple[list[dict[str, Any]], list[datetime | None]]:
     """The messages of `path` as OpenAI dicts, and their `created_at` (None where absent)."""
-    raw = path.read_text(encoding="utf-8")
+    try:
+        # "utf-8-sig": the byte order mark some Windows tools write before UTF-8 is skipped.
+        raw = path.read_text(encoding="utf-8-sig")
+    except UnicodeDecodeError as exc:
+        raise InvalidInput(f"{path}: not UTF-8 text: {exc}") from exc
+    except OSError as exc:
+        raise InvalidInput(f"{path}: cannot be read: {exc.strerror or exc}") from exc
     try:
         if path.suffix == ".jsonl" or (raw.lstrip()[:1] == "{" and "\n{" in raw.strip()):
             items: Any = [json.loads(line) for line in raw.splitlines() if line.strip()]

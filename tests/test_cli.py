@@ -1,0 +1,89 @@
+"""The `memstrata` command as a user runs it: `python -m gateway ...` in a process of its own,
+on the session's Postgres (`MEMSTRATA_DATABASE_URL`), its exit status and what it writes.
+
+A command that fails says why in a line (`Error: ...`) and exits non-zero; it never ends in a
+Python traceback. What `import` stored is read back from the database.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from devkit.service import REPO_ROOT, child_env
+from memory.write import store
+
+
+def memstrata(
+    *args: str, database_url: str, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """`memstrata ARGS` run to its end, with what it wrote to stdout and stderr."""
+    environment = child_env({"database_url": database_url, "log_level": "warning"})
+    environment.update(env or {})
+    return subprocess.run(
+        [sys.executable, "-m", "gateway", *args],
+        cwd=REPO_ROOT,
+        env=environment,
+        capture_output=True,
+        text=True,
+        timeout=180,
+        check=False,
+    )
+
+
+def refused(run: subprocess.CompletedProcess[str]) -> str:
+    """The one-line reason a run that failed gave, checked to be no traceback."""
+    assert run.returncode != 0, run.stderr
+    assert "Traceback" not in run.stderr, run.stderr
+    assert "Error: " in run.stderr, run.stderr
+    return run.stderr
+
+
+def write_jsonl(path: Path, messages: list[dict[str, Any]]) -> Path:
+    path.write_text("".join(json.dumps(message) + "\n" for message in messages))
+    return path
+
+
+async def stored(engine: AsyncEngine, conversation: str) -> list[store.MessageRecord]:
+    """The messages the default tenant's conversation holds, every branch, in order."""
+    async with engine.connect() as conn:
+        tenant = await store.tenant_id_by_name(conn)
+        ref = await store.find_conversation(conn, tenant_id=tenant, external_id=conversation)
+        return await store.list_messages(conn, tenant_id=tenant, conversation_id=ref.id)
+
+
+def conversation_id() -> str:
+    return f"cli-{uuid.uuid4().hex[:12]}"
+
+
+TURNS = [
+    {"role": "user", "content": "Which hotel did we book in Lisbon?"},
+    {"role": "assistant", "content": "The Alfama Patio, from the 3rd to the 7th."},
+    {"role": "user", "content": "And the flight?"},
+    {"role": "assistant", "content": "TP 1351, leaving at 07:40."},
+]
+
+
+def test_a_file_that_is_not_utf8_is_refused_in_words(tmp_path: Path, database_url: str) -> None:
+    path = tmp_path / "latin1.jsonl"
+    path.write_bytes('{"role": "user", "content": "caf\u00e9"}\n'.encode("latin-1"))
+    said = refused(memstrata("import", str(path), database_url=database_url))
+    assert "UTF-8" in said
+
+
+async def test_a_file_written_with_a_byte_order_mark_imports(
+    tmp_path: Path, database_url: str, engine: AsyncEngine
+) -> None:
+    # As Windows tools write UTF-8 (PowerShell 5's `Out-File -Encoding utf8`).
+    path = tmp_path / "bom.jsonl"
+    path.write_bytes(b"\xef\xbb\xbf" + write_jsonl(tmp_path / "plain", TURNS).read_bytes())
+    conversation = conversation_id()
+    run = memstrata("import", str(path), "--conversation", conversation, database_url=database_url)
+    assert run.returncode == 0, run.stderr
+    assert [m.content for m in await stored(engine, conversation)] == [t["content"] for t in TURNS]
