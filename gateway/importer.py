@@ -2,10 +2,11 @@
 
 A file is UTF-8 text (a leading byte order mark is skipped): JSONL (one OpenAI-format message a
 line) or JSON (a list of messages, or an object with `messages`); each message may carry
-`created_at` (ISO 8601). A file that cannot be read so is refused with `InvalidInput` saying
-why. Every message is validated before anything is written. The import continues after the
-messages the conversation already holds (same hash chain), so running it twice, or again after
-a failure, stores nothing twice.
+`created_at` (ISO 8601). A `.jsonl` file is JSONL; any other is JSON unless it holds more
+than one value. A file that cannot be read so is refused with `InvalidInput` saying why (a
+malformed JSONL line by its number). Every message is validated before anything is written.
+The import continues after the messages the conversation already holds (same hash chain), so
+running it twice, or again after a failure, stores nothing twice.
 """
 
 import json
@@ -33,13 +34,17 @@ def read_messages(path: Path) -> tuple[list[dict[str, Any]], list[datetime | Non
         raise InvalidInput(f"{path}: not UTF-8 text: {exc}") from exc
     except OSError as exc:
         raise InvalidInput(f"{path}: cannot be read: {exc.strerror or exc}") from exc
-    try:
-        if path.suffix == ".jsonl" or (raw.lstrip()[:1] == "{" and "\n{" in raw.strip()):
-            items: Any = [json.loads(line) for line in raw.splitlines() if line.strip()]
-        else:
+    items: Any
+    if path.suffix == ".jsonl":
+        items = _jsonl(path, raw)
+    else:
+        try:
             items = json.loads(raw)
-    except ValueError as exc:
-        raise InvalidInput(f"{path}: not valid JSON or JSONL: {exc}") from exc
+        except json.JSONDecodeError as exc:
+            # A whole value, then more: one a line (JSONL by another name).
+            if exc.msg != "Extra data":
+                raise InvalidInput(f"{path}: not valid JSON or JSONL: {exc}") from exc
+            items = _jsonl(path, raw)
     if isinstance(items, dict):
         items = items.get("messages")
     if not isinstance(items, list) or not items:
@@ -53,6 +58,19 @@ def read_messages(path: Path) -> tuple[list[dict[str, Any]], list[datetime | Non
         messages.append(message.model_dump(exclude={"created_at"}, exclude_none=True))
         stamps.append(message.created_at)
     return messages, stamps
+
+
+def _jsonl(path: Path, raw: str) -> list[Any]:
+    """One JSON value a line (blank lines skipped); a malformed one is named by its line."""
+    items = []
+    for number, line in enumerate(raw.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            items.append(json.loads(line))
+        except ValueError as exc:
+            raise InvalidInput(f"{path}: line {number} is not valid JSON: {exc}") from exc
+    return items
 
 
 def conversation_id_for(path: Path) -> str:

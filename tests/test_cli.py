@@ -14,6 +14,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+import pytest
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from devkit.service import REPO_ROOT, child_env
@@ -83,6 +84,39 @@ async def test_a_file_written_with_a_byte_order_mark_imports(
     # As Windows tools write UTF-8 (PowerShell 5's `Out-File -Encoding utf8`).
     path = tmp_path / "bom.jsonl"
     path.write_bytes(b"\xef\xbb\xbf" + write_jsonl(tmp_path / "plain", TURNS).read_bytes())
+    conversation = conversation_id()
+    run = memstrata("import", str(path), "--conversation", conversation, database_url=database_url)
+    assert run.returncode == 0, run.stderr
+    assert [m.content for m in await stored(engine, conversation)] == [t["content"] for t in TURNS]
+
+
+@pytest.mark.parametrize("name", ["broken.jsonl", "broken.txt"])
+def test_a_malformed_line_of_a_jsonl_file_is_named(
+    tmp_path: Path, database_url: str, name: str
+) -> None:
+    path = write_jsonl(tmp_path / name, TURNS)
+    lines = path.read_text().splitlines()
+    lines.insert(2, '{"role": "user", "content": "unterminated}')
+    path.write_text("\n".join(lines) + "\n")
+    said = refused(memstrata("import", str(path), database_url=database_url))
+    assert "line 3 is not valid JSON" in said
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        # `{"messages": [` then one message a line: JSON, though lines start with `{`.
+        '{"messages": [\n' + ",\n".join(json.dumps(turn) for turn in TURNS) + "\n]}\n",
+        # JSONL by another name.
+        "".join(json.dumps(turn) + "\n" for turn in TURNS),
+    ],
+    ids=["json", "jsonl"],
+)
+async def test_json_and_jsonl_are_told_apart_by_what_they_hold(
+    tmp_path: Path, database_url: str, engine: AsyncEngine, text: str
+) -> None:
+    path = tmp_path / "history.json"
+    path.write_text(text)
     conversation = conversation_id()
     run = memstrata("import", str(path), "--conversation", conversation, database_url=database_url)
     assert run.returncode == 0, run.stderr
