@@ -176,7 +176,13 @@ def worker(concurrency: int) -> None:
 @click.argument("file", type=click.Path(exists=True, dir_okay=False, path_type=Path))
 @click.option("--conversation", help="Conversation id (default: the file's name).")
 @click.option("--model", default="gpt-4o", show_default=True, help="Tokenizer for counting.")
-@click.option("--batch", type=int, default=1000, show_default=True, help="Messages per commit.")
+@click.option(
+    "--batch",
+    type=click.IntRange(min=1),
+    default=1000,
+    show_default=True,
+    help="Messages per commit.",
+)
 @click.option("--wait", is_flag=True, help="Also build the summary tree here, then exit.")
 def import_command(
     file: Path, conversation: str | None, model: str, batch: int, wait: bool

@@ -121,3 +121,20 @@ async def test_json_and_jsonl_are_told_apart_by_what_they_hold(
     run = memstrata("import", str(path), "--conversation", conversation, database_url=database_url)
     assert run.returncode == 0, run.stderr
     assert [m.content for m in await stored(engine, conversation)] == [t["content"] for t in TURNS]
+
+
+def test_a_batch_of_no_messages_is_refused(tmp_path: Path, database_url: str) -> None:
+    path = write_jsonl(tmp_path / "turns.jsonl", TURNS)
+    # -1 said "4 messages imported" and stored none; 0 ended in a ValueError traceback.
+    for batch in ("-1", "0"):
+        run = memstrata(
+            "import",
+            str(path),
+            "--conversation",
+            conversation_id(),
+            "--batch",
+            batch,
+            database_url=database_url,
+        )
+        assert run.returncode == 2, run.stderr  # a usage error, before anything is read
+        assert "--batch" in run.stderr and "Traceback" not in run.stderr, run.stderr
