@@ -2,9 +2,10 @@
 
 A file is UTF-8 text (a leading byte order mark is skipped): JSONL (one OpenAI-format message a
 line) or JSON (a list of messages, or an object with `messages`); each message may carry
-`created_at` (ISO 8601). A `.jsonl` file is JSONL; any other is JSON unless it holds more
-than one value. A file that cannot be read so is refused with `InvalidInput` saying why (a
-malformed JSONL line by its number). Every message is validated before anything is written.
+`created_at` (ISO 8601; UTC without a zone). A `.jsonl` file is JSONL; any other is JSON
+unless it holds more than one value. A file that cannot be read so is refused with
+`InvalidInput` saying why (a malformed JSONL line by its number). Every message is validated
+before anything is written.
 The import continues after the messages the conversation already holds (same hash chain), so
 running it twice, or again after a failure, stores nothing twice.
 """
@@ -12,7 +13,7 @@ running it twice, or again after a failure, stores nothing twice.
 import json
 import re
 from collections.abc import Callable, Sequence
-from datetime import datetime
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -56,8 +57,16 @@ def read_messages(path: Path) -> tuple[list[dict[str, Any]], list[datetime | Non
         except ValidationError as exc:
             raise InvalidInput(f"{path}: message {number}: {exc.errors()[0]['msg']}") from exc
         messages.append(message.model_dump(exclude={"created_at"}, exclude_none=True))
-        stamps.append(message.created_at)
+        stamps.append(_utc(message.created_at))
     return messages, stamps
+
+
+def _utc(moment: datetime | None) -> datetime | None:
+    """A time without a zone is UTC, as the admin API's bulk import reads it (the database
+    driver would take it for this machine's local time)."""
+    if moment is None or moment.tzinfo is not None:
+        return moment
+    return moment.replace(tzinfo=UTC)
 
 
 def _jsonl(path: Path, raw: str) -> list[Any]:

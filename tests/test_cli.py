@@ -138,3 +138,28 @@ def test_a_batch_of_no_messages_is_refused(tmp_path: Path, database_url: str) ->
         )
         assert run.returncode == 2, run.stderr  # a usage error, before anything is read
         assert "--batch" in run.stderr and "Traceback" not in run.stderr, run.stderr
+
+
+async def test_times_without_a_zone_are_utc_whatever_the_machines_zone(
+    tmp_path: Path, database_url: str, engine: AsyncEngine
+) -> None:
+    # As the admin API's bulk import reads them (and as every time it shows is written).
+    path = write_jsonl(
+        tmp_path / "naive.jsonl",
+        [
+            {**TURNS[0], "created_at": "2024-03-01T10:00:00"},
+            {**TURNS[1], "created_at": "2024-03-01T10:01:00+00:00"},
+        ],
+    )
+    conversation = conversation_id()
+    run = memstrata(
+        "import",
+        str(path),
+        "--conversation",
+        conversation,
+        database_url=database_url,
+        env={"TZ": "America/New_York"},
+    )
+    assert run.returncode == 0, run.stderr
+    times = [m.created_at.isoformat() for m in await stored(engine, conversation)]
+    assert times == ["2024-03-01T10:00:00+00:00", "2024-03-01T10:01:00+00:00"]
