@@ -103,7 +103,9 @@ async def import_messages(
     async with transaction(engine) as conn:
         tenant = tenant_id if tenant_id is not None else await store.tenant_id_by_name(conn)
         ref, _ = await store.open_conversation(conn, tenant_id=tenant, external_id=external_id)
-        start = await store.resume_point(conn, conversation_id=ref.id, messages=messages)
+        start = await store.resume_point(
+            conn, tenant_id=tenant, conversation_id=ref.id, messages=messages
+        )
     progress(start)
     for offset in range(start, len(messages), batch):
         async with transaction(engine) as conn:

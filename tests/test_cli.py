@@ -163,3 +163,32 @@ async def test_times_without_a_zone_are_utc_whatever_the_machines_zone(
     assert run.returncode == 0, run.stderr
     times = [m.created_at.isoformat() for m in await stored(engine, conversation)]
     assert times == ["2024-03-01T10:00:00+00:00", "2024-03-01T10:01:00+00:00"]
+
+
+async def test_a_file_imported_again_after_the_conversation_went_on_adds_nothing(
+    tmp_path: Path, database_url: str, engine: AsyncEngine
+) -> None:
+    conversation = conversation_id()
+    first = write_jsonl(tmp_path / "first.jsonl", TURNS[:2])
+    later = write_jsonl(tmp_path / "later.jsonl", TURNS[2:])
+    for path in (first, later, first):
+        run = memstrata(
+            "import", str(path), "--conversation", conversation, database_url=database_url
+        )
+        assert run.returncode == 0, run.stderr
+    assert [m.content for m in await stored(engine, conversation)] == [t["content"] for t in TURNS]
+    assert "0 messages imported" in run.stderr
+
+    # The first file, grown since: only what it gained is new.
+    grown = [*TURNS[:2], {"role": "user", "content": "Book a taxi for the 3rd."}]
+    run = memstrata(
+        "import",
+        str(write_jsonl(first, grown)),
+        "--conversation",
+        conversation,
+        database_url=database_url,
+    )
+    assert run.returncode == 0, run.stderr
+    assert "1 messages imported" in run.stderr
+    contents = [m.content for m in await stored(engine, conversation)]
+    assert contents == [t["content"] for t in [*TURNS, grown[-1]]]
