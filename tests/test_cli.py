@@ -192,3 +192,18 @@ async def test_a_file_imported_again_after_the_conversation_went_on_adds_nothing
     assert "1 messages imported" in run.stderr
     contents = [m.content for m in await stored(engine, conversation)]
     assert contents == [t["content"] for t in [*TURNS, grown[-1]]]
+
+
+@pytest.mark.parametrize(
+    ("url", "reason"),
+    [
+        ("postgresql://localhost:abc/memstrata", "MEMSTRATA_DATABASE_URL"),
+        ("postgresql://localhost:5432:5432/memstrata", "MEMSTRATA_DATABASE_URL"),
+        ("postgresql://localhost:99999/memstrata", "MEMSTRATA_DATABASE_URL"),
+        ("postgresql://[::1/memstrata", "MEMSTRATA_DATABASE_URL"),
+        ("postgresql://127.0.0.1:1/memstrata", "cannot reach Postgres"),  # nothing listens
+    ],
+)
+def test_a_database_url_that_cannot_serve_is_refused_in_words(url: str, reason: str) -> None:
+    said = refused(memstrata("migrate", database_url=url))
+    assert reason in said
