@@ -15,6 +15,8 @@ from pathlib import Path
 
 import click
 import uvicorn
+from pydantic import ValidationError
+from pydantic_core import ErrorDetails
 from sqlalchemy.ext.asyncio import AsyncEngine
 from tqdm import tqdm
 
@@ -31,8 +33,18 @@ def _settings(**overrides: object) -> Settings:
     values = {key: value for key, value in overrides.items() if value is not None}
     try:
         return Settings(**values)  # type: ignore[arg-type]
-    except ValueError as exc:
-        raise click.ClickException(f"invalid settings: {exc}") from exc
+    except ValidationError as exc:
+        # Each setting refused and why, never its value: a database URL holds a password, and
+        # a command's output ends up in logs.
+        reasons = "; ".join(_refused(error) for error in exc.errors())
+        raise click.ClickException(f"invalid settings: {reasons}") from exc
+
+
+def _refused(error: ErrorDetails) -> str:
+    """A refused setting's variable and why (a validator's reason may name it already)."""
+    reason = error["msg"].removeprefix("Value error, ")
+    name = f"MEMSTRATA_{str(error['loc'][0]).upper()}" if error["loc"] else ""
+    return reason if name in reason else f"{name}: {reason}"
 
 
 def _logging(settings: Settings) -> None:

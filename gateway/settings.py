@@ -151,7 +151,9 @@ class Settings(BaseSettings):
             raise ValueError("MEMSTRATA_DATABASE_URL must be a postgresql:// URL")
         try:
             port = make_url(url).port
-        except (ArgumentError, ValueError) as exc:
+        except ArgumentError as exc:  # its message quotes the URL, password and all
+            raise ValueError("MEMSTRATA_DATABASE_URL cannot be read as a URL") from exc
+        except ValueError as exc:
             raise ValueError(f"MEMSTRATA_DATABASE_URL cannot be read as a URL: {exc}") from exc
         if port is not None and not 1 <= port <= 65535:
             raise ValueError(f"MEMSTRATA_DATABASE_URL names port {port}, not one of 1-65535")

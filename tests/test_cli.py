@@ -207,3 +207,10 @@ async def test_a_file_imported_again_after_the_conversation_went_on_adds_nothing
 def test_a_database_url_that_cannot_serve_is_refused_in_words(url: str, reason: str) -> None:
     said = refused(memstrata("migrate", database_url=url))
     assert reason in said
+
+
+def test_a_refused_setting_is_named_without_echoing_its_value() -> None:
+    # A command's output ends up in logs (docker, CI): a database password must not.
+    said = refused(memstrata("migrate", database_url="mysql://memstrata:hunter2-secret@db/x"))
+    assert "MEMSTRATA_DATABASE_URL must be a postgresql:// URL" in said
+    assert "hunter2-secret" not in said
