@@ -55,7 +55,10 @@ def read_messages(path: Path) -> tuple[list[dict[str, Any]], list[datetime | Non
         try:
             message = ImportMessage.model_validate(item)
         except ValidationError as exc:
-            raise InvalidInput(f"{path}: message {number}: {exc.errors()[0]['msg']}") from exc
+            error = exc.errors()[0]
+            field = ".".join(str(part) for part in error["loc"])
+            reason = f"{field}: {error['msg']}" if field else error["msg"]
+            raise InvalidInput(f"{path}: message {number}: {reason}") from exc
         messages.append(message.model_dump(exclude={"created_at"}, exclude_none=True))
         stamps.append(_utc(message.created_at))
     return messages, stamps

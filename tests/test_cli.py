@@ -214,3 +214,9 @@ def test_a_refused_setting_is_named_without_echoing_its_value() -> None:
     said = refused(memstrata("migrate", database_url="mysql://memstrata:hunter2-secret@db/x"))
     assert "MEMSTRATA_DATABASE_URL must be a postgresql:// URL" in said
     assert "hunter2-secret" not in said
+
+
+def test_a_message_refused_names_its_field(tmp_path: Path, database_url: str) -> None:
+    path = write_jsonl(tmp_path / "turns.jsonl", [TURNS[0], {"content": "no role"}])
+    said = refused(memstrata("import", str(path), database_url=database_url))
+    assert "message 2: role: Field required" in said
