@@ -4,18 +4,19 @@ A file is UTF-8 text (a leading byte order mark is skipped): JSONL (one OpenAI-f
 line) or JSON (a list of messages, or an object with `messages`); each message may carry
 `created_at` (ISO 8601; UTC without a zone). A `.jsonl` file is JSONL; any other is JSON
 unless it holds more than one value. A file that cannot be read so is refused with
-`InvalidInput` saying why (a malformed JSONL line by its number). Every message is validated
-before anything is written.
-The import continues after the messages the conversation already holds (same hash chain), so
-running it twice, or again after a failure, stores nothing twice.
+`InvalidInput` saying why (a malformed JSONL line by its number), and so is JSON Postgres
+cannot hold (`NaN`, `Infinity`, `1e400`). Every message is validated before anything is
+written. The import continues after the messages the conversation already holds (same hash
+chain), so running it twice, or again after a failure, stores nothing twice.
 """
 
 import json
+import math
 import re
 from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from pydantic import ValidationError
 from sqlalchemy.ext.asyncio import AsyncEngine
@@ -40,12 +41,14 @@ def read_messages(path: Path) -> tuple[list[dict[str, Any]], list[datetime | Non
         items = _jsonl(path, raw)
     else:
         try:
-            items = json.loads(raw)
+            items = _loads(raw)
         except json.JSONDecodeError as exc:
             # A whole value, then more: one a line (JSONL by another name).
             if exc.msg != "Extra data":
                 raise InvalidInput(f"{path}: not valid JSON or JSONL: {exc}") from exc
             items = _jsonl(path, raw)
+        except ValueError as exc:
+            raise InvalidInput(f"{path}: not valid JSON or JSONL: {exc}") from exc
     if isinstance(items, dict):
         items = items.get("messages")
     if not isinstance(items, list) or not items:
@@ -79,10 +82,27 @@ def _jsonl(path: Path, raw: str) -> list[Any]:
         if not line.strip():
             continue
         try:
-            items.append(json.loads(line))
+            items.append(_loads(line))
         except ValueError as exc:
             raise InvalidInput(f"{path}: line {number} is not valid JSON: {exc}") from exc
     return items
+
+
+def _loads(text: str) -> Any:
+    """JSON that Postgres can hold: `NaN`, `Infinity` and numbers no double can hold (`1e400`)
+    are refused, as in a request to the gateway; the database refused them mid-import."""
+    return json.loads(text, parse_constant=_not_a_number, parse_float=_finite)
+
+
+def _not_a_number(name: str) -> NoReturn:
+    raise ValueError(f"{name} is not a number JSON can hold")
+
+
+def _finite(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"{text} is a number too large for a double")
+    return value
 
 
 def conversation_id_for(path: Path) -> str:

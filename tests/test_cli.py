@@ -18,6 +18,7 @@ import pytest
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from devkit.service import REPO_ROOT, child_env
+from memory.errors import NotFound
 from memory.write import store
 
 
@@ -220,3 +221,31 @@ def test_a_message_refused_names_its_field(tmp_path: Path, database_url: str) ->
     path = write_jsonl(tmp_path / "turns.jsonl", [TURNS[0], {"content": "no role"}])
     said = refused(memstrata("import", str(path), database_url=database_url))
     assert "message 2: role: Field required" in said
+
+
+@pytest.mark.parametrize("number", ["NaN", "-Infinity", "1e400"])
+async def test_numbers_json_cannot_hold_are_refused_before_anything_is_stored(
+    tmp_path: Path, database_url: str, engine: AsyncEngine, number: str
+) -> None:
+    # Postgres refused them as the third message's batch was stored, after the first batch.
+    path = write_jsonl(tmp_path / "turns.jsonl", TURNS)
+    lines = path.read_text().splitlines()
+    lines[2] = lines[2][:-1] + f', "temperature": {number}}}'
+    path.write_text("\n".join(lines) + "\n")
+    conversation = conversation_id()
+    said = refused(
+        memstrata(
+            "import",
+            str(path),
+            "--conversation",
+            conversation,
+            "--batch",
+            "2",
+            database_url=database_url,
+        )
+    )
+    assert "line 3" in said
+    async with engine.connect() as conn:
+        tenant = await store.tenant_id_by_name(conn)
+        with pytest.raises(NotFound):
+            await store.find_conversation(conn, tenant_id=tenant, external_id=conversation)
