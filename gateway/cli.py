@@ -22,11 +22,12 @@ from tqdm import tqdm
 
 from gateway import background, importer, logs
 from gateway.settings import Settings
+from memory.build import backlog
 from memory.build.worker import Worker
-from memory.db import connect, migrate
+from memory.db import connect, migrate, transaction
 from memory.errors import MemstrataError
 from memory.postgres import EmbeddedPostgres
-from memory.write import identity
+from memory.write import identity, store
 
 
 def _settings(**overrides: object) -> Settings:
@@ -195,7 +196,11 @@ def worker(concurrency: int) -> None:
     show_default=True,
     help="Messages per commit.",
 )
-@click.option("--wait", is_flag=True, help="Also build the summary tree here, then exit.")
+@click.option(
+    "--wait",
+    is_flag=True,
+    help="Also build the summary tree here, then exit (with an error if a job failed).",
+)
 def import_command(
     file: Path, conversation: str | None, model: str, batch: int, wait: bool
 ) -> None:
@@ -229,8 +234,29 @@ def import_command(
                 started = time.perf_counter()
                 ran = await runner.run_until_idle()
             click.echo(f"{ran} jobs run in {time.perf_counter() - started:.1f}s", err=True)
+            failed = await _failed_jobs(engine, external_id=external_id)
+            if failed:
+                raise click.ClickException(
+                    f"the summary tree of {external_id} is not built: {len(failed)} of its jobs "
+                    f"failed ({failed[0].kind}: {failed[0].last_error}); they are retried by "
+                    "`memstrata worker` or `memstrata serve`, and listed by GET /admin/jobs"
+                )
 
     _with_database(settings, run)
+
+
+async def _failed_jobs(engine: AsyncEngine, *, external_id: str) -> list[backlog.JobRecord]:
+    """The default tenant's conversation's jobs that failed: dead, or queued to try again
+    later (a worker stops when no job is due, so `--wait` left them)."""
+    async with transaction(engine) as conn:
+        tenant_id = await store.tenant_id_by_name(conn)
+        ref = await store.find_conversation(conn, tenant_id=tenant_id, external_id=external_id)
+        found = await backlog.list_jobs(
+            conn, status=None, tenant_id=tenant_id, conversation_id=ref.id, limit=1000
+        )
+    return [
+        job for job in found if job.status == "dead" or (job.status == "queued" and job.attempts)
+    ]
 
 
 def _with_database(settings: Settings, work: Callable[[AsyncEngine], Awaitable[None]]) -> None:

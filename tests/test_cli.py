@@ -19,7 +19,19 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from devkit.service import REPO_ROOT, child_env
 from memory.errors import NotFound
-from memory.write import store
+from memory.write import store, tree_nodes
+
+
+@pytest.fixture(scope="module")
+def database_url(module_database_url: str) -> str:
+    """This module's own database: `import --wait` runs every queued job (see
+    `module_database_url`), and one test runs them with embeddings that fail."""
+    return module_database_url
+
+
+@pytest.fixture(scope="module")
+def engine(module_engine: AsyncEngine) -> AsyncEngine:
+    return module_engine
 
 
 def memstrata(
@@ -249,3 +261,41 @@ async def test_numbers_json_cannot_hold_are_refused_before_anything_is_stored(
         tenant = await store.tenant_id_by_name(conn)
         with pytest.raises(NotFound):
             await store.find_conversation(conn, tenant_id=tenant, external_id=conversation)
+
+
+def test_wait_fails_when_the_tree_could_not_be_built(tmp_path: Path, database_url: str) -> None:
+    # Embeddings from an upstream nothing answers: the build cannot run.
+    path = write_jsonl(tmp_path / "turns.jsonl", TURNS)
+    run = memstrata(
+        "import",
+        str(path),
+        "--conversation",
+        conversation_id(),
+        "--wait",
+        database_url=database_url,
+        env={
+            "MEMSTRATA_EMBEDDING_PROVIDER": "upstream",
+            "MEMSTRATA_UPSTREAM_BASE_URL": "http://127.0.0.1:1/v1",
+            "MEMSTRATA_UPSTREAM_API_KEY": "sk-test",
+            "MEMSTRATA_BACKGROUND_RETRIES": "0",
+        },
+    )
+    said = refused(run)
+    assert "4 messages imported" in said
+
+
+async def test_wait_builds_what_the_import_queued(
+    tmp_path: Path, database_url: str, engine: AsyncEngine
+) -> None:
+    path = write_jsonl(tmp_path / "turns.jsonl", TURNS)
+    conversation = conversation_id()
+    run = memstrata(
+        "import", str(path), "--conversation", conversation, "--wait", database_url=database_url
+    )
+    assert run.returncode == 0, run.stderr
+    async with engine.connect() as conn:
+        for message in await stored(engine, conversation):
+            node = await tree_nodes.get_node(
+                conn, tenant_id=await store.tenant_id_by_name(conn), node_id=message.node_id
+            )
+            assert node.embedded
