@@ -24,7 +24,7 @@ from gateway import background, importer, logs
 from gateway.settings import Settings
 from memory.build import backlog
 from memory.build.worker import Worker
-from memory.db import connect, migrate, transaction
+from memory.db import check, connect, migrate, transaction
 from memory.errors import MemstrataError
 from memory.postgres import EmbeddedPostgres
 from memory.write import identity, store
@@ -86,6 +86,7 @@ def serve(host: str | None, port: int | None) -> None:
 
     settings = _settings(host=host, port=port)
     _logging(settings)
+    _check_database(settings)
     app = create_app(settings)
     _collect_less()
     uvicorn.run(
@@ -102,6 +103,26 @@ def serve(host: str | None, port: int | None) -> None:
         timeout_keep_alive=settings.keep_alive_seconds,
         timeout_graceful_shutdown=10,
     )
+
+
+def _check_database(settings: Settings) -> None:
+    """Refuse in words a configured database that cannot serve (unreachable, pgvector or
+    btree_gin missing): found in the app's start-up, it is logged by uvicorn as a traceback.
+    The embedded server is the app's own to start."""
+    if settings.database_url is None:
+        return
+
+    async def probe(url: str) -> None:
+        engine = connect(url, pool_size=1)
+        try:
+            await check(engine)
+        finally:
+            await engine.dispose()
+
+    try:
+        asyncio.run(probe(settings.database_url))
+    except MemstrataError as exc:
+        raise click.ClickException(str(exc)) from exc
 
 
 YOUNG_COLLECTION_THRESHOLD = 20_000

@@ -299,3 +299,9 @@ async def test_wait_builds_what_the_import_queued(
                 conn, tenant_id=await store.tenant_id_by_name(conn), node_id=message.node_id
             )
             assert node.embedded
+
+
+def test_serve_refuses_a_database_it_cannot_reach_in_words() -> None:
+    # Found in the start-up (the app's lifespan), it was a traceback in a log line.
+    run = memstrata("serve", "--port", "1", database_url="postgresql://127.0.0.1:1/memstrata")
+    assert "cannot reach Postgres at postgresql+asyncpg://127.0.0.1:1/memstrata" in refused(run)
