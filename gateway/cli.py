@@ -15,24 +15,37 @@ from pathlib import Path
 
 import click
 import uvicorn
+from pydantic import ValidationError
+from pydantic_core import ErrorDetails
 from sqlalchemy.ext.asyncio import AsyncEngine
 from tqdm import tqdm
 
 from gateway import background, importer, logs
 from gateway.settings import Settings
+from memory.build import backlog
 from memory.build.worker import Worker
-from memory.db import connect, migrate
+from memory.db import check, connect, migrate, transaction
 from memory.errors import MemstrataError
 from memory.postgres import EmbeddedPostgres
-from memory.write import identity
+from memory.write import identity, store
 
 
 def _settings(**overrides: object) -> Settings:
     values = {key: value for key, value in overrides.items() if value is not None}
     try:
         return Settings(**values)  # type: ignore[arg-type]
-    except ValueError as exc:
-        raise click.ClickException(f"invalid settings: {exc}") from exc
+    except ValidationError as exc:
+        # Each setting refused and why, never its value: a database URL holds a password, and
+        # a command's output ends up in logs.
+        reasons = "; ".join(_refused(error) for error in exc.errors())
+        raise click.ClickException(f"invalid settings: {reasons}") from exc
+
+
+def _refused(error: ErrorDetails) -> str:
+    """A refused setting's variable and why (a validator's reason may name it already)."""
+    reason = error["msg"].removeprefix("Value error, ")
+    name = f"MEMSTRATA_{str(error['loc'][0]).upper()}" if error["loc"] else ""
+    return reason if name in reason else f"{name}: {reason}"
 
 
 def _logging(settings: Settings) -> None:
@@ -73,6 +86,7 @@ def serve(host: str | None, port: int | None) -> None:
 
     settings = _settings(host=host, port=port)
     _logging(settings)
+    _check_database(settings)
     app = create_app(settings)
     _collect_less()
     uvicorn.run(
@@ -89,6 +103,26 @@ def serve(host: str | None, port: int | None) -> None:
         timeout_keep_alive=settings.keep_alive_seconds,
         timeout_graceful_shutdown=10,
     )
+
+
+def _check_database(settings: Settings) -> None:
+    """Refuse in words a configured database that cannot serve (unreachable, pgvector or
+    btree_gin missing): found in the app's start-up, it is logged by uvicorn as a traceback.
+    The embedded server is the app's own to start."""
+    if settings.database_url is None:
+        return
+
+    async def probe(url: str) -> None:
+        engine = connect(url, pool_size=1)
+        try:
+            await check(engine)
+        finally:
+            await engine.dispose()
+
+    try:
+        asyncio.run(probe(settings.database_url))
+    except MemstrataError as exc:
+        raise click.ClickException(str(exc)) from exc
 
 
 YOUNG_COLLECTION_THRESHOLD = 20_000
@@ -176,8 +210,18 @@ def worker(concurrency: int) -> None:
 @click.argument("file", type=click.Path(exists=True, dir_okay=False, path_type=Path))
 @click.option("--conversation", help="Conversation id (default: the file's name).")
 @click.option("--model", default="gpt-4o", show_default=True, help="Tokenizer for counting.")
-@click.option("--batch", type=int, default=1000, show_default=True, help="Messages per commit.")
-@click.option("--wait", is_flag=True, help="Also build the summary tree here, then exit.")
+@click.option(
+    "--batch",
+    type=click.IntRange(min=1),
+    default=1000,
+    show_default=True,
+    help="Messages per commit.",
+)
+@click.option(
+    "--wait",
+    is_flag=True,
+    help="Also build the summary tree here, then exit (with an error if a job failed).",
+)
 def import_command(
     file: Path, conversation: str | None, model: str, batch: int, wait: bool
 ) -> None:
@@ -211,8 +255,29 @@ def import_command(
                 started = time.perf_counter()
                 ran = await runner.run_until_idle()
             click.echo(f"{ran} jobs run in {time.perf_counter() - started:.1f}s", err=True)
+            failed = await _failed_jobs(engine, external_id=external_id)
+            if failed:
+                raise click.ClickException(
+                    f"the summary tree of {external_id} is not built: {len(failed)} of its jobs "
+                    f"failed ({failed[0].kind}: {failed[0].last_error}); they are retried by "
+                    "`memstrata worker` or `memstrata serve`, and listed by GET /admin/jobs"
+                )
 
     _with_database(settings, run)
+
+
+async def _failed_jobs(engine: AsyncEngine, *, external_id: str) -> list[backlog.JobRecord]:
+    """The default tenant's conversation's jobs that failed: dead, or queued to try again
+    later (a worker stops when no job is due, so `--wait` left them)."""
+    async with transaction(engine) as conn:
+        tenant_id = await store.tenant_id_by_name(conn)
+        ref = await store.find_conversation(conn, tenant_id=tenant_id, external_id=external_id)
+        found = await backlog.list_jobs(
+            conn, status=None, tenant_id=tenant_id, conversation_id=ref.id, limit=1000
+        )
+    return [
+        job for job in found if job.status == "dead" or (job.status == "queued" and job.attempts)
+    ]
 
 
 def _with_database(settings: Settings, work: Callable[[AsyncEngine], Awaitable[None]]) -> None:

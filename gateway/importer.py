@@ -1,17 +1,22 @@
 """`memstrata import`: messages from a file into a conversation, in batches, resumable.
 
-A file is JSONL (one OpenAI-format message a line) or JSON (a list of messages, or an object
-with `messages`); each message may carry `created_at` (ISO 8601). Every message is validated
-before anything is written. The import continues after the messages the conversation already
-holds (same hash chain), so running it twice, or again after a failure, stores nothing twice.
+A file is UTF-8 text (a leading byte order mark is skipped): JSONL (one OpenAI-format message a
+line) or JSON (a list of messages, or an object with `messages`); each message may carry
+`created_at` (ISO 8601; UTC without a zone). A `.jsonl` file is JSONL; any other is JSON
+unless it holds more than one value. A file that cannot be read so is refused with
+`InvalidInput` saying why (a malformed JSONL line by its number), and so is JSON Postgres
+cannot hold (`NaN`, `Infinity`, `1e400`). Every message is validated before anything is
+written. The import continues after the messages the conversation already holds (same hash
+chain), so running it twice, or again after a failure, stores nothing twice.
 """
 
 import json
+import math
 import re
 from collections.abc import Callable, Sequence
-from datetime import datetime
+from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from pydantic import ValidationError
 from sqlalchemy.ext.asyncio import AsyncEngine
@@ -24,14 +29,26 @@ from memory.write import store
 
 def read_messages(path: Path) -> tuple[list[dict[str, Any]], list[datetime | None]]:
     """The messages of `path` as OpenAI dicts, and their `created_at` (None where absent)."""
-    raw = path.read_text(encoding="utf-8")
     try:
-        if path.suffix == ".jsonl" or (raw.lstrip()[:1] == "{" and "\n{" in raw.strip()):
-            items: Any = [json.loads(line) for line in raw.splitlines() if line.strip()]
-        else:
-            items = json.loads(raw)
-    except ValueError as exc:
-        raise InvalidInput(f"{path}: not valid JSON or JSONL: {exc}") from exc
+        # "utf-8-sig": the byte order mark some Windows tools write before UTF-8 is skipped.
+        raw = path.read_text(encoding="utf-8-sig")
+    except UnicodeDecodeError as exc:
+        raise InvalidInput(f"{path}: not UTF-8 text: {exc}") from exc
+    except OSError as exc:
+        raise InvalidInput(f"{path}: cannot be read: {exc.strerror or exc}") from exc
+    items: Any
+    if path.suffix == ".jsonl":
+        items = _jsonl(path, raw)
+    else:
+        try:
+            items = _loads(raw)
+        except json.JSONDecodeError as exc:
+            # A whole value, then more: one a line (JSONL by another name).
+            if exc.msg != "Extra data":
+                raise InvalidInput(f"{path}: not valid JSON or JSONL: {exc}") from exc
+            items = _jsonl(path, raw)
+        except ValueError as exc:
+            raise InvalidInput(f"{path}: not valid JSON or JSONL: {exc}") from exc
     if isinstance(items, dict):
         items = items.get("messages")
     if not isinstance(items, list) or not items:
@@ -41,10 +58,51 @@ def read_messages(path: Path) -> tuple[list[dict[str, Any]], list[datetime | Non
         try:
             message = ImportMessage.model_validate(item)
         except ValidationError as exc:
-            raise InvalidInput(f"{path}: message {number}: {exc.errors()[0]['msg']}") from exc
+            error = exc.errors()[0]
+            field = ".".join(str(part) for part in error["loc"])
+            reason = f"{field}: {error['msg']}" if field else error["msg"]
+            raise InvalidInput(f"{path}: message {number}: {reason}") from exc
         messages.append(message.model_dump(exclude={"created_at"}, exclude_none=True))
-        stamps.append(message.created_at)
+        stamps.append(_utc(message.created_at))
     return messages, stamps
+
+
+def _utc(moment: datetime | None) -> datetime | None:
+    """A time without a zone is UTC, as the admin API's bulk import reads it (the database
+    driver would take it for this machine's local time)."""
+    if moment is None or moment.tzinfo is not None:
+        return moment
+    return moment.replace(tzinfo=UTC)
+
+
+def _jsonl(path: Path, raw: str) -> list[Any]:
+    """One JSON value a line (blank lines skipped); a malformed one is named by its line."""
+    items = []
+    for number, line in enumerate(raw.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            items.append(_loads(line))
+        except ValueError as exc:
+            raise InvalidInput(f"{path}: line {number} is not valid JSON: {exc}") from exc
+    return items
+
+
+def _loads(text: str) -> Any:
+    """JSON that Postgres can hold: `NaN`, `Infinity` and numbers no double can hold (`1e400`)
+    are refused, as in a request to the gateway; the database refused them mid-import."""
+    return json.loads(text, parse_constant=_not_a_number, parse_float=_finite)
+
+
+def _not_a_number(name: str) -> NoReturn:
+    raise ValueError(f"{name} is not a number JSON can hold")
+
+
+def _finite(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"{text} is a number too large for a double")
+    return value
 
 
 def conversation_id_for(path: Path) -> str:
@@ -68,7 +126,9 @@ async def import_messages(
     async with transaction(engine) as conn:
         tenant = tenant_id if tenant_id is not None else await store.tenant_id_by_name(conn)
         ref, _ = await store.open_conversation(conn, tenant_id=tenant, external_id=external_id)
-        start = await store.resume_point(conn, conversation_id=ref.id, messages=messages)
+        start = await store.resume_point(
+            conn, tenant_id=tenant, conversation_id=ref.id, messages=messages
+        )
     progress(start)
     for offset in range(start, len(messages), batch):
         async with transaction(engine) as conn:

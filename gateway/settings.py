@@ -11,6 +11,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AnyHttpUrl, Field, IPvAnyNetwork, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+from sqlalchemy.engine import make_url
+from sqlalchemy.exc import ArgumentError
 
 from gateway.upstream import KEEPALIVE_SECONDS
 
@@ -136,13 +138,26 @@ class Settings(BaseSettings):
     @field_validator("database_url")
     @classmethod
     def _asyncpg_url(cls, value: str | None) -> str | None:
-        """Accept the usual `postgres://` and `postgresql://` forms; we drive asyncpg."""
+        """Accept the usual `postgres://` and `postgresql://` forms; we drive asyncpg. A URL
+        the driver cannot read (a port that is no number, or out of range: one the system would
+        wrap to another) is refused here, not as a traceback when the first connection opens."""
         if value is None or value == "":
             return None
         for prefix in ("postgresql+asyncpg://", "postgresql://", "postgres://"):
             if value.startswith(prefix):
-                return "postgresql+asyncpg://" + value[len(prefix) :]
-        raise ValueError("MEMSTRATA_DATABASE_URL must be a postgresql:// URL")
+                url = "postgresql+asyncpg://" + value[len(prefix) :]
+                break
+        else:
+            raise ValueError("MEMSTRATA_DATABASE_URL must be a postgresql:// URL")
+        try:
+            port = make_url(url).port
+        except ArgumentError as exc:  # its message quotes the URL, password and all
+            raise ValueError("MEMSTRATA_DATABASE_URL cannot be read as a URL") from exc
+        except ValueError as exc:
+            raise ValueError(f"MEMSTRATA_DATABASE_URL cannot be read as a URL: {exc}") from exc
+        if port is not None and not 1 <= port <= 65535:
+            raise ValueError(f"MEMSTRATA_DATABASE_URL names port {port}, not one of 1-65535")
+        return url
 
     @field_validator("admin_token", "metrics_token")
     @classmethod

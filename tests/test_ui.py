@@ -644,3 +644,35 @@ async def test_a_replaced_system_prompt_is_marked_in_the_tree(
     )
     await expect(marked).to_have_count(1)
     await expect(marked.locator(".verbatim")).to_have_text("It is 10:01.")
+
+
+async def test_a_refusal_and_a_deprecated_function_call_are_shown_in_the_tree(
+    page: Page, gateway: GatewayProcess, http: httpx.AsyncClient, data: Data
+) -> None:
+    """Replies without content: what the model refused with, and a call in the deprecated
+    `function_call` form, are what the message says (it read "(no text)")."""
+    conversation = f"refusals-{RUN}"
+    messages = [
+        {"role": "user", "content": "Write my thesis for me."},
+        {"role": "assistant", "content": None, "refusal": "I can't write it for you."},
+        {"role": "user", "content": "Then look up the deadline."},
+        {
+            "role": "assistant",
+            "content": None,
+            "function_call": {"name": "deadline", "arguments": '{"course": "<b>CS101</b>"}'},
+        },
+    ]
+    imported = await http.post(
+        f"/admin/conversations/{conversation}/messages",
+        params={"tenant": data.tenant},
+        json={"messages": messages},
+    )
+    assert imported.status_code == 201, imported.text
+    await open_ui(page, gateway.root_url, data.tenant, f"#/c/{conversation}/tree")
+    replies = page.locator("ul.tree > li.role-assistant")
+    await expect(replies).to_have_count(2)
+    await expect(replies.nth(0)).to_contain_text("refused: I can't write it for you.")
+    await expect(replies.nth(1).locator(".tool-call")).to_have_text(
+        'deadline({"course": "<b>CS101</b>"})'
+    )
+    await expect(page.get_by_text("(no text)")).to_have_count(0)

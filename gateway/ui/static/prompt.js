@@ -100,7 +100,9 @@ function text(message) {
   const content = message.content;
   let shown = typeof content === "string" ? content
     : Array.isArray(content) ? content.map((part) => (part.type === "text" ? part.text : `[${part.type}]`)).join("\n") : "";
-  for (const call of message.tool_calls || []) shown += `\n→ ${call.function?.name}(${call.function?.arguments || ""})`;
+  if (typeof message.refusal === "string" && message.refusal) shown += `${shown ? "\n" : ""}refused: ${message.refusal}`;
+  const calls = [...(message.tool_calls || []).map((call) => call.function), message.function_call];
+  for (const fn of calls.filter((one) => one && typeof one === "object")) shown += `\n→ ${fn.name}(${fn.arguments || ""})`;
   return shown || "(no text)";
 }
 

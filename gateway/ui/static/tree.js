@@ -175,8 +175,11 @@ function body(node) {
     if (other.length) pieces.push(h("p", { class: "muted" }, other.map((part) => `[${part.type}]`).join(" ")));
   }
   if (node.tool_call_id) pieces.push(h("p", { class: "muted" }, `result of tool call ${node.tool_call_id}`));
-  for (const call of node.tool_calls || []) {
-    const fn = call.function || {};
+  // A reply's other fields (`meta`): what the model refused with, a deprecated `function_call`.
+  const meta = node.meta || {};
+  if (typeof meta.refusal === "string" && meta.refusal) pieces.push(h("p", { class: "verbatim refusal" }, `refused: ${meta.refusal}`));
+  const calls = [...(node.tool_calls || []).map((call) => call.function), meta.function_call];
+  for (const fn of calls.filter((one) => one && typeof one === "object")) {
     pieces.push(h("pre", { class: "tool-call" }, `${fn.name || "?"}(${fn.arguments || ""})`));
   }
   return pieces.length ? pieces : h("p", { class: "muted" }, "(no text)");

@@ -1,0 +1,307 @@
+"""The `memstrata` command as a user runs it: `python -m gateway ...` in a process of its own,
+on the session's Postgres (`MEMSTRATA_DATABASE_URL`), its exit status and what it writes.
+
+A command that fails says why in a line (`Error: ...`) and exits non-zero; it never ends in a
+Python traceback. What `import` stored is read back from the database.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from devkit.service import REPO_ROOT, child_env
+from memory.errors import NotFound
+from memory.write import store, tree_nodes
+
+
+@pytest.fixture(scope="module")
+def database_url(module_database_url: str) -> str:
+    """This module's own database: `import --wait` runs every queued job (see
+    `module_database_url`), and one test runs them with embeddings that fail."""
+    return module_database_url
+
+
+@pytest.fixture(scope="module")
+def engine(module_engine: AsyncEngine) -> AsyncEngine:
+    return module_engine
+
+
+def memstrata(
+    *args: str, database_url: str, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """`memstrata ARGS` run to its end, with what it wrote to stdout and stderr."""
+    environment = child_env({"database_url": database_url, "log_level": "warning"})
+    environment.update(env or {})
+    return subprocess.run(
+        [sys.executable, "-m", "gateway", *args],
+        cwd=REPO_ROOT,
+        env=environment,
+        capture_output=True,
+        text=True,
+        timeout=180,
+        check=False,
+    )
+
+
+def refused(run: subprocess.CompletedProcess[str]) -> str:
+    """The one-line reason a run that failed gave, checked to be no traceback."""
+    assert run.returncode != 0, run.stderr
+    assert "Traceback" not in run.stderr, run.stderr
+    assert "Error: " in run.stderr, run.stderr
+    return run.stderr
+
+
+def write_jsonl(path: Path, messages: list[dict[str, Any]]) -> Path:
+    path.write_text("".join(json.dumps(message) + "\n" for message in messages))
+    return path
+
+
+async def stored(engine: AsyncEngine, conversation: str) -> list[store.MessageRecord]:
+    """The messages the default tenant's conversation holds, every branch, in order."""
+    async with engine.connect() as conn:
+        tenant = await store.tenant_id_by_name(conn)
+        ref = await store.find_conversation(conn, tenant_id=tenant, external_id=conversation)
+        return await store.list_messages(conn, tenant_id=tenant, conversation_id=ref.id)
+
+
+def conversation_id() -> str:
+    return f"cli-{uuid.uuid4().hex[:12]}"
+
+
+TURNS = [
+    {"role": "user", "content": "Which hotel did we book in Lisbon?"},
+    {"role": "assistant", "content": "The Alfama Patio, from the 3rd to the 7th."},
+    {"role": "user", "content": "And the flight?"},
+    {"role": "assistant", "content": "TP 1351, leaving at 07:40."},
+]
+
+
+def test_a_file_that_is_not_utf8_is_refused_in_words(tmp_path: Path, database_url: str) -> None:
+    path = tmp_path / "latin1.jsonl"
+    path.write_bytes('{"role": "user", "content": "caf\u00e9"}\n'.encode("latin-1"))
+    said = refused(memstrata("import", str(path), database_url=database_url))
+    assert "UTF-8" in said
+
+
+async def test_a_file_written_with_a_byte_order_mark_imports(
+    tmp_path: Path, database_url: str, engine: AsyncEngine
+) -> None:
+    # As Windows tools write UTF-8 (PowerShell 5's `Out-File -Encoding utf8`).
+    path = tmp_path / "bom.jsonl"
+    path.write_bytes(b"\xef\xbb\xbf" + write_jsonl(tmp_path / "plain", TURNS).read_bytes())
+    conversation = conversation_id()
+    run = memstrata("import", str(path), "--conversation", conversation, database_url=database_url)
+    assert run.returncode == 0, run.stderr
+    assert [m.content for m in await stored(engine, conversation)] == [t["content"] for t in TURNS]
+
+
+@pytest.mark.parametrize("name", ["broken.jsonl", "broken.txt"])
+def test_a_malformed_line_of_a_jsonl_file_is_named(
+    tmp_path: Path, database_url: str, name: str
+) -> None:
+    path = write_jsonl(tmp_path / name, TURNS)
+    lines = path.read_text().splitlines()
+    lines.insert(2, '{"role": "user", "content": "unterminated}')
+    path.write_text("\n".join(lines) + "\n")
+    said = refused(memstrata("import", str(path), database_url=database_url))
+    assert "line 3 is not valid JSON" in said
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        # `{"messages": [` then one message a line: JSON, though lines start with `{`.
+        '{"messages": [\n' + ",\n".join(json.dumps(turn) for turn in TURNS) + "\n]}\n",
+        # JSONL by another name.
+        "".join(json.dumps(turn) + "\n" for turn in TURNS),
+    ],
+    ids=["json", "jsonl"],
+)
+async def test_json_and_jsonl_are_told_apart_by_what_they_hold(
+    tmp_path: Path, database_url: str, engine: AsyncEngine, text: str
+) -> None:
+    path = tmp_path / "history.json"
+    path.write_text(text)
+    conversation = conversation_id()
+    run = memstrata("import", str(path), "--conversation", conversation, database_url=database_url)
+    assert run.returncode == 0, run.stderr
+    assert [m.content for m in await stored(engine, conversation)] == [t["content"] for t in TURNS]
+
+
+def test_a_batch_of_no_messages_is_refused(tmp_path: Path, database_url: str) -> None:
+    path = write_jsonl(tmp_path / "turns.jsonl", TURNS)
+    # -1 said "4 messages imported" and stored none; 0 ended in a ValueError traceback.
+    for batch in ("-1", "0"):
+        run = memstrata(
+            "import",
+            str(path),
+            "--conversation",
+            conversation_id(),
+            "--batch",
+            batch,
+            database_url=database_url,
+        )
+        assert run.returncode == 2, run.stderr  # a usage error, before anything is read
+        assert "--batch" in run.stderr and "Traceback" not in run.stderr, run.stderr
+
+
+async def test_times_without_a_zone_are_utc_whatever_the_machines_zone(
+    tmp_path: Path, database_url: str, engine: AsyncEngine
+) -> None:
+    # As the admin API's bulk import reads them (and as every time it shows is written).
+    path = write_jsonl(
+        tmp_path / "naive.jsonl",
+        [
+            {**TURNS[0], "created_at": "2024-03-01T10:00:00"},
+            {**TURNS[1], "created_at": "2024-03-01T10:01:00+00:00"},
+        ],
+    )
+    conversation = conversation_id()
+    run = memstrata(
+        "import",
+        str(path),
+        "--conversation",
+        conversation,
+        database_url=database_url,
+        env={"TZ": "America/New_York"},
+    )
+    assert run.returncode == 0, run.stderr
+    times = [m.created_at.isoformat() for m in await stored(engine, conversation)]
+    assert times == ["2024-03-01T10:00:00+00:00", "2024-03-01T10:01:00+00:00"]
+
+
+async def test_a_file_imported_again_after_the_conversation_went_on_adds_nothing(
+    tmp_path: Path, database_url: str, engine: AsyncEngine
+) -> None:
+    conversation = conversation_id()
+    first = write_jsonl(tmp_path / "first.jsonl", TURNS[:2])
+    later = write_jsonl(tmp_path / "later.jsonl", TURNS[2:])
+    for path in (first, later, first):
+        run = memstrata(
+            "import", str(path), "--conversation", conversation, database_url=database_url
+        )
+        assert run.returncode == 0, run.stderr
+    assert [m.content for m in await stored(engine, conversation)] == [t["content"] for t in TURNS]
+    assert "0 messages imported" in run.stderr
+
+    # The first file, grown since: only what it gained is new.
+    grown = [*TURNS[:2], {"role": "user", "content": "Book a taxi for the 3rd."}]
+    run = memstrata(
+        "import",
+        str(write_jsonl(first, grown)),
+        "--conversation",
+        conversation,
+        database_url=database_url,
+    )
+    assert run.returncode == 0, run.stderr
+    assert "1 messages imported" in run.stderr
+    contents = [m.content for m in await stored(engine, conversation)]
+    assert contents == [t["content"] for t in [*TURNS, grown[-1]]]
+
+
+@pytest.mark.parametrize(
+    ("url", "reason"),
+    [
+        ("postgresql://localhost:abc/memstrata", "MEMSTRATA_DATABASE_URL"),
+        ("postgresql://localhost:5432:5432/memstrata", "MEMSTRATA_DATABASE_URL"),
+        ("postgresql://localhost:99999/memstrata", "MEMSTRATA_DATABASE_URL"),
+        ("postgresql://[::1/memstrata", "MEMSTRATA_DATABASE_URL"),
+        ("postgresql://127.0.0.1:1/memstrata", "cannot reach Postgres"),  # nothing listens
+    ],
+)
+def test_a_database_url_that_cannot_serve_is_refused_in_words(url: str, reason: str) -> None:
+    said = refused(memstrata("migrate", database_url=url))
+    assert reason in said
+
+
+def test_a_refused_setting_is_named_without_echoing_its_value() -> None:
+    # A command's output ends up in logs (docker, CI): a database password must not.
+    said = refused(memstrata("migrate", database_url="mysql://memstrata:hunter2-secret@db/x"))
+    assert "MEMSTRATA_DATABASE_URL must be a postgresql:// URL" in said
+    assert "hunter2-secret" not in said
+
+
+def test_a_message_refused_names_its_field(tmp_path: Path, database_url: str) -> None:
+    path = write_jsonl(tmp_path / "turns.jsonl", [TURNS[0], {"content": "no role"}])
+    said = refused(memstrata("import", str(path), database_url=database_url))
+    assert "message 2: role: Field required" in said
+
+
+@pytest.mark.parametrize("number", ["NaN", "-Infinity", "1e400"])
+async def test_numbers_json_cannot_hold_are_refused_before_anything_is_stored(
+    tmp_path: Path, database_url: str, engine: AsyncEngine, number: str
+) -> None:
+    # Postgres refused them as the third message's batch was stored, after the first batch.
+    path = write_jsonl(tmp_path / "turns.jsonl", TURNS)
+    lines = path.read_text().splitlines()
+    lines[2] = lines[2][:-1] + f', "temperature": {number}}}'
+    path.write_text("\n".join(lines) + "\n")
+    conversation = conversation_id()
+    said = refused(
+        memstrata(
+            "import",
+            str(path),
+            "--conversation",
+            conversation,
+            "--batch",
+            "2",
+            database_url=database_url,
+        )
+    )
+    assert "line 3" in said
+    async with engine.connect() as conn:
+        tenant = await store.tenant_id_by_name(conn)
+        with pytest.raises(NotFound):
+            await store.find_conversation(conn, tenant_id=tenant, external_id=conversation)
+
+
+def test_wait_fails_when_the_tree_could_not_be_built(tmp_path: Path, database_url: str) -> None:
+    # Embeddings from an upstream nothing answers: the build cannot run.
+    path = write_jsonl(tmp_path / "turns.jsonl", TURNS)
+    run = memstrata(
+        "import",
+        str(path),
+        "--conversation",
+        conversation_id(),
+        "--wait",
+        database_url=database_url,
+        env={
+            "MEMSTRATA_EMBEDDING_PROVIDER": "upstream",
+            "MEMSTRATA_UPSTREAM_BASE_URL": "http://127.0.0.1:1/v1",
+            "MEMSTRATA_UPSTREAM_API_KEY": "sk-test",
+            "MEMSTRATA_BACKGROUND_RETRIES": "0",
+        },
+    )
+    said = refused(run)
+    assert "4 messages imported" in said
+
+
+async def test_wait_builds_what_the_import_queued(
+    tmp_path: Path, database_url: str, engine: AsyncEngine
+) -> None:
+    path = write_jsonl(tmp_path / "turns.jsonl", TURNS)
+    conversation = conversation_id()
+    run = memstrata(
+        "import", str(path), "--conversation", conversation, "--wait", database_url=database_url
+    )
+    assert run.returncode == 0, run.stderr
+    async with engine.connect() as conn:
+        for message in await stored(engine, conversation):
+            node = await tree_nodes.get_node(
+                conn, tenant_id=await store.tenant_id_by_name(conn), node_id=message.node_id
+            )
+            assert node.embedded
+
+
+def test_serve_refuses_a_database_it_cannot_reach_in_words() -> None:
+    # Found in the start-up (the app's lifespan), it was a traceback in a log line.
+    run = memstrata("serve", "--port", "1", database_url="postgresql://127.0.0.1:1/memstrata")
+    assert "cannot reach Postgres at postgresql+asyncpg://127.0.0.1:1/memstrata" in refused(run)
