@@ -24,7 +24,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from gateway.schemas import ImportMessage
 from memory.db import transaction
 from memory.errors import InvalidInput
-from memory.write import store
+from memory.write import imports, store
 
 
 def read_messages(path: Path) -> tuple[list[dict[str, Any]], list[datetime | None]]:
@@ -126,7 +126,7 @@ async def import_messages(
     async with transaction(engine) as conn:
         tenant = tenant_id if tenant_id is not None else await store.tenant_id_by_name(conn)
         ref, _ = await store.open_conversation(conn, tenant_id=tenant, external_id=external_id)
-        start = await store.resume_point(
+        start = await imports.resume_point(
             conn, tenant_id=tenant, conversation_id=ref.id, messages=messages
         )
     progress(start)

@@ -11,10 +11,9 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AnyHttpUrl, Field, IPvAnyNetwork, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
-from sqlalchemy.engine import make_url
-from sqlalchemy.exc import ArgumentError
 
 from gateway.upstream import KEEPALIVE_SECONDS
+from memory import db
 
 OnOff = Literal["on", "off"]
 
@@ -150,13 +149,9 @@ class Settings(BaseSettings):
         else:
             raise ValueError("MEMSTRATA_DATABASE_URL must be a postgresql:// URL")
         try:
-            port = make_url(url).port
-        except ArgumentError as exc:  # its message quotes the URL, password and all
-            raise ValueError("MEMSTRATA_DATABASE_URL cannot be read as a URL") from exc
+            db.port_of(url)
         except ValueError as exc:
-            raise ValueError(f"MEMSTRATA_DATABASE_URL cannot be read as a URL: {exc}") from exc
-        if port is not None and not 1 <= port <= 65535:
-            raise ValueError(f"MEMSTRATA_DATABASE_URL names port {port}, not one of 1-65535")
+            raise ValueError(f"MEMSTRATA_DATABASE_URL: {exc}") from exc
         return url
 
     @field_validator("admin_token", "metrics_token")

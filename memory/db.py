@@ -22,8 +22,14 @@ from alembic import command
 from alembic.config import Config
 from sqlalchemy import REAL, Row, event, text
 from sqlalchemy.dialects.postgresql import ARRAY
-from sqlalchemy.engine import Connection
-from sqlalchemy.exc import DBAPIError, DisconnectionError, InterfaceError, OperationalError
+from sqlalchemy.engine import Connection, make_url
+from sqlalchemy.exc import (
+    ArgumentError,
+    DBAPIError,
+    DisconnectionError,
+    InterfaceError,
+    OperationalError,
+)
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 from sqlalchemy.pool import ConnectionPoolEntry, PoolProxiedConnection, QueuePool
@@ -58,6 +64,21 @@ def connect(url: str, *, pool_size: int = 10, pool_timeout: float = 30) -> Async
     )
     event.listen(engine.sync_engine, "checkout", _replace_closed)
     return engine
+
+
+def port_of(url: str) -> int | None:
+    """The port the database URL `url` names (None: the driver's default); `ValueError` when
+    it cannot be read or names no port a connection could use, its message never quoting the
+    URL (it holds the password)."""
+    try:
+        port = make_url(url).port
+    except ArgumentError as exc:
+        raise ValueError("it cannot be read as a URL") from exc
+    except ValueError as exc:  # a port that is no number: the message quotes the port only
+        raise ValueError(f"it cannot be read as a URL: {exc}") from exc
+    if port is not None and not 1 <= port <= 65535:
+        raise ValueError(f"it names port {port}, not one of 1-65535")
+    return port
 
 
 def _replace_closed(

@@ -25,8 +25,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from sqlalchemy import ColumnElement, Text, bindparam, func, insert, literal_column, select
-from sqlalchemy.dialects.postgresql import ARRAY
+from sqlalchemy import ColumnElement, bindparam, insert, select
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from memory.build import jobs, tree
@@ -324,42 +323,6 @@ async def open_conversation(
     )
     ref = ConversationRef(id=found.row.id, external_id=external_id, created=found.created)
     return ref, found.row.next_seq
-
-
-# The deepest of an import's messages (their chain hashes, in order) that a conversation holds,
-# on any branch: its place among them, from 1. Level 0 as a constant: the chain index is partial.
-_CHAIN = bindparam("chain", type_=ARRAY(Text))
-_DEEPEST_HELD = select(func.max(func.array_position(_CHAIN, nodes.c.chain_hash))).where(
-    nodes.c.tenant_id == bindparam("tenant_id"),
-    nodes.c.conversation_id == bindparam("conversation_id"),
-    nodes.c.level == literal_column("0"),
-    nodes.c.chain_hash == func.any(_CHAIN),
-)
-
-
-async def resume_point(
-    conn: AsyncConnection,
-    *,
-    tenant_id: int,
-    conversation_id: int,
-    messages: Sequence[Mapping[str, Any]],
-) -> int:
-    """How many leading `messages` the conversation already holds: an import that is run
-    again, or resumed after a failure, continues after them instead of storing them twice.
-    Where the conversation went on since (its head is none of them), the deepest of them it
-    holds is found by its chain hash, which stands for every message before it."""
-    hashes = chains.chain(messages)
-    head = await conn.scalar(
-        select(conversations.c.head_hash).where(conversations.c.id == conversation_id)
-    )
-    start = chains.after_head(hashes, head)
-    if start is not None:
-        return start
-    deepest = await conn.scalar(
-        _DEEPEST_HELD,
-        {"tenant_id": tenant_id, "conversation_id": conversation_id, "chain": hashes},
-    )
-    return 0 if deepest is None else int(deepest)
 
 
 async def find_conversation(
