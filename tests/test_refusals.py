@@ -72,11 +72,13 @@ def stored(http: httpx.Client, conversation: str) -> list[tuple[Any, bool]]:
 # Earlier turns before the refused one: none (the conversation's first turn), a few, and enough
 # to be past the budget, where the prompt comes from the working context.
 @pytest.mark.parametrize("earlier", [0, 2, 12], ids=["first turn", "later turn", "past budget"])
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
 def test_a_turn_the_upstream_refuses_leaves_the_branch_and_the_next_prompt(
     client: openai.OpenAI,
     http: httpx.Client,
     upstream: UpstreamServer,
     earlier: int,
+    stream: bool,
 ) -> None:
     conversation = f"refused-{uuid.uuid4().hex}"
     headers = {HEADER: conversation, "X-Memstrata-Budget": "1500"}
@@ -92,6 +94,7 @@ def test_a_turn_the_upstream_refuses_leaves_the_branch_and_the_next_prompt(
             model="gpt-4o-mini",
             messages=[refused],  # type: ignore[list-item]
             extra_headers=headers,
+            stream=stream,
         )
     assert failed.value.body == INVALID_IMAGE["error"]
     assert failed.value.response.headers[HEADER] == conversation
