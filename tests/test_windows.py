@@ -48,6 +48,11 @@ def branch(http: httpx.Client, conversation: str) -> tuple[list[Any], int]:
     return [m["content"] for m in messages if m["superseded_at"] is None], len(messages)
 
 
+def reply_of(answer: httpx.Response) -> str:
+    content: str = answer.json()["choices"][0]["message"]["content"]
+    return content
+
+
 # The window holds the last three messages one turn, the last four the next: it starts on a
 # user message, then on an assistant message.
 @pytest.mark.parametrize("named", [False, True], ids=["no-header", "header"])
@@ -71,8 +76,7 @@ def test_a_window_of_the_last_messages_continues_its_conversation_storing_each_o
         answer = http.post(CHAT, json={"model": "m", "messages": window}, headers=headers)
         assert answer.status_code == 200, answer.text
         named_as.add(answer.headers[HEADER])
-        reply = answer.json()["choices"][0]["message"]["content"]
-        said.append({"role": "assistant", "content": reply})
+        said.append({"role": "assistant", "content": reply_of(answer)})
     assert len(named_as) == 1
     [conversation] = named_as
     current, stored = branch(http, conversation)
@@ -90,6 +94,23 @@ def test_a_window_of_the_last_messages_continues_its_conversation_storing_each_o
     again = http.post(CHAT, json={"model": "m", "messages": window}, headers=headers)
     assert again.status_code == 200, again.text
     assert branch(http, conversation)[1] == stored
+
+
+def test_a_named_conversation_resent_its_last_reply_and_a_new_question(
+    http: httpx.Client, upstream: UpstreamServer
+) -> None:
+    """The smallest window: the gateway's last reply, then the new question. With the
+    conversation named, that reply alone ties it to the branch."""
+    headers = {HEADER: f"window-{uuid.uuid4().hex}"}
+    said: list[dict[str, Any]] = []
+    for turn in range(3):
+        said.append({"role": "user", "content": f"Question {turn}: when do roses bloom?"})
+        answer = http.post(CHAT, json={"model": "m", "messages": said[-2:]}, headers=headers)
+        assert answer.status_code == 200, answer.text
+        said.append({"role": "assistant", "content": reply_of(answer)})
+    current, stored = branch(http, headers[HEADER])
+    assert current == [m["content"] for m in said]
+    assert stored == len(said)
 
 
 def test_langchain_trimming_its_history_keeps_one_conversation(

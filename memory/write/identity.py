@@ -360,7 +360,7 @@ async def _rewritten(
         # Another request may have moved the head while this one waited for the lock.
         if not await rewritten.continues_head(conn, row, messages):
             return None
-        window = await windows.place(conn, row, messages)
+        window = await windows.place(conn, row, messages, named=False)
         if window is not None:  # not rewritten: trimmed (`memory.write.windows`)
             return _window(row, window, created=False)
         # The opening shared too: a reply alike ("Sure!") ends chats that share nothing else.
@@ -431,7 +431,7 @@ async def _place(
     path = await _path(conn, row.id, hashes)
     if path and await _may_branch(conn, row.id, path):
         return _branch(row, path, hashes, created=created)
-    window = await windows.place(conn, row, messages)
+    window = await windows.place(conn, row, messages, named=named)
     if window is not None:
         return _window(row, window, created=created)
     if not named:

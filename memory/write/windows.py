@@ -10,9 +10,10 @@ over it) to store the window again. Ten turns in a window of six stored 56 messa
 current branch held only the last window.
 
 A window is told apart by what it shares with the current branch: its turns (the messages
-after its system prompt) begin with the branch's last messages, in order, up to its head,
-with a user message among them; what follows the head is new. A window that ends with the
-message before the head resends the head's request: a retry, or its answer regenerated.
+after its system prompt) begin with the branch's last messages, in order, up to its head (a
+user message among them, unless the client named the conversation); what follows the head is
+new. A window that ends with the message before the head resends the head's request: a retry,
+or its answer regenerated.
 `place` says where its new messages go, checking each place the head could sit by the chain
 hashes the window's turns would have, had they followed the branch message before them. A
 window is the client's whole view of the conversation (`Found.whole`): while the conversation
@@ -46,10 +47,13 @@ class Window:
 
 
 async def place(
-    conn: AsyncConnection, row: AnyRow, messages: Sequence[Mapping[str, Any]]
+    conn: AsyncConnection, row: AnyRow, messages: Sequence[Mapping[str, Any]], *, named: bool
 ) -> Window | None:
     """Where `messages` go when it is a window onto the current branch of the locked
-    conversation `row` (module docstring); None when it is not one."""
+    conversation `row` (module docstring); None when it is not one. `named`: the client named
+    the conversation, so a window may share the head alone with it (its last reply, then what
+    is new); without a name, a user message shared too tells it from a chat that merely ends
+    alike ("Sure!")."""
     if row.head_hash is None or row.head_seq is None:
         return None
     opening = system_prompts.opening(messages)
@@ -77,7 +81,7 @@ async def place(
         shared = turns[:overlap]
         return (
             overlap + last < len(hashes)
-            and any(message.get("role") == "user" for message in shared)
+            and (named or any(message.get("role") == "user" for message in shared))
             and chains.chain_hash(hashes[last + 1], shared[-1]) == hashes[last]
             and chains.chain(shared, hashes[overlap + last])[-1] == hashes[last]
         )
