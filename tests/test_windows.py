@@ -113,6 +113,33 @@ def test_a_named_conversation_resent_its_last_reply_and_a_new_question(
     assert stored == len(said)
 
 
+@pytest.mark.parametrize("named", [False, True], ids=["no-header", "header"])
+def test_a_client_that_folds_old_turns_into_a_summary_keeps_one_branch(
+    http: httpx.Client, named: bool
+) -> None:
+    """A summary-buffer memory (LangChain's `ConversationSummaryBufferMemory` and its kin):
+    the system prompt, a system message summarizing the older turns (new each time), then the
+    last turns."""
+    tag = uuid.uuid4().hex[:8]
+    headers = {HEADER: f"summary-{tag}"} if named else {}
+    system = {"role": "system", "content": f"You are terse. [{tag}]"}
+    said: list[dict[str, Any]] = []
+    conversations = set()
+    for turn in range(TURNS):
+        said.append({"role": "user", "content": f"Question {turn} about pruning [{tag}]"})
+        folded = len(said) - 4
+        summary = [{"role": "system", "content": f"Earlier: {folded} messages."}] * (folded > 0)
+        sent = [system, *summary, *said[-4:]]
+        answer = http.post(CHAT, json={"model": "m", "messages": sent}, headers=headers)
+        assert answer.status_code == 200, answer.text
+        conversations.add(answer.headers[HEADER])
+        said.append({"role": "assistant", "content": reply_of(answer)})
+    [conversation] = conversations
+    current, stored = branch(http, conversation)
+    assert current == [m["content"] for m in [system, *said]]
+    assert stored == 1 + len(said)
+
+
 def test_langchain_trimming_its_history_keeps_one_conversation(
     gateway: GatewayProcess, http: httpx.Client, upstream: UpstreamServer
 ) -> None:
