@@ -140,6 +140,40 @@ def test_a_client_that_folds_old_turns_into_a_summary_keeps_one_branch(
     assert stored == 1 + len(said)
 
 
+def test_an_agents_window_that_ends_in_a_tool_exchange_keeps_one_conversation(
+    http: httpx.Client, upstream: UpstreamServer
+) -> None:
+    """An agent that trims its history sends, at each step, a window whose last assistant
+    message is the model's tool call, with no text: without a conversation id, the gateway's
+    recorded call (by its id, unique) ties the window to its conversation."""
+    tag = uuid.uuid4().hex[:8]
+    tools = [{"type": "function", "function": {"name": "lookup", "parameters": {}}}]
+    system = {"role": "system", "content": f"You are an agent. [{tag}]"}
+    said: list[dict[str, Any]] = []
+    conversations = set()
+
+    def step() -> dict[str, Any]:
+        body = {"model": "m", "messages": [system, *said[-5:]], "tools": tools}
+        answer = http.post(CHAT, json=body)
+        assert answer.status_code == 200, answer.text
+        conversations.add(answer.headers[HEADER])
+        message: dict[str, Any] = answer.json()["choices"][0]["message"]
+        return message
+
+    for turn in range(4):
+        said.append({"role": "user", "content": f"Task {turn} [{tag}]"})
+        upstream.script({"tool_calls": [{"name": "lookup", "arguments": {"task": turn}}]})
+        [call] = step()["tool_calls"]
+        said.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        said.append({"role": "tool", "tool_call_id": call["id"], "content": f"found {turn}"})
+        said.append({"role": "assistant", "content": step()["content"]})
+    assert len(conversations) == 1
+    [conversation] = conversations
+    current, stored = branch(http, conversation)
+    assert stored == 1 + len(said)
+    assert len(current) == stored
+
+
 def test_langchain_trimming_its_history_keeps_one_conversation(
     gateway: GatewayProcess, http: httpx.Client, upstream: UpstreamServer
 ) -> None:

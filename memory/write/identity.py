@@ -358,11 +358,13 @@ async def _rewritten(
 
     async def branching(row: AnyRow) -> Found | None:
         # Another request may have moved the head while this one waited for the lock.
-        if not await rewritten.continues_head(conn, row, messages):
+        if not await rewritten.continues_head(conn, row, messages, calls=True):
             return None
         window = await windows.place(conn, row, messages, named=False)
         if window is not None:  # not rewritten: trimmed (`memory.write.windows`)
             return _window(row, window, created=False)
+        if rewritten.last_reply(messages) is None:  # tied by its tool calls: a window only
+            return None
         # The opening shared too: a reply alike ("Sure!") ends chats that share nothing else.
         path = await _path(conn, row.id, hashes)
         return _branch(row, path, hashes, created=False) if path else None

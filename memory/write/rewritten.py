@@ -21,7 +21,9 @@ the last message it shares with it (`memory.write.identity`), so the current bra
 exactly what the client sent. Without a conversation id, the user's latest conversations are
 the ones tried (`candidates`), as many as for a changed system prompt
 (`system_prompts.CANDIDATES`), and only one whose first message is the history's is taken: a
-short reply ("Sure!") may end chats that share nothing else.
+short reply ("Sure!") may end chats that share nothing else. The same candidates serve a
+history trimmed to its latest turns (`memory.write.windows`), whose last assistant message may
+be a tool call without text: that one is found by its calls' ids, and taken only as a window.
 """
 
 import json
@@ -37,11 +39,12 @@ from memory.write import chains
 from memory.write.system_prompts import CANDIDATES
 
 # A recorded reply's content as it is stored: a JSON string (escaped where Postgres cannot
-# hold the text, as `memory.write.appends.node_row` stores it).
+# hold the text, as `memory.write.appends.node_row` stores it); or its tool calls, named by
+# their ids (`:calls`, `[{"id": ...}]`), which an upstream makes unique.
 _HEAD_IS = """
     h.conversation_id = c.id AND h.level = 0 AND h.seq = c.head_seq
     AND h.superseded_at IS NULL AND h.role = 'assistant' AND h.model IS NOT NULL
-    AND h.content = CAST(:reply AS jsonb)
+    AND (h.content = CAST(:reply AS jsonb) OR h.tool_calls @> CAST(:calls AS jsonb))
 """
 _CONTINUES = text(
     f"SELECT EXISTS (SELECT 1 FROM conversations c JOIN nodes h ON {_HEAD_IS} WHERE c.id = :id)"
@@ -70,15 +73,34 @@ def last_reply(messages: Sequence[Mapping[str, Any]]) -> str | None:
     return json.dumps(stored)
 
 
+def _head_of(messages: Sequence[Mapping[str, Any]], *, calls: bool) -> dict[str, Any] | None:
+    """`_HEAD_IS`'s parameters for the history's last assistant message: its text and, with
+    `calls`, the ids of its tool calls; None when neither is there."""
+    reply = last_reply(messages)
+    said = next((m for m in reversed(messages) if m.get("role") == "assistant"), None)
+    ids = [
+        call["id"]
+        for call in (said.get("tool_calls") or [] if calls and said is not None else [])
+        if isinstance(call, Mapping) and isinstance(call.get("id"), str) and call["id"]
+    ]
+    if reply is None and not ids:
+        return None
+    return {"reply": reply, "calls": json.dumps([{"id": id_} for id_ in ids]) if ids else None}
+
+
 async def continues_head(
-    conn: AsyncConnection, row: AnyRow, messages: Sequence[Mapping[str, Any]]
+    conn: AsyncConnection,
+    row: AnyRow,
+    messages: Sequence[Mapping[str, Any]],
+    *,
+    calls: bool = False,
 ) -> bool:
     """Whether the history's last assistant message is the head of the conversation `row`, a
-    reply the gateway recorded."""
-    reply = last_reply(messages)
-    if reply is None or row.head_seq is None:
+    reply the gateway recorded: by its text, or with `calls` by its tool calls' ids too."""
+    head = _head_of(messages, calls=calls)
+    if head is None or row.head_seq is None:
         return False
-    return bool(await conn.scalar(_CONTINUES, {"id": row.id, "reply": reply}))
+    return bool(await conn.scalar(_CONTINUES, {"id": row.id, **head}))
 
 
 async def candidates(
@@ -89,11 +111,13 @@ async def candidates(
     messages: Sequence[Mapping[str, Any]],
 ) -> list[int]:
     """The ids of the user's latest conversations (`CANDIDATES`, newest first) whose head is
-    a reply the gateway recorded and the history's last assistant message."""
-    reply = last_reply(messages)
-    if reply is None:
+    a reply the gateway recorded and the history's last assistant message (by its text, or by
+    its tool calls' ids: an agent's window that ends in a tool exchange,
+    `memory.write.windows`)."""
+    head = _head_of(messages, calls=True)
+    if head is None:
         return []
     rows = await conn.execute(
-        _LATEST, {"tenant_id": tenant_id, "user": user, "limit": CANDIDATES, "reply": reply}
+        _LATEST, {"tenant_id": tenant_id, "user": user, "limit": CANDIDATES, **head}
     )
     return [row.id for row in rows]
