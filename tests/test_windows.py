@@ -90,9 +90,11 @@ def test_a_window_of_the_last_messages_continues_its_conversation_storing_each_o
         assert any(m.startswith("[Memory of this conversation") for m in prompt), prompt
         assert prompt[-1] == sent[-1]
 
-    # The same window again (an SDK's retry) is a retry: nothing stored.
+    # The same window again (an SDK's retry) is a retry of the same conversation: nothing
+    # stored, no conversation started.
     again = http.post(CHAT, json={"model": "m", "messages": window}, headers=headers)
     assert again.status_code == 200, again.text
+    assert again.headers[HEADER] == conversation
     assert branch(http, conversation)[1] == stored
 
 

@@ -38,28 +38,32 @@ from memory.text import escape_unstorable
 from memory.write import chains
 from memory.write.system_prompts import CANDIDATES
 
+_HEAD = """
+    h.conversation_id = c.id AND h.level = 0 AND h.seq = c.head_seq AND h.superseded_at IS NULL
+"""
 # A recorded reply's content as it is stored: a JSON string (escaped where Postgres cannot
 # hold the text, as `memory.write.appends.node_row` stores it); or its tool calls, named by
 # their ids (`:calls`, `[{"id": ...}]`), which an upstream makes unique.
-_HEAD_IS = """
-    h.conversation_id = c.id AND h.level = 0 AND h.seq = c.head_seq
-    AND h.superseded_at IS NULL AND h.role = 'assistant' AND h.model IS NOT NULL
+_REPLY_IS = """
+    h.role = 'assistant' AND h.model IS NOT NULL
     AND (h.content = CAST(:reply AS jsonb) OR h.tool_calls @> CAST(:calls AS jsonb))
 """
 _CONTINUES = text(
-    f"SELECT EXISTS (SELECT 1 FROM conversations c JOIN nodes h ON {_HEAD_IS} WHERE c.id = :id)"
+    "SELECT EXISTS (SELECT 1 FROM conversations c"
+    f" JOIN nodes h ON {_HEAD} AND {_REPLY_IS} WHERE c.id = :id)"
 )
-_LATEST = text(
-    f"""
+LATEST_WITH_HEAD = f"""
 SELECT c.id
 FROM (SELECT id, head_seq, updated_at FROM conversations
       WHERE tenant_id = :tenant_id AND user_id IS NOT DISTINCT FROM :user
         AND head_seq IS NOT NULL
       ORDER BY updated_at DESC LIMIT :limit) AS c
-JOIN nodes h ON {_HEAD_IS}
+JOIN nodes h ON {_HEAD} AND ({{head}})
 ORDER BY c.updated_at DESC
 """
-)
+"""The ids of the user's latest conversations (`CANDIDATES` of them, newest first) whose head
+message, `h`, meets the condition put in for `{head}`."""
+_LATEST = text(LATEST_WITH_HEAD.format(head=_REPLY_IS))
 
 
 def last_reply(messages: Sequence[Mapping[str, Any]]) -> str | None:
@@ -74,7 +78,7 @@ def last_reply(messages: Sequence[Mapping[str, Any]]) -> str | None:
 
 
 def _head_of(messages: Sequence[Mapping[str, Any]], *, calls: bool) -> dict[str, Any] | None:
-    """`_HEAD_IS`'s parameters for the history's last assistant message: its text and, with
+    """`_REPLY_IS`'s parameters for the history's last assistant message: its text and, with
     `calls`, the ids of its tool calls; None when neither is there."""
     reply = last_reply(messages)
     said = next((m for m in reversed(messages) if m.get("role") == "assistant"), None)

@@ -25,15 +25,17 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
-from sqlalchemy import select
+from sqlalchemy import select, text
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from memory.db import AnyRow
 from memory.schema import nodes
-from memory.write import chains, system_prompts
+from memory.write import chains, rewritten, system_prompts
 
 MAX_WINDOW: Final = 1000
 """Turns of a window compared with the branch at most: its start is within them."""
+
+_RESENT = text(rewritten.LATEST_WITH_HEAD.format(head="h.request_key = :key"))
 
 
 @dataclass(frozen=True)
@@ -93,3 +95,22 @@ async def place(
     if len(tail) > 1 and reaches(len(turns), 1):
         return Window(start=len(messages), resent=(tail[1].chain_hash, tail[1].seq))
     return None
+
+
+async def resending(
+    conn: AsyncConnection, *, tenant_id: int, user: str | None, request_key: str
+) -> list[int]:
+    """The ids of the user's latest conversations whose head answered a request with this key
+    (`memory.write.retries.RequestKey`), newest first. A window sent again as it was (an SDK's
+    retry once the answer was recorded) holds nothing of that answer, the head, so it is found
+    by the request it repeats; `place` then says whether it is a window onto the conversation."""
+    rows = await conn.execute(
+        _RESENT,
+        {
+            "tenant_id": tenant_id,
+            "user": user,
+            "limit": system_prompts.CANDIDATES,
+            "key": request_key,
+        },
+    )
+    return [row.id for row in rows]
