@@ -111,9 +111,7 @@ async def identify(
         assert placed is not None  # a named conversation always takes the history
         found = placed
     else:
-        found = await _match(
-            conn, tenant_id=tenant_id, user=user, messages=messages, hashes=hashes, request=request
-        )
+        found = await _match(conn, tenant_id=tenant_id, user=user, messages=messages, hashes=hashes)
     found = await tool_results.for_the_head(conn, found, messages)
     if request is not None and not found.created:
         results = any(message.get("role") == "tool" for message in messages[found.start :])
@@ -255,7 +253,6 @@ async def _match(
     user: str | None,
     messages: Sequence[Mapping[str, Any]],
     hashes: Sequence[str],
-    request: retries.RequestKey | None,
 ) -> Found:
     params = {"tenant_id": tenant_id, "chain": list(hashes), "user": user}
     # A history may branch only from a shared part that holds more than its system prompt
@@ -281,8 +278,8 @@ async def _match(
             found = await _prompt_changed(conn, tenant_id, user, messages, hashes)
         if found is None:
             found = await _rewritten(conn, tenant_id, user, messages, hashes)
-        if found is None and request is not None:
-            found = await _resent_window(conn, tenant_id, user, messages, request)
+        if found is None:
+            found = await _resent_window(conn, tenant_id, user, messages)
         if found is not None:
             return found
         if attempt == 0:
@@ -388,18 +385,18 @@ async def _resent_window(
     tenant_id: int,
     user: str | None,
     messages: Sequence[Mapping[str, Any]],
-    request: retries.RequestKey,
 ) -> Found | None:
-    """The conversation whose head answered this very request, when the history is a window
-    onto it (`windows.resending`), locked; else None. Without it, an SDK that retried a window
-    after its answer was recorded started a new conversation holding the window again."""
+    """The conversation whose head answers the history's last message, when the history is a
+    window onto it that resends the head's request (`windows.resending`), locked; else None.
+    Without it, a window retried or regenerated once its answer was recorded started a new
+    conversation holding the window again."""
 
     async def resent(row: AnyRow) -> Found | None:
         window = await windows.place(conn, row, messages, named=False)
         return None if window is None else _window(row, window, created=False)
 
     for conversation_id in await windows.resending(
-        conn, tenant_id=tenant_id, user=user, request_key=request.value
+        conn, tenant_id=tenant_id, user=user, messages=messages
     ):
         found = await _lock_and_place(conn, conversation_id, resent)
         if found is not None:

@@ -28,14 +28,25 @@ from typing import Any, Final
 from sqlalchemy import select, text
 from sqlalchemy.ext.asyncio import AsyncConnection
 
+from memory import tokens
 from memory.db import AnyRow
 from memory.schema import nodes
+from memory.text import escape_unstorable
 from memory.write import chains, rewritten, system_prompts
 
 MAX_WINDOW: Final = 1000
 """Turns of a window compared with the branch at most: its start is within them."""
 
-_RESENT = text(rewritten.LATEST_WITH_HEAD.format(head="h.request_key = :key"))
+# The head answers (follows) a message of the role and text given.
+_RESENT = text(
+    rewritten.LATEST_WITH_HEAD.format(
+        head="""h.model IS NOT NULL AND EXISTS (
+            SELECT 1 FROM nodes p
+            WHERE p.conversation_id = h.conversation_id AND p.level = 0
+              AND p.seq = COALESCE(h.follows_seq, h.seq - 1)
+              AND p.role = :role AND p.text = :text)"""
+    )
+)
 
 
 @dataclass(frozen=True)
@@ -98,19 +109,30 @@ async def place(
 
 
 async def resending(
-    conn: AsyncConnection, *, tenant_id: int, user: str | None, request_key: str
+    conn: AsyncConnection,
+    *,
+    tenant_id: int,
+    user: str | None,
+    messages: Sequence[Mapping[str, Any]],
 ) -> list[int]:
-    """The ids of the user's latest conversations whose head answered a request with this key
-    (`memory.write.retries.RequestKey`), newest first. A window sent again as it was (an SDK's
-    retry once the answer was recorded) holds nothing of that answer, the head, so it is found
-    by the request it repeats; `place` then says whether it is a window onto the conversation."""
+    """The ids of the user's latest conversations whose head, a recorded reply, answers a
+    message like the history's last one (its role and text), newest first. A window that
+    resends the head's request (an SDK's retry once the answer was recorded, or the answer
+    regenerated) holds nothing of the head, so it is found by the message the head answers;
+    `place` then says whether it is a window onto the conversation."""
+    opening = system_prompts.opening(messages)
+    if len(messages) - opening < 2:  # not a window (`place`)
+        return []
+    last = messages[-1]
+    stored, _ = escape_unstorable(dict(last))
     rows = await conn.execute(
         _RESENT,
         {
             "tenant_id": tenant_id,
             "user": user,
             "limit": system_prompts.CANDIDATES,
-            "key": request_key,
+            "role": last.get("role"),
+            "text": tokens.message_text(stored),
         },
     )
     return [row.id for row in rows]

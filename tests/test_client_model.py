@@ -1,0 +1,199 @@
+"""End to end, model-based: what real clients do to a conversation, in random order, against a
+`memstrata serve` process and the fake upstream process.
+
+Each client keeps its own view of its conversation, as a chat app does, and sends it in one of
+the shapes clients use: the whole history, a window of its latest messages, or (naming the
+conversation) only what is new; with or without the conversation header, streamed or not. Its
+steps are drawn from a seeded generator: ask something new, retry the last request (an SDK's
+retry of the same bytes, the answer already recorded: nothing stored), regenerate the last
+answer (the same messages in another request: a new answer, stored beside the first), or edit an
+earlier question of its own and ask again from there. After every step the gateway's current
+branch must be exactly the client's view, every answer must name the one conversation, and every
+message the client ever had must be stored once: an edit leaves the old branch stored,
+superseded, and nothing is stored twice.
+"""
+
+import json
+import random
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import pytest
+
+from devkit.gateway import GatewayProcess
+from devkit.upstream import UpstreamServer
+
+pytestmark = pytest.mark.usefixtures("fresh_upstream")
+
+CHAT = "/v1/chat/completions"
+HEADER = "X-Memstrata-Conversation"
+STEPS = 24
+
+
+@pytest.fixture(scope="module")
+def gateway(database_url: str, upstream: UpstreamServer) -> Iterator[GatewayProcess]:
+    with GatewayProcess(database_url=database_url, upstream_url=upstream.url, workers=0) as gw:
+        yield gw
+
+
+@pytest.fixture
+def http(gateway: GatewayProcess) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=gateway.root_url, timeout=30) as raw:
+        yield raw
+
+
+@dataclass
+class Client:
+    """One chat app's conversation, as the app sees it."""
+
+    shape: str  # "history", "window" or "new" (only the new messages, the conversation named)
+    named: bool
+    system: bool
+    budget: int
+    rng: random.Random
+    tag: str = field(default_factory=lambda: uuid.uuid4().hex[:8])
+    view: list[dict[str, Any]] = field(default_factory=list)
+    ever: int = 0  # messages the view ever held: each must be stored once
+    last: tuple[list[dict[str, Any]], bool] | None = None  # the last request: messages, stream
+    conversations: set[str] = field(default_factory=set)
+
+    def __post_init__(self) -> None:
+        if self.system:
+            self.add({"role": "system", "content": f"You answer tersely. [{self.tag}]"})
+
+    def add(self, message: dict[str, Any]) -> None:
+        self.view.append(message)
+        self.ever += 1
+
+    def headers(self) -> dict[str, str]:
+        headers = {"X-Memstrata-Budget": str(self.budget)}
+        if self.named:
+            headers[HEADER] = f"model-{self.tag}"
+        return headers
+
+    def sent(self, new: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """What the client sends once `new` is in its view."""
+        if self.shape == "new" and self.last is not None:
+            return new
+        opening = self.view[:1] if self.system else []
+        turns = self.view[len(opening) :]
+        if self.shape == "window" and len(turns) > 4:
+            # At least its last reply and the question before it, then what is new.
+            turns = turns[-self.rng.randint(len(new) + 2, len(new) + 5) :]
+        return [*opening, *turns]
+
+
+def send(
+    http: httpx.Client,
+    client: Client,
+    messages: list[dict[str, Any]],
+    *,
+    stream: bool,
+    retrying: bool = False,
+) -> str:
+    """The reply's text; the conversation it names is noted."""
+    client.last = (messages, stream)
+    headers = client.headers()
+    if retrying:
+        headers["X-Stainless-Retry-Count"] = "1"
+    body: dict[str, Any] = {"model": "m", "messages": messages}
+    if stream:
+        with http.stream("POST", CHAT, json={**body, "stream": True}, headers=headers) as answer:
+            assert answer.status_code == 200, answer.read()
+            client.conversations.add(answer.headers[HEADER])
+            text = ""
+            for line in answer.iter_lines():
+                if line.startswith("data: {"):
+                    for choice in json.loads(line[len("data: ") :])["choices"]:
+                        text += choice["delta"].get("content") or ""
+            return text
+    answer = http.post(CHAT, json=body, headers=headers)
+    assert answer.status_code == 200, answer.text
+    client.conversations.add(answer.headers[HEADER])
+    content: str = answer.json()["choices"][0]["message"]["content"]
+    return content
+
+
+def ask(http: httpx.Client, client: Client, step: int) -> None:
+    question = {"role": "user", "content": f"Question {step} about the orchard [{client.tag}]"}
+    client.add(question)
+    reply = send(http, client, client.sent([question]), stream=client.rng.random() < 0.5)
+    client.add({"role": "assistant", "content": reply})
+
+
+def retry(http: httpx.Client, upstream: UpstreamServer, client: Client) -> None:
+    """The last request again, byte for byte, as an SDK retries one whose answer it lost; the
+    model answers as before (a retry goes upstream again, and its answer is not stored)."""
+    assert client.last is not None
+    messages, stream = client.last
+    upstream.script({"reply": client.view[-1]["content"]})
+    assert send(http, client, messages, stream=stream, retrying=True) == client.view[-1]["content"]
+
+
+def regenerate(http: httpx.Client, upstream: UpstreamServer, client: Client, step: int) -> None:
+    """The last answer asked for again: the same messages, in a request of another form, and
+    the model answers otherwise."""
+    assert client.last is not None
+    messages, stream = client.last
+    upstream.script({"reply": f"Another answer, the {step}th [{client.tag}]"})
+    del client.view[-1]
+    client.add({"role": "assistant", "content": send(http, client, messages, stream=not stream)})
+
+
+def edit(http: httpx.Client, client: Client, step: int) -> None:
+    """An earlier question of the client's rewritten, and asked again from there."""
+    questions = [i for i, m in enumerate(client.view) if m["role"] == "user"]
+    if not client.named:  # the first question rewritten, with no name: another chat
+        questions = questions[1:]
+    if not questions:
+        return ask(http, client, step)
+    index = client.rng.choice(questions[-3:])
+    del client.view[index:]
+    ask(http, client, step)
+
+
+def check(http: httpx.Client, client: Client) -> None:
+    assert len(client.conversations) == 1, client.conversations
+    [conversation] = client.conversations
+    answer = http.get(f"/admin/conversations/{conversation}/messages", params={"limit": 500})
+    assert answer.status_code == 200, answer.text
+    stored = answer.json()["messages"]
+    current = [m["content"] for m in stored if m["superseded_at"] is None]
+    assert current == [m["content"] for m in client.view]
+    assert len(stored) == client.ever
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+@pytest.mark.parametrize("budget", [8000, 600], ids=["fits", "past-budget"])
+@pytest.mark.parametrize(
+    ("shape", "named"),
+    [("history", False), ("history", True), ("window", False), ("window", True), ("new", True)],
+    ids=["history", "history-named", "window", "window-named", "new-named"],
+)
+def test_a_clients_random_steps_keep_its_view_and_store_each_message_once(
+    http: httpx.Client, upstream: UpstreamServer, shape: str, named: bool, budget: int, seed: int
+) -> None:
+    rng = random.Random(f"{shape}-{named}-{budget}-{seed}")
+    client = Client(shape=shape, named=named, system=rng.random() < 0.5, budget=budget, rng=rng)
+    steps = []
+    for step in range(STEPS):
+        draw = rng.random() if client.last is not None else 0.0
+        if draw < 0.7:
+            steps.append("ask")
+            ask(http, client, step)
+        elif draw < 0.8:
+            steps.append("retry")
+            retry(http, upstream, client)
+        elif draw < 0.9 and shape != "new":  # only the new messages: nothing to regenerate from
+            steps.append("regenerate")
+            regenerate(http, upstream, client, step)
+        elif shape == "history":  # a window or only the new messages cannot say what was edited
+            steps.append("edit")
+            edit(http, client, step)
+        try:
+            check(http, client)
+        except AssertionError as failure:
+            raise AssertionError(f"after {steps}: {failure}") from failure
