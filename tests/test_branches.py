@@ -302,13 +302,20 @@ async def test_a_retry_with_the_same_idempotency_key_is_stored_once(
     # The client did not get the first answer (say it timed out) and retries.
     assert reply_of(chat(http, history, headers=headers))["content"] == "second answer"
 
+    # The question is stored once; the answer the client got is the one on the branch, the
+    # first kept off it.
     [messages] = (await stored(engine, system)).values()
     assert current(messages) == [
         *((m["role"], m["content"]) for m in history),
-        ("assistant", "first answer"),
+        ("assistant", "second answer"),
     ]
-    assert len(messages) == 3
+    assert superseded(messages) == [("assistant", "first answer")]
     assert [len(prompt) for prompt in sent_prompts(upstream)] == [2, 2]
+
+    # The same answer again is not stored again.
+    upstream.script({"reply": "second answer"})
+    chat(http, history, headers=headers)
+    assert [len(messages) for messages in (await stored(engine, system)).values()] == [4]
 
 
 def streamed(http: httpx.Client, messages: list[Message], headers: dict[str, str]) -> bytes:
@@ -441,6 +448,8 @@ async def test_a_new_chat_does_not_wait_for_a_turn_that_shares_only_its_system_p
 async def test_an_answered_request_resent_without_a_key_is_stored_once(
     http: httpx.Client, engine: AsyncEngine, upstream: UpstreamServer
 ) -> None:
+    """Its question is stored once, and the answer the client got last is the one on the
+    branch."""
     system = unique("Resend me.")
     history = [{"role": "system", "content": system}, {"role": "user", "content": unique("q")}]
     upstream.script({"reply": "first"}, {"reply": "second"})
@@ -450,7 +459,9 @@ async def test_an_answered_request_resent_without_a_key_is_stored_once(
     assert [(m["role"], m["content"]) for m in messages][1:] == [
         ("user", history[1]["content"]),
         ("assistant", "first"),
+        ("assistant", "second"),
     ]
+    assert current(messages)[1:] == [("user", history[1]["content"]), ("assistant", "second")]
 
 
 async def test_the_openai_sdk_retries_are_stored_once(

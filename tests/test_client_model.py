@@ -5,12 +5,12 @@ Each client keeps its own view of its conversation, as a chat app does, and send
 the shapes clients use: the whole history, a window of its latest messages, or (naming the
 conversation) only what is new; with or without the conversation header, streamed or not. Its
 steps are drawn from a seeded generator: ask something new, retry the last request (an SDK's
-retry of the same bytes, the answer already recorded: nothing stored), regenerate the last
-answer (the same messages in another request: a new answer, stored beside the first), or edit an
-earlier question of its own and ask again from there. After every step the gateway's current
-branch must be exactly the client's view, every answer must name the one conversation, and every
-message the client ever had must be stored once: an edit leaves the old branch stored,
-superseded, and nothing is stored twice.
+retry of the same bytes, the answer already recorded: stored only if it differs, in the
+first's place), regenerate the last answer (the same messages in another request: a new answer,
+stored beside the first), or edit an earlier question of its own and ask again from there.
+After every step the gateway's current branch must be exactly the client's view, every answer
+must name the one conversation, and every message the client ever had must be stored once: an
+edit leaves the old branch stored, superseded, and nothing is stored twice.
 """
 
 import json
@@ -124,13 +124,19 @@ def ask(http: httpx.Client, client: Client, step: int) -> None:
     client.add({"role": "assistant", "content": reply})
 
 
-def retry(http: httpx.Client, upstream: UpstreamServer, client: Client) -> None:
-    """The last request again, byte for byte, as an SDK retries one whose answer it lost; the
-    model answers as before (a retry goes upstream again, and its answer is not stored)."""
+def retry(http: httpx.Client, upstream: UpstreamServer, client: Client, step: int) -> None:
+    """The last request again, byte for byte, as an SDK retries one whose answer it lost. It
+    goes upstream again; a model may answer as before or anew, and the client shows that."""
     assert client.last is not None
     messages, stream = client.last
-    upstream.script({"reply": client.view[-1]["content"]})
-    assert send(http, client, messages, stream=stream, retrying=True) == client.view[-1]["content"]
+    first = client.view[-1]["content"]
+    upstream.script(
+        {"reply": first if client.rng.random() < 0.5 else f"Anew, {step} [{client.tag}]"}
+    )
+    reply = send(http, client, messages, stream=stream, retrying=True)
+    if reply != first:  # the first answer leaves the branch, stored; the retry's is stored
+        del client.view[-1]
+        client.add({"role": "assistant", "content": reply})
 
 
 def regenerate(http: httpx.Client, upstream: UpstreamServer, client: Client, step: int) -> None:
@@ -146,8 +152,9 @@ def regenerate(http: httpx.Client, upstream: UpstreamServer, client: Client, ste
 def edit(http: httpx.Client, client: Client, step: int) -> None:
     """An earlier question of the client's rewritten, and asked again from there."""
     questions = [i for i, m in enumerate(client.view) if m["role"] == "user"]
-    if not client.named:  # the first question rewritten, with no name: another chat
-        questions = questions[1:]
+    # The first question rewritten is another chat, or (the conversation named) a new message
+    # after the system prompt (README, "Branches").
+    questions = questions[1:]
     if not questions:
         return ask(http, client, step)
     index = client.rng.choice(questions[-3:])
@@ -155,7 +162,7 @@ def edit(http: httpx.Client, client: Client, step: int) -> None:
     ask(http, client, step)
 
 
-def check(http: httpx.Client, client: Client) -> None:
+def check(http: httpx.Client, upstream: UpstreamServer, client: Client) -> None:
     assert len(client.conversations) == 1, client.conversations
     [conversation] = client.conversations
     answer = http.get(f"/admin/conversations/{conversation}/messages", params={"limit": 500})
@@ -164,6 +171,9 @@ def check(http: httpx.Client, client: Client) -> None:
     current = [m["content"] for m in stored if m["superseded_at"] is None]
     assert current == [m["content"] for m in client.view]
     assert len(stored) == client.ever
+    # What left the branch is not in the prompt (each message's text is unique).
+    prompt = json.dumps(upstream.requests(CHAT)[-1]["body"]["messages"])
+    assert not [m["content"] for m in stored if m["superseded_at"] and m["content"] in prompt]
 
 
 @pytest.mark.parametrize("seed", [1, 2, 3])
@@ -186,7 +196,7 @@ def test_a_clients_random_steps_keep_its_view_and_store_each_message_once(
             ask(http, client, step)
         elif draw < 0.8:
             steps.append("retry")
-            retry(http, upstream, client)
+            retry(http, upstream, client, step)
         elif draw < 0.9 and shape != "new":  # only the new messages: nothing to regenerate from
             steps.append("regenerate")
             regenerate(http, upstream, client, step)
@@ -194,6 +204,6 @@ def test_a_clients_random_steps_keep_its_view_and_store_each_message_once(
             steps.append("edit")
             edit(http, client, step)
         try:
-            check(http, client)
+            check(http, upstream, client)
         except AssertionError as failure:
             raise AssertionError(f"after {steps}: {failure}") from failure

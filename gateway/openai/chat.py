@@ -5,7 +5,8 @@ upstream failure never loses them; the write path queues the conversation's buil
 transaction (`memory.write.store`). Identifying the conversation also says where the request's
 new messages start, whether its history branches off the stored one, and whether it repeats
 an earlier request (`memory.write.identity`): a retry stores nothing, still goes upstream, and
-its reply is recorded only if the first one's is not (`Turn.record`). A turn whose system
+its reply takes the place of the first one's if that differs and is still the head, or was
+never recorded (`memory.write.replies`). A turn whose system
 prompt and new messages alone exceed the budget is refused (400 `context_length_exceeded`)
 inside that transaction, so it stores nothing. The query the read path will embed for the
 turn's recall starts embedding as soon as the conversation is identified, while the turn is

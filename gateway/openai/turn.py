@@ -263,7 +263,7 @@ class Turn:
         stats = self.stats()
         async with transaction(state.engine) as conn:
             if reply is not None:
-                await replies.record(
+                replaced = await replies.record(
                     conn,
                     tenant_id=self.tenant_id,
                     conversation_id=self.conversation_id,
@@ -273,6 +273,13 @@ class Turn:
                     request=stats,
                     reply_to=self.reply_to,
                 )
+                if replaced is not None:  # a retry's answer took the first's place
+                    await working_context.forget(
+                        conn,
+                        tenant_id=self.tenant_id,
+                        conversation_id=self.conversation_id,
+                        branched_at=replaced,
+                    )
             await self.recorded(conn)
         if reply is not None:
             state.metrics.observe_request(stats)

@@ -97,11 +97,13 @@ async def move(
 @dataclass(frozen=True)
 class ReplyTo:
     """Where the reply to a stored turn goes: after `parent` (the chain hash and seq of the last
-    message its prompt held); `request_key` tells a retry's reply from a first one."""
+    message its prompt held); `request_key` tells a retry's reply from a first one; `retry`: the
+    turn repeats an earlier request (`memory.write.retries`)."""
 
     parent: str
     parent_seq: int | None
     request_key: str | None = None
+    retry: bool = False
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,8 @@ where a history goes).
 
 A request is known by its `RequestKey`: the client's `Idempotency-Key`, else the
 sha256 of its body's JSON. It repeats an earlier request of the conversation (`Found.retry`:
-nothing is stored and nothing branches) when it carries the same `Idempotency-Key` within the
+nothing of it is stored and nothing branches; its answer may take the first's place,
+`memory.write.replies`) when it carries the same `Idempotency-Key` within the
 window, or, without one, when its body is the same JSON as that of the request the
 conversation's head came from and either it resends the whole history, or that request is
 still unanswered, or the client says it is retrying (`X-Stainless-Retry-Count`, sent by the

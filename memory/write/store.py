@@ -187,7 +187,9 @@ async def store_new(
         user_id=conv.user_id,
         whole=found.whole,
         branched_at=moved.branched_at,
-        reply_to=ReplyTo(parent=head[0], parent_seq=head[1], request_key=request_key),
+        reply_to=ReplyTo(
+            parent=head[0], parent_seq=head[1], request_key=request_key, retry=found.retry
+        ),
         prompt_fingerprint=conv.prompt_fingerprint,
     )
 
