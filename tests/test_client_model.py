@@ -11,6 +11,10 @@ stored beside the first), or edit an earlier question of its own and ask again f
 After every step the gateway's current branch must be exactly the client's view, every answer
 must name the one conversation, and every message the client ever had must be stored once: an
 edit leaves the old branch stored, superseded, and nothing is stored twice.
+
+Clients of the Responses API the same way: resending their whole input, continuing the latest
+response (`previous_response_id`, also from an earlier one: a fork), or naming their
+conversation (`conversation`).
 """
 
 import json
@@ -205,5 +209,145 @@ def test_a_clients_random_steps_keep_its_view_and_store_each_message_once(
             edit(http, client, step)
         try:
             check(http, upstream, client)
+        except AssertionError as failure:
+            raise AssertionError(f"after {steps}: {failure}") from failure
+
+
+# -- the Responses API -------------------------------------------------------------------------
+
+RESPONSES = "/v1/responses"
+
+
+@dataclass
+class ResponsesClient:
+    """One Responses API client: it resends its whole input (`input`), continues the latest
+    response (`previous`), or names its conversation (`conversation`)."""
+
+    shape: str
+    budget: int
+    rng: random.Random
+    tag: str = field(default_factory=lambda: uuid.uuid4().hex[:8])
+    view: list[tuple[str, str]] = field(default_factory=list)  # (role, text)
+    items: list[Any] = field(default_factory=list)  # the whole input, as `input` resends it
+    ever: int = 0
+    answers: list[tuple[str, int, int]] = field(default_factory=list)  # response id, view, items
+    last: dict[str, Any] | None = None
+    conversations: set[str] = field(default_factory=set)
+
+
+def respond(
+    http: httpx.Client, client: ResponsesClient, body: dict[str, Any], **flags: bool
+) -> Any:
+    """The response object, streamed or not; the conversation it names is noted."""
+    client.last = {**body, "stream": flags.get("stream", False)}
+    headers = {"X-Memstrata-Budget": str(client.budget)}
+    if flags.get("retrying"):
+        headers["X-Stainless-Retry-Count"] = "1"
+    if client.last["stream"]:  # sent as given: a retry's body is the same
+        with http.stream("POST", RESPONSES, json=client.last, headers=headers) as answer:
+            assert answer.status_code == 200, answer.read()
+            client.conversations.add(answer.headers[HEADER])
+            done = [
+                json.loads(line[len("data: ") :])
+                for line in answer.iter_lines()
+                if line.startswith("data: {") and '"response.completed"' in line
+            ]
+            return done[-1]["response"]
+    answer = http.post(RESPONSES, json=client.last, headers=headers)
+    assert answer.status_code == 200, answer.text
+    client.conversations.add(answer.headers[HEADER])
+    return answer.json()
+
+
+def said(response: Any) -> str:
+    return "".join(
+        part["text"]
+        for item in response["output"]
+        if item["type"] == "message"
+        for part in item["content"]
+        if part["type"] == "output_text"
+    )
+
+
+def answered(client: ResponsesClient, response: Any) -> None:
+    client.view.append(("assistant", said(response)))
+    client.items.extend(response["output"])
+    client.ever += 1
+    client.answers.append((response["id"], len(client.view), len(client.items)))
+
+
+def ask_responses(
+    http: httpx.Client, client: ResponsesClient, step: int, previous: str | None = None
+) -> None:
+    """A new question; with `previous`, after that response (a fork when it is not the last)."""
+    question = f"Question {step} about the vineyard [{client.tag}]"
+    client.view.append(("user", question))
+    client.items.append({"role": "user", "content": question})
+    client.ever += 1
+    body: dict[str, Any] = {"model": "m", "instructions": f"Be brief. [{client.tag}]"}
+    if client.shape == "input":
+        body["input"] = list(client.items)
+    else:
+        body["input"] = [client.items[-1]]
+        if client.shape == "conversation":
+            body["conversation"] = f"model-{client.tag}"
+        elif previous or client.answers:
+            body["previous_response_id"] = previous or client.answers[-1][0]
+    answered(client, respond(http, client, body, stream=client.rng.random() < 0.5))
+
+
+def check_responses(http: httpx.Client, client: ResponsesClient) -> None:
+    assert len(client.conversations) == 1, client.conversations
+    [conversation] = client.conversations
+    answer = http.get(f"/admin/conversations/{conversation}/messages", params={"limit": 500})
+    assert answer.status_code == 200, answer.text
+    stored = [m for m in answer.json()["messages"] if m["role"] != "system"]
+
+    def text(content: Any) -> str:
+        if isinstance(content, str):
+            return content
+        return "".join(part.get("text", "") for part in content)
+
+    current = [(m["role"], text(m["content"])) for m in stored if m["superseded_at"] is None]
+    assert current == client.view
+    assert len(stored) == client.ever
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+@pytest.mark.parametrize("budget", [8000, 600], ids=["fits", "past-budget"])
+@pytest.mark.parametrize("shape", ["input", "previous", "conversation"])
+def test_a_responses_clients_random_steps_keep_its_view_and_store_each_message_once(
+    http: httpx.Client, upstream: UpstreamServer, shape: str, budget: int, seed: int
+) -> None:
+    """Its steps: ask, retry the last request (the model answers as before or anew), and,
+    continuing by `previous_response_id`, ask after an earlier response (a fork)."""
+    rng = random.Random(f"responses-{shape}-{budget}-{seed}")
+    client = ResponsesClient(shape=shape, budget=budget, rng=rng)
+    steps = []
+    for step in range(STEPS):
+        draw = rng.random() if client.last is not None else 0.0
+        if draw < 0.7:
+            steps.append("ask")
+            ask_responses(http, client, step)
+        elif draw < 0.85:
+            steps.append("retry")
+            first = client.view[-1][1]
+            anew = f"Anew, {step} [{client.tag}]"
+            upstream.script({"reply": first if rng.random() < 0.5 else anew})
+            assert client.last is not None
+            retried = dict(client.last)
+            again = respond(http, client, retried, retrying=True, stream=retried.pop("stream"))
+            client.view.pop()
+            del client.items[client.answers.pop()[2] - 1 :]
+            client.ever -= said(again) == first
+            answered(client, again)
+        elif shape == "previous" and len(client.answers) > 1:
+            steps.append("fork")
+            response_id, seen, items = rng.choice(client.answers[-3:-1])
+            del client.view[seen:], client.items[items:]
+            client.answers = [a for a in client.answers if a[1] <= seen]
+            ask_responses(http, client, step, previous=response_id)
+        try:
+            check_responses(http, client)
         except AssertionError as failure:
             raise AssertionError(f"after {steps}: {failure}") from failure
