@@ -35,6 +35,7 @@ pytestmark = pytest.mark.usefixtures("fresh_upstream")
 CHAT = "/v1/chat/completions"
 HEADER = "X-Memstrata-Conversation"
 STEPS = 24
+TOOLS = [{"type": "function", "function": {"name": "count_trees", "parameters": {}}}]
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +62,8 @@ class Client:
     tag: str = field(default_factory=lambda: uuid.uuid4().hex[:8])
     view: list[dict[str, Any]] = field(default_factory=list)
     ever: int = 0  # messages the view ever held: each must be stored once
-    last: tuple[list[dict[str, Any]], bool] | None = None  # the last request: messages, stream
+    # The last request: its messages, whether it streamed, the tools it offered.
+    last: tuple[list[dict[str, Any]], bool, list[Any] | None] | None = None
     conversations: set[str] = field(default_factory=set)
 
     def __post_init__(self) -> None:
@@ -96,14 +98,34 @@ def send(
     messages: list[dict[str, Any]],
     *,
     stream: bool,
+    tools: list[Any] | None = None,
     retrying: bool = False,
 ) -> str:
     """The reply's text; the conversation it names is noted."""
-    client.last = (messages, stream)
+    return str(
+        reply(http, client, messages, stream=stream, tools=tools, retrying=retrying)["content"]
+    )
+
+
+def reply(
+    http: httpx.Client,
+    client: Client,
+    messages: list[dict[str, Any]],
+    *,
+    stream: bool,
+    tools: list[Any] | None = None,
+    retrying: bool = False,
+) -> dict[str, Any]:
+    """The reply message (a stream's text only); the conversation it names is noted."""
+    client.last = (messages, stream, tools)
     headers = client.headers()
     if retrying:
         headers["X-Stainless-Retry-Count"] = "1"
-    body: dict[str, Any] = {"model": "m", "messages": messages}
+    body: dict[str, Any] = {
+        "model": "m",
+        "messages": messages,
+        **({"tools": tools} if tools else {}),
+    }
     if stream:
         with http.stream("POST", CHAT, json={**body, "stream": True}, headers=headers) as answer:
             assert answer.status_code == 200, answer.read()
@@ -113,12 +135,12 @@ def send(
                 if line.startswith("data: {"):
                     for choice in json.loads(line[len("data: ") :])["choices"]:
                         text += choice["delta"].get("content") or ""
-            return text
+            return {"role": "assistant", "content": text}
     answer = http.post(CHAT, json=body, headers=headers)
     assert answer.status_code == 200, answer.text
     client.conversations.add(answer.headers[HEADER])
-    content: str = answer.json()["choices"][0]["message"]["content"]
-    return content
+    message: dict[str, Any] = answer.json()["choices"][0]["message"]
+    return message
 
 
 def ask(http: httpx.Client, client: Client, step: int) -> None:
@@ -132,25 +154,42 @@ def retry(http: httpx.Client, upstream: UpstreamServer, client: Client, step: in
     """The last request again, byte for byte, as an SDK retries one whose answer it lost. It
     goes upstream again; a model may answer as before or anew, and the client shows that."""
     assert client.last is not None
-    messages, stream = client.last
+    messages, stream, tools = client.last
     first = client.view[-1]["content"]
     upstream.script(
         {"reply": first if client.rng.random() < 0.5 else f"Anew, {step} [{client.tag}]"}
     )
-    reply = send(http, client, messages, stream=stream, retrying=True)
-    if reply != first:  # the first answer leaves the branch, stored; the retry's is stored
+    again = send(http, client, messages, stream=stream, tools=tools, retrying=True)
+    if again != first:  # the first answer leaves the branch, stored; the retry's is stored
         del client.view[-1]
-        client.add({"role": "assistant", "content": reply})
+        client.add({"role": "assistant", "content": again})
 
 
 def regenerate(http: httpx.Client, upstream: UpstreamServer, client: Client, step: int) -> None:
     """The last answer asked for again: the same messages, in a request of another form, and
     the model answers otherwise."""
     assert client.last is not None
-    messages, stream = client.last
+    messages, stream, tools = client.last
     upstream.script({"reply": f"Another answer, the {step}th [{client.tag}]"})
     del client.view[-1]
-    client.add({"role": "assistant", "content": send(http, client, messages, stream=not stream)})
+    again = send(http, client, messages, stream=not stream, tools=tools)
+    client.add({"role": "assistant", "content": again})
+
+
+def use_a_tool(http: httpx.Client, upstream: UpstreamServer, client: Client, step: int) -> None:
+    """A task the model answers with a call of the client's tool: the client runs it, sends
+    the result, and gets the answer (an agent's round)."""
+    task = {"role": "user", "content": f"Task {step} in the orchard [{client.tag}]"}
+    client.add(task)
+    upstream.script({"tool_calls": [{"name": "count_trees", "arguments": {"row": step}}]})
+    [call] = reply(http, client, client.sent([task]), stream=False, tools=TOOLS)["tool_calls"]
+    client.add({"role": "assistant", "content": None, "tool_calls": [call]})
+    result = {"role": "tool", "tool_call_id": call["id"], "content": f"{step * 7} trees"}
+    client.add(result)
+    answer = send(
+        http, client, client.sent([result]), stream=client.rng.random() < 0.5, tools=TOOLS
+    )
+    client.add({"role": "assistant", "content": answer})
 
 
 def edit(http: httpx.Client, client: Client, step: int) -> None:
@@ -177,7 +216,8 @@ def check(http: httpx.Client, upstream: UpstreamServer, client: Client) -> None:
     assert len(stored) == client.ever
     # What left the branch is not in the prompt (each message's text is unique).
     prompt = json.dumps(upstream.requests(CHAT)[-1]["body"]["messages"])
-    assert not [m["content"] for m in stored if m["superseded_at"] and m["content"] in prompt]
+    left = [m["content"] for m in stored if m["superseded_at"] and m["content"]]
+    assert not [content for content in left if content in prompt]
 
 
 @pytest.mark.parametrize("seed", [1, 2, 3])
@@ -195,9 +235,12 @@ def test_a_clients_random_steps_keep_its_view_and_store_each_message_once(
     steps = []
     for step in range(STEPS):
         draw = rng.random() if client.last is not None else 0.0
-        if draw < 0.7:
+        if draw < 0.6:
             steps.append("ask")
             ask(http, client, step)
+        elif draw < 0.7:
+            steps.append("tool")
+            use_a_tool(http, upstream, client, step)
         elif draw < 0.8:
             steps.append("retry")
             retry(http, upstream, client, step)

@@ -11,9 +11,9 @@ current branch held only the last window.
 
 A window is told apart by what it shares with the current branch: its turns (the messages
 after its system prompt) begin with the branch's last messages, in order, up to its head (a
-user message among them, unless the client named the conversation); what follows the head is
-new. A window that ends with the message before the head resends the head's request: a retry,
-or its answer regenerated.
+user message, a tool call or a tool result among them, unless the client named the
+conversation: `_ties`); what follows the head is new. A window that ends with the message
+before the head resends the head's request: a retry, or its answer regenerated.
 `place` says where its new messages go, checking each place the head could sit by the chain
 hashes the window's turns would have, had they followed the branch message before them. A
 window is the client's whole view of the conversation (`Found.whole`): while the conversation
@@ -65,8 +65,8 @@ async def place(
     """Where `messages` go when it is a window onto the current branch of the locked
     conversation `row` (module docstring); None when it is not one. `named`: the client named
     the conversation, so a window may share the head alone with it (its last reply, then what
-    is new); without a name, a user message shared too tells it from a chat that merely ends
-    alike ("Sure!")."""
+    is new); without a name, a user message or a tool exchange shared too tells it from a chat
+    that merely ends alike ("Sure!")."""
     if row.head_hash is None or row.head_seq is None:
         return None
     opening = system_prompts.opening(messages)
@@ -94,7 +94,7 @@ async def place(
         shared = turns[:overlap]
         return (
             overlap + last < len(hashes)
-            and (named or any(message.get("role") == "user" for message in shared))
+            and (named or any(_ties(message) for message in shared))
             and chains.chain_hash(hashes[last + 1], shared[-1]) == hashes[last]
             and chains.chain(shared, hashes[overlap + last])[-1] == hashes[last]
         )
@@ -106,6 +106,15 @@ async def place(
     if len(tail) > 1 and reaches(len(turns), 1):
         return Window(start=len(messages), resent=(tail[1].chain_hash, tail[1].seq))
     return None
+
+
+def _ties(message: Mapping[str, Any]) -> bool:
+    """Whether a message the window shares with the branch ties it to the conversation without
+    a name: a user message, or a tool call or its result (by the call's id, which an upstream
+    makes unique); an assistant's text alone may end chats that share nothing else."""
+    return message.get("role") in ("user", "tool") or (
+        message.get("role") == "assistant" and bool(message.get("tool_calls"))
+    )
 
 
 async def resending(
