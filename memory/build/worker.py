@@ -1,11 +1,18 @@
 """Workers: processes that run the queue's jobs (`memory.build.jobs`) with registered handlers.
 
 A `Worker` runs `concurrency` loops that claim a job, run its handler while a background task
-extends the lease every lease/3 seconds, and complete or fail it. A handler's exception fails
-the job (logged by id and kind only: the error text goes to `last_error`, never the log); a
-lost lease cancels the handler, because the job now belongs to another worker. Idle loops wake
-on a NOTIFY (a dedicated LISTEN connection) or after the poll interval. `run(stop)` returns once
-`stop` is set and the jobs in hand are done; `run_until_idle()` runs until nothing is eligible.
+extends the lease every lease/3 seconds, and complete or fail it (`memory.build.outcomes`). A
+handler's exception fails the job (logged by id and kind only: the error text goes to
+`last_error`, never the log), except a passing upstream fault (`ProviderUnavailable`: the
+upstream is down, timing out, rate-limiting or answering 5xx), which gives the job back
+without spending an attempt, after a backoff that grows while such faults follow one another
+(`memory.build.backoff.Outage`): an outage of any length dead-letters nothing. A lost lease
+cancels the handler, because the job now belongs to another worker.
+
+Idle loops wake on a NOTIFY (a dedicated LISTEN connection) or after the poll interval.
+
+`run(stop)` returns once `stop` is set and the jobs in hand are done; `run_until_idle()` runs
+until nothing is eligible.
 """
 
 import asyncio
@@ -21,27 +28,17 @@ import asyncpg
 from sqlalchemy.engine import URL
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from memory.build.jobs import (
-    BACKOFF_BASE,
-    BACKOFF_CAP,
-    CHANNEL,
-    MAX_ERROR_CHARS,
-    Handler,
-    Job,
-    claim,
-    complete,
-    describe_lost,
-    extend_lease,
-    fail,
-)
-from memory.errors import InvalidInput, StorageUnavailable
+from memory.build.backoff import BACKOFF_BASE, BACKOFF_CAP, OUTAGE_BACKOFF_CAP, Outage
+from memory.build.jobs import CHANNEL, MAX_ERROR_CHARS, Handler, Job, claim
+from memory.build.outcomes import complete, describe_lost, extend_lease, fail, requeue
+from memory.errors import InvalidInput, ProviderUnavailable, StorageUnavailable
 
 log = logging.getLogger(__name__)
 
 JobObserver = Callable[[str, float, str], None]
-"""Told `(kind, seconds, outcome)` of every job this worker runs: outcome `done`, `failed` or
-`abandoned` (its lease was lost to another worker). Metrics hang on it; `memory` stays free of
-them."""
+"""Told `(kind, seconds, outcome)` of every job this worker runs: outcome `done`, `failed`,
+`deferred` (its upstream was unavailable: given back, no attempt spent) or `abandoned` (its
+lease was lost to another worker). Metrics hang on it; `memory` stays free of them."""
 
 
 _DSN_OPTIONS: Final = frozenset(
@@ -89,6 +86,7 @@ class Worker:
         kinds: Collection[str] | None = None,
         backoff_base: float = BACKOFF_BASE,
         backoff_cap: float = BACKOFF_CAP,
+        outage_backoff_cap: float = OUTAGE_BACKOFF_CAP,
         listen: bool = True,
         observe: JobObserver | None = None,
     ) -> None:
@@ -107,6 +105,7 @@ class Worker:
         self._kinds = None if kinds is None else tuple(kinds)
         self._backoff_base = backoff_base
         self._backoff_cap = backoff_cap
+        self._outage = Outage(base=backoff_base, cap=outage_backoff_cap)
         self._listen_enabled = listen
         self._observe = observe
         # Set by a NOTIFY on `CHANNEL`; idle loops wait on it or on the poll interval.
@@ -216,6 +215,19 @@ class Worker:
             else:
                 self._observed(job, started, "failed")
                 await self._fail(job, "the handler was cancelled")
+        except ProviderUnavailable as exc:
+            delay = self._outage.failed()
+            # Once per outage at warning level: every job of the queue meets the same one.
+            log.log(
+                logging.WARNING if self._outage.failures == 1 else logging.INFO,
+                "job %d (%s) deferred for %.1fs, its attempt not counted: %s",
+                job.id,
+                job.kind,
+                delay,
+                exc,
+            )
+            self._observed(job, started, "deferred")
+            await self._requeue(job, _describe(exc), delay)
         except Exception as exc:
             # Only the exception's type: its message may quote conversation contents. The full
             # text is kept in the job's last_error, which only its tenant and the admin can read.
@@ -230,6 +242,7 @@ class Worker:
             self._observed(job, started, "failed")
             await self._fail(job, _describe(exc))
         else:
+            self._outage.cleared()
             self._observed(job, started, "done")
             try:
                 await complete(self._engine, job=job)
@@ -253,6 +266,13 @@ class Worker:
         except StorageUnavailable as exc:
             # The lease runs out and the job runs again, as if this attempt had not happened.
             log.warning("job %d (%s): could not record its failure: %s", job.id, job.kind, exc)
+
+    async def _requeue(self, job: Job, error: str, delay: float) -> None:
+        try:
+            await requeue(self._engine, job=job, error=error, delay_seconds=delay)
+        except StorageUnavailable as exc:
+            # The lease runs out and the job runs again (this attempt counted after all).
+            log.warning("job %d (%s): could not give it back: %s", job.id, job.kind, exc)
 
     async def _keep_lease(self, job: Job, work: asyncio.Task[None], lost: asyncio.Event) -> None:
         """Extend the lease every third of it while `work` runs; cancel `work` if it is lost."""
