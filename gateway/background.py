@@ -126,6 +126,7 @@ def worker(
         lease_seconds=settings.job_lease_seconds,
         concurrency=concurrency,
         observe=observe,
+        retention=settings.job_retention_seconds,
     )
 
 

@@ -9,13 +9,16 @@ without spending an attempt, after a backoff that grows while such faults follow
 (`memory.build.backoff.Outage`): an outage of any length dead-letters nothing. A lost lease
 cancels the handler, because the job now belongs to another worker.
 
-Idle loops wake on a NOTIFY (a dedicated LISTEN connection) or after the poll interval.
+Idle loops wake on a NOTIFY (a dedicated LISTEN connection) or after the poll interval. With
+a `retention`, the worker also deletes done jobs older than that now and then
+(`memory.build.retention`).
 
 `run(stop)` returns once `stop` is set and the jobs in hand are done; `run_until_idle()` runs
 until nothing is eligible.
 """
 
 import asyncio
+import contextlib
 import logging
 import os
 import socket
@@ -28,6 +31,7 @@ import asyncpg
 from sqlalchemy.engine import URL
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from memory.build import retention
 from memory.build.backoff import BACKOFF_BASE, BACKOFF_CAP, OUTAGE_BACKOFF_CAP, Outage
 from memory.build.jobs import CHANNEL, MAX_ERROR_CHARS, Handler, Job, claim
 from memory.build.outcomes import complete, describe_lost, extend_lease, fail, requeue
@@ -39,6 +43,10 @@ JobObserver = Callable[[str, float, str], None]
 """Told `(kind, seconds, outcome)` of every job this worker runs: outcome `done`, `failed`,
 `deferred` (its upstream was unavailable: given back, no attempt spent) or `abandoned` (its
 lease was lost to another worker). Metrics hang on it; `memory` stays free of them."""
+
+# Seconds between two looks for done jobs past their retention: each look is one indexed scan
+# and deletes in bounded batches, so a week's backlog goes at the first one.
+SWEEP_SECONDS: Final = 300.0
 
 
 _DSN_OPTIONS: Final = frozenset(
@@ -89,13 +97,19 @@ class Worker:
         outage_backoff_cap: float = OUTAGE_BACKOFF_CAP,
         listen: bool = True,
         observe: JobObserver | None = None,
+        retention: float | None = None,
+        sweep_interval: float = SWEEP_SECONDS,
     ) -> None:
+        """`retention`: seconds a done job is kept (None: for ever), looked for every
+        `sweep_interval` seconds."""
         if lease_seconds <= 0:
             raise InvalidInput("lease_seconds must be positive", param="lease_seconds")
         if poll_interval <= 0:
             raise InvalidInput("poll_interval must be positive", param="poll_interval")
         if concurrency < 1:
             raise InvalidInput("concurrency must be at least 1", param="concurrency")
+        if retention is not None and retention <= 0:
+            raise InvalidInput("retention must be positive", param="retention")
         self.worker_id = worker_id or default_worker_id()
         self._engine = engine
         self._handlers = dict(handlers)
@@ -108,21 +122,41 @@ class Worker:
         self._outage = Outage(base=backoff_base, cap=outage_backoff_cap)
         self._listen_enabled = listen
         self._observe = observe
+        self._retention = retention
+        self._sweep_interval = sweep_interval
         # Set by a NOTIFY on `CHANNEL`; idle loops wait on it or on the poll interval.
         self._wake = asyncio.Event()
 
     async def run(self, stop: asyncio.Event) -> None:
         """Run jobs until `stop` is set; then finish the jobs in hand and return."""
-        listener = asyncio.create_task(self._listen(stop)) if self._listen_enabled else None
+        # Each ends by itself once `stop` is set.
+        helpers = [self._listen(stop)] if self._listen_enabled else []
+        if self._retention is not None:
+            helpers.append(self._sweep(stop, self._retention))
+        tasks = [asyncio.create_task(helper) for helper in helpers]
         try:
             async with asyncio.TaskGroup() as group:
                 for _ in range(self._concurrency):
                     group.create_task(self._loop(stop))
         finally:
-            if listener is not None:
-                if not stop.is_set():  # we are leaving on an error or a cancellation
-                    listener.cancel()
-                await asyncio.gather(listener, return_exceptions=True)
+            if not stop.is_set():  # we are leaving on an error or a cancellation
+                for task in tasks:
+                    task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _sweep(self, stop: asyncio.Event, older_than: float) -> None:
+        """Delete done jobs older than `older_than` seconds every `sweep_interval`, until
+        `stop` is set."""
+        while not stop.is_set():
+            try:
+                deleted = await retention.delete_done(self._engine, older_than=older_than)
+            except StorageUnavailable as exc:
+                log.warning("worker %s cannot delete old done jobs: %s", self.worker_id, exc)
+            else:
+                if deleted:
+                    log.info("worker %s deleted %d old done jobs", self.worker_id, deleted)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), self._sweep_interval)
 
     async def run_until_idle(self) -> int:
         """Run jobs until none is eligible (delayed retries are not waited for); how many ran."""
