@@ -9,9 +9,9 @@ without spending an attempt, after a backoff that grows while such faults follow
 (`memory.build.backoff.Outage`): an outage of any length dead-letters nothing. A lost lease
 cancels the handler, because the job now belongs to another worker.
 
-Idle loops wake on a NOTIFY (a dedicated LISTEN connection) or after the poll interval. With
-a `retention`, the worker also deletes done jobs older than that now and then
-(`memory.build.retention`).
+Idle loops wake on a NOTIFY (a dedicated LISTEN connection, reconnected whenever it fails or
+the server ends it, with a warning) or after the poll interval. With a `retention`, the worker
+also deletes done jobs older than that now and then (`memory.build.retention`).
 
 `run(stop)` returns once `stop` is set and the jobs in hand are done; `run_until_idle()` runs
 until nothing is eligible.
@@ -47,6 +47,9 @@ lease was lost to another worker). Metrics hang on it; `memory` stays free of th
 # Seconds between two looks for done jobs past their retention: each look is one indexed scan
 # and deletes in bounded batches, so a week's backlog goes at the first one.
 SWEEP_SECONDS: Final = 300.0
+# The longest wait before a lost LISTEN connection is opened again: notices sent meanwhile are
+# lost, and a worker with a long poll interval would sleep through its queue until then.
+_RELISTEN_SECONDS: Final = 1.0
 
 
 _DSN_OPTIONS: Final = frozenset(
@@ -204,13 +207,17 @@ class Worker:
             else:
                 await self._execute(job)
 
-    async def _idle(self, stop: asyncio.Event, *, wake: bool) -> None:
-        """Wait for `stop`, a notice (if `wake`), or the poll interval."""
+    async def _idle(self, stop: asyncio.Event, *, wake: bool, seconds: float | None = None) -> None:
+        """Wait for `stop`, a notice (if `wake`), or `seconds` (the poll interval if None)."""
         waits = [asyncio.ensure_future(stop.wait())]
         if wake:
             waits.append(asyncio.ensure_future(self._wake.wait()))
         try:
-            await asyncio.wait(waits, timeout=self._poll, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait(
+                waits,
+                timeout=self._poll if seconds is None else seconds,
+                return_when=asyncio.FIRST_COMPLETED,
+            )
         finally:
             for waiting in waits:
                 waiting.cancel()
@@ -326,7 +333,9 @@ class Worker:
                 return
 
     async def _listen(self, stop: asyncio.Event) -> None:
-        """Hold a LISTEN connection that wakes idle loops; reconnect after a failure."""
+        """Hold a LISTEN connection that wakes idle loops until `stop` is set; reconnect after
+        any failure, and say so: polling carries on meanwhile, but a worker that lost its
+        wake-ups unnoticed waited out its poll interval for every job."""
         dsn = _listen_dsn(self._engine.url)
         failures = 0
         while not stop.is_set():
@@ -334,25 +343,35 @@ class Worker:
                 connection = await asyncpg.connect(
                     dsn, server_settings={"application_name": "memstrata-listen"}
                 )
-            except (OSError, asyncpg.PostgresError) as exc:
+            # Whatever it was (asyncpg raises some errors outside its PostgresError), this
+            # task must not end: nothing would notice that wake-ups stopped.
+            except Exception as exc:
                 failures += 1
                 # Once per outage, not once per poll: polling carries on meanwhile.
                 log.log(
                     logging.WARNING if failures == 1 else logging.DEBUG,
                     "worker %s cannot LISTEN (polling instead): %s",
                     self.worker_id,
-                    exc,
+                    _describe(exc),
                 )
             else:
                 failures = 0
                 try:
                     await self._listen_on(connection, stop)
-                except (OSError, asyncpg.PostgresError) as exc:
-                    log.warning("worker %s lost its LISTEN connection: %s", self.worker_id, exc)
+                except Exception as exc:
+                    log.warning(
+                        "worker %s lost its LISTEN connection: %s", self.worker_id, _describe(exc)
+                    )
+                else:
+                    if not stop.is_set():
+                        log.warning(
+                            "worker %s lost its LISTEN connection: the server closed it",
+                            self.worker_id,
+                        )
                 finally:
                     await _close(connection)
             if not stop.is_set():
-                await self._idle(stop, wake=False)
+                await self._idle(stop, wake=False, seconds=min(self._poll, _RELISTEN_SECONDS))
 
     async def _listen_on(self, connection: Any, stop: asyncio.Event) -> None:
         """Wake idle loops on every notice until `stop` is set or `connection` closes."""
@@ -375,7 +394,7 @@ async def _close(connection: Any) -> None:
         return
     try:
         await asyncio.wait_for(connection.close(), timeout=5)
-    except (OSError, asyncpg.PostgresError, TimeoutError):
+    except Exception:  # any failure to close politely (the listener must live on): just drop it
         connection.terminate()
 
 
