@@ -473,7 +473,7 @@ async def test_serve_starts_another_worker_process_when_its_child_dies(
     settings = Settings(
         database_url=database_url, upstream_base_url=upstream.url, workers=1, worker_nice=0
     )
-    async with worker_process.running(settings, database_url, grace=5):
+    async with worker_process.running(settings, database_url):
         (child,) = [p for p in multiprocessing.active_children() if p.name == "memstrata-worker"]
         os.kill(child.pid or 0, signal.SIGKILL)
         await asyncio.to_thread(child.join, 10)

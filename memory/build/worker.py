@@ -13,8 +13,9 @@ Idle loops wake on a NOTIFY (a dedicated LISTEN connection, reconnected whenever
 the server ends it, with a warning) or after the poll interval. With a `retention`, the worker
 also deletes done jobs older than that now and then (`memory.build.retention`).
 
-`run(stop)` returns once `stop` is set and the jobs in hand are done; `run_until_idle()` runs
-until nothing is eligible.
+`run(stop)` returns once `stop` is set and the jobs in hand are done, or, after `grace`
+seconds, gives those still running back to the queue (their attempt not spent) and returns;
+`run_until_idle()` runs until nothing is eligible.
 """
 
 import asyncio
@@ -41,8 +42,9 @@ log = logging.getLogger(__name__)
 
 JobObserver = Callable[[str, float, str], None]
 """Told `(kind, seconds, outcome)` of every job this worker runs: outcome `done`, `failed`,
-`deferred` (its upstream was unavailable: given back, no attempt spent) or `abandoned` (its
-lease was lost to another worker). Metrics hang on it; `memory` stays free of them."""
+`deferred` (its upstream was unavailable: given back, no attempt spent), `abandoned` (its lease
+was lost to another worker) or `released` (given back when the worker stopped). Metrics hang on
+it; `memory` stays free of them."""
 
 # Seconds between two looks for done jobs past their retention: each look is one indexed scan
 # and deletes in bounded batches, so a week's backlog goes at the first one.
@@ -100,10 +102,12 @@ class Worker:
         outage_backoff_cap: float = OUTAGE_BACKOFF_CAP,
         listen: bool = True,
         observe: JobObserver | None = None,
+        grace: float | None = None,
         retention: float | None = None,
         sweep_interval: float = SWEEP_SECONDS,
     ) -> None:
-        """`retention`: seconds a done job is kept (None: for ever), looked for every
+        """`grace`: seconds `run` lets the jobs in hand finish once stopped (None: as long as
+        they take); `retention`: seconds a done job is kept (None: for ever), looked for every
         `sweep_interval` seconds."""
         if lease_seconds <= 0:
             raise InvalidInput("lease_seconds must be positive", param="lease_seconds")
@@ -111,6 +115,8 @@ class Worker:
             raise InvalidInput("poll_interval must be positive", param="poll_interval")
         if concurrency < 1:
             raise InvalidInput("concurrency must be at least 1", param="concurrency")
+        if grace is not None and grace < 0:
+            raise InvalidInput("grace must not be negative", param="grace")
         if retention is not None and retention <= 0:
             raise InvalidInput("retention must be positive", param="retention")
         self.worker_id = worker_id or default_worker_id()
@@ -125,27 +131,52 @@ class Worker:
         self._outage = Outage(base=backoff_base, cap=outage_backoff_cap)
         self._listen_enabled = listen
         self._observe = observe
+        self.grace = grace
         self._retention = retention
         self._sweep_interval = sweep_interval
         # Set by a NOTIFY on `CHANNEL`; idle loops wait on it or on the poll interval.
         self._wake = asyncio.Event()
+        # The handlers running now, by job id; given back once `grace` has run out.
+        self._in_hand: dict[int, asyncio.Task[None]] = {}
+        self._releasing = False
 
     async def run(self, stop: asyncio.Event) -> None:
-        """Run jobs until `stop` is set; then finish the jobs in hand and return."""
+        """Run jobs until `stop` is set; then finish the jobs in hand (for up to `grace`
+        seconds, after which they are given back) and return."""
         # Each ends by itself once `stop` is set.
         helpers = [self._listen(stop)] if self._listen_enabled else []
         if self._retention is not None:
             helpers.append(self._sweep(stop, self._retention))
         tasks = [asyncio.create_task(helper) for helper in helpers]
+        deadline = None if self.grace is None else asyncio.create_task(self._release_late(stop))
         try:
             async with asyncio.TaskGroup() as group:
                 for _ in range(self._concurrency):
                     group.create_task(self._loop(stop))
         finally:
+            if deadline is not None:
+                deadline.cancel()
+                tasks.append(deadline)
             if not stop.is_set():  # we are leaving on an error or a cancellation
                 for task in tasks:
                     task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _release_late(self, stop: asyncio.Event) -> None:
+        """Once `stop` is set and `grace` has passed, cancel the handlers still running: their
+        jobs are given back (`_execute`), so that a stopping worker is not held for as long as a
+        job may take (a summary's upstream request, minutes) and loses none of them."""
+        await stop.wait()
+        await asyncio.sleep(self.grace or 0)
+        self._releasing = True
+        for job_id, work in list(self._in_hand.items()):
+            log.warning(
+                "worker %s stopping: job %d still running after %gs; giving it back",
+                self.worker_id,
+                job_id,
+                self.grace,
+            )
+            work.cancel()
 
     async def _sweep(self, stop: asyncio.Event, older_than: float) -> None:
         """Delete done jobs older than `older_than` seconds every `sweep_interval`, until
@@ -237,12 +268,14 @@ class Worker:
             return
         started = time.perf_counter()
         work = asyncio.create_task(_run_handler(handler, job), name=f"job-{job.id}")
+        self._in_hand[job.id] = work
         lost = asyncio.Event()
         keeper = asyncio.create_task(self._keep_lease(job, work, lost))
         try:
             try:
                 await work
             finally:
+                del self._in_hand[job.id]
                 keeper.cancel()
                 await asyncio.gather(keeper, return_exceptions=True)
         except asyncio.CancelledError:
@@ -253,6 +286,9 @@ class Worker:
                 what = await describe_lost(self._engine, job=job)
                 log.warning("job %d (%s) %s; abandoned", job.id, job.kind, what)
                 self._observed(job, started, "abandoned")
+            elif self._releasing:
+                self._observed(job, started, "released")
+                await self._requeue(job, None, 0)
             else:
                 self._observed(job, started, "failed")
                 await self._fail(job, "the handler was cancelled")
@@ -308,7 +344,7 @@ class Worker:
             # The lease runs out and the job runs again, as if this attempt had not happened.
             log.warning("job %d (%s): could not record its failure: %s", job.id, job.kind, exc)
 
-    async def _requeue(self, job: Job, error: str, delay: float) -> None:
+    async def _requeue(self, job: Job, error: str | None, delay: float) -> None:
         try:
             await requeue(self._engine, job=job, error=error, delay_seconds=delay)
         except StorageUnavailable as exc:
