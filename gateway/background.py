@@ -126,21 +126,29 @@ def worker(
         lease_seconds=settings.job_lease_seconds,
         concurrency=concurrency,
         observe=observe,
+        grace=settings.worker_grace_seconds,
+        retention=settings.job_retention_seconds,
     )
 
 
+STOP_MARGIN = 5.0
+"""Seconds a stopping worker is given beyond its grace, to give back the jobs still running."""
+
+
 @asynccontextmanager
-async def running(runner: Worker, *, grace: float = 10.0) -> AsyncIterator[None]:
+async def running(runner: Worker) -> AsyncIterator[None]:
     """Run `runner` in the background for the duration of the block; on exit let it finish
-    the jobs in hand for up to `grace` seconds (an unfinished job's lease expires and another
-    worker takes it over)."""
+    the jobs in hand for its grace period, after which it gives them back. Should it not be
+    done `STOP_MARGIN` seconds later, it is cancelled (an unfinished job's lease expires and
+    another worker takes it over)."""
     stop = asyncio.Event()
     task = asyncio.create_task(runner.run(stop))
     try:
         yield
     finally:
         stop.set()
+        wait = None if runner.grace is None else runner.grace + STOP_MARGIN
         try:
-            await asyncio.wait_for(task, grace)
+            await asyncio.wait_for(task, wait)
         except TimeoutError:
-            log.warning("background worker did not stop within %.0fs", grace)
+            log.warning("background worker did not stop within %.0fs", wait)

@@ -268,7 +268,8 @@ def import_command(
 
 async def _failed_jobs(engine: AsyncEngine, *, external_id: str) -> list[backlog.JobRecord]:
     """The default tenant's conversation's jobs that failed: dead, or queued to try again
-    later (a worker stops when no job is due, so `--wait` left them)."""
+    later (a worker stops when no job is due, so `--wait` left them), also those deferred by
+    an upstream outage (no attempt spent, but an error recorded)."""
     async with transaction(engine) as conn:
         tenant_id = await store.tenant_id_by_name(conn)
         ref = await store.find_conversation(conn, tenant_id=tenant_id, external_id=external_id)
@@ -276,7 +277,9 @@ async def _failed_jobs(engine: AsyncEngine, *, external_id: str) -> list[backlog
             conn, status=None, tenant_id=tenant_id, conversation_id=ref.id, limit=1000
         )
     return [
-        job for job in found if job.status == "dead" or (job.status == "queued" and job.attempts)
+        job
+        for job in found
+        if job.status == "dead" or (job.status == "queued" and (job.attempts or job.last_error))
     ]
 
 

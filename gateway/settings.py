@@ -54,6 +54,10 @@ class Settings(BaseSettings):
     # How much lower the worker process's CPU priority is than serve's (Linux nice).
     worker_nice: int = Field(default=10, ge=0, le=19)
     job_lease_seconds: float = Field(default=60.0, gt=0)
+    # How long a stopping worker lets its jobs in hand finish before giving them back.
+    worker_grace_seconds: float = Field(default=30.0, ge=0)
+    # How long a done job stays in the queue's table before a worker deletes it.
+    job_retention_seconds: float = Field(default=7 * 86400.0, gt=0)
 
     # Embeddings
     embedding_provider: Literal["local", "upstream"] = "local"

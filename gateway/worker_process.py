@@ -13,8 +13,10 @@ many jobs at once, exactly as `memstrata worker` does (`gateway.background`).
   the background takes what they leave (its trees lag while the machine stays busy; messages
   not embedded yet are still found by full text); on an idle one it runs as fast as before.
 * Job outcomes cross back through a queue, so `serve`'s `/metrics` still counts them.
-* The child stops when `serve` stops (it finishes the jobs in hand for a grace period, then is
-  terminated; an unfinished job's lease runs out and another worker takes it over), and also
+* The child stops when `serve` stops (it finishes the jobs in hand for
+  `MEMSTRATA_WORKER_GRACE_SECONDS`, then gives back those still running; one that does not
+  leave a few seconds later is terminated, its unfinished job's lease runs out and another
+  worker takes it over), and also
   when `serve` dies without stopping it: it watches its parent and exits once orphaned. It
   ignores SIGINT, which a terminal's Ctrl-C sends it beside `serve`: `serve` stops it.
 * A child that dies while `serve` runs (killed by the OOM killer, crashed) is logged and
@@ -60,9 +62,9 @@ async def running(
     database_url: str,
     *,
     observe: JobObserver | None = None,
-    grace: float = 10.0,
 ) -> AsyncIterator[None]:
     """The worker process (another one whenever it dies), for the duration of the block."""
+    grace = settings.worker_grace_seconds + background.STOP_MARGIN
     context = multiprocessing.get_context("spawn")
     stop = context.Event()
 

@@ -10,6 +10,7 @@
     ├── StorageUnavailable    Postgres cannot be reached or refused us
     │   └── SchemaMismatch    pgvector missing, migrations not applied, wrong vector dimension
     └── ProviderError         an embedding or summarization backend failed
+        └── ProviderUnavailable   ... for now: unreachable, timed out, rate-limited or 5xx
 
 `memory/` raises only these; lower-level errors (asyncpg, SQLAlchemy, httpx, onnxruntime) are
 translated where they happen with ``raise X(...) from exc``. The HTTP edge maps each class to
@@ -63,3 +64,8 @@ class SchemaMismatch(StorageUnavailable):
 
 class ProviderError(MemstrataError):
     """An embedding or summarization backend failed."""
+
+
+class ProviderUnavailable(ProviderError):
+    """The backend could not answer for now (unreachable, timed out, HTTP 408, 429 or 5xx):
+    the same request may well succeed later, unlike a refused or malformed one."""

@@ -10,8 +10,9 @@ header is sent at all (local servers such as Ollama or vLLM need none).
 `post` returns the answer's JSON as the server sent it, so the callers keep parsing it
 themselves (and stay indifferent to the SDK's own models); every failure becomes a
 `ProviderError` whose message names the status and the error's type or code, never the
-request's text; `refused_parameter` reads which request parameter a 400 answer named, so that a
-caller may send the request again without it.
+request's text (a `ProviderUnavailable` when a later try may succeed: unreachable, timed out,
+408, 429 or 5xx, once the SDK's own retries are spent); `refused_parameter` reads which request
+parameter a 400 answer named, so that a caller may send the request again without it.
 """
 
 import json
@@ -19,9 +20,11 @@ from typing import Any, Literal
 
 import openai
 
-from memory.errors import ProviderError
+from memory.errors import ProviderError, ProviderUnavailable
 
 DEFAULT_MAX_RETRIES = 2
+# Statuses of an upstream that is down or busy rather than refusing the request.
+_PASSING_STATUSES = frozenset({408, 429})
 _PLACEHOLDER_KEY = "memstrata-no-key"  # the SDK needs one; its header is left out (`_headers`)
 
 
@@ -70,13 +73,19 @@ class Provider:
                 raw = await self._client.embeddings.with_raw_response.create(**payload, **options)
             text = raw.text
         except openai.APIStatusError as exc:
-            raise ProviderError(
-                f"{what} upstream answered HTTP {exc.status_code}{_error_kind(exc.body)}"
-            ) from exc
+            status = exc.status_code
+            error = (
+                ProviderUnavailable
+                if status in _PASSING_STATUSES or status >= 500
+                else ProviderError
+            )
+            raise error(f"{what} upstream answered HTTP {status}{_error_kind(exc.body)}") from exc
         except openai.APITimeoutError as exc:
-            raise ProviderError(f"{what} upstream timed out") from exc
+            raise ProviderUnavailable(f"{what} upstream timed out") from exc
         except openai.APIConnectionError as exc:
-            raise ProviderError(f"{what} upstream unreachable ({type(exc).__name__})") from exc
+            raise ProviderUnavailable(
+                f"{what} upstream unreachable ({type(exc).__name__})"
+            ) from exc
         except openai.OpenAIError as exc:
             raise ProviderError(f"{what} upstream failed ({type(exc).__name__})") from exc
         try:

@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator, Iterator
 
 import httpx
 import pytest
-from sqlalchemy import insert
+from sqlalchemy import delete, insert
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from devkit.postgres import drop_database, fresh_database, throwaway_postgres
@@ -22,7 +22,7 @@ from devkit.upstream import UpstreamServer
 from gateway.settings import Settings
 from memory.db import connect, migrate
 from memory.postgres import EmbeddedPostgres
-from memory.schema import tenants
+from memory.schema import jobs, tenants
 from tests.inprocess import App, running_app
 
 
@@ -108,6 +108,16 @@ async def tenant_id(engine: AsyncEngine) -> int:
         )
     assert created is not None
     return int(created)
+
+
+@pytest.fixture
+async def kind(engine: AsyncEngine) -> AsyncIterator[str]:
+    """A job kind of this test's own; its jobs are deleted afterwards, so that no other test's
+    worker (which may claim every kind) finds them."""
+    name = f"test-{uuid.uuid4().hex[:12]}"
+    yield name
+    async with engine.begin() as conn:
+        await conn.execute(delete(jobs).where(jobs.c.kind == name))
 
 
 @pytest.fixture(scope="module")

@@ -52,6 +52,7 @@ from memory.provider import Provider
 from memory.schema import jobs, nodes, tenants
 from memory.schema import passages as passages_table
 from memory.write import identity, store, tree_nodes
+from tests import own_database
 from tests.inprocess import running_app
 
 # Embedding ~3,000 texts on a shared 2-core machine takes from ~45 s (idle) to minutes (busy).
@@ -85,15 +86,9 @@ class MemoEmbedder:
         return [self.memo[t] for t in texts]
 
 
-@pytest.fixture(scope="module")
-def database_url(module_database_url: str) -> str:
-    """This module's own database: its workers run every queued job (see `module_database_url`)."""
-    return module_database_url
-
-
-@pytest.fixture(scope="module")
-def engine(module_engine: AsyncEngine) -> AsyncEngine:
-    return module_engine
+# This module's own database: its workers run every queued job.
+database_url = own_database.database_url
+engine = own_database.engine
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ import random
 import time
 import uuid
 from collections import defaultdict
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import pytest
@@ -19,22 +19,13 @@ from sqlalchemy import delete, insert, make_url, select, text, update
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
-from memory.build import backlog, jobs
+from memory.build import backlog, jobs, outcomes
+from memory.build.backoff import backoff_seconds
 from memory.build.worker import Worker, _listen_dsn
 from memory.db import connect
 from memory.errors import InvalidInput, NotFound
 from memory.schema import conversations, tenants
 from memory.schema import jobs as jobs_table
-
-
-@pytest.fixture
-async def kind(engine: AsyncEngine) -> AsyncIterator[str]:
-    """A job kind of this test's own; its jobs are deleted afterwards, so that no other test's
-    worker (which may claim every kind) finds them."""
-    name = f"test-{uuid.uuid4().hex[:12]}"
-    yield name
-    async with engine.begin() as conn:
-        await conn.execute(delete(jobs_table).where(jobs_table.c.kind == name))
 
 
 async def new_conversation(engine: AsyncEngine, tenant_id: int) -> int:
@@ -214,7 +205,7 @@ async def test_claim_order_and_per_conversation_order(
     assert [j.id for j in [await take(engine, kind), await take(engine, kind)] if j] == [b1, loose]
     assert await take(engine, kind) is None
 
-    await jobs.complete(engine, job=first)
+    await outcomes.complete(engine, job=first)
     second = await take(engine, kind)
     assert second is not None and second.id == a2
 
@@ -228,14 +219,14 @@ async def test_failed_job_holds_back_its_conversation_until_dead(
 
     claimed = await take(engine, kind)
     assert claimed is not None and claimed.id == first
-    await jobs.fail(engine, job=claimed, error="boom", backoff_base=0.2)
+    await outcomes.fail(engine, job=claimed, error="boom", backoff_base=0.2)
     # Waiting out its backoff, the failed job still goes before the next one.
     assert await take(engine, kind) is None
     await asyncio.sleep(0.25)
     claimed = await take(engine, kind)
     assert claimed is not None and (claimed.id, claimed.attempts) == (first, 2)
 
-    await jobs.fail(engine, job=claimed, error="boom again")
+    await outcomes.fail(engine, job=claimed, error="boom again")
     assert (await row(engine, first)).status == "dead"
     # A dead job no longer holds the conversation back.
     claimed = await take(engine, kind)
@@ -257,7 +248,7 @@ async def test_an_older_job_committed_late_waits_for_the_running_one(
     assert older is not None and older < newer
     # One job of a conversation at a time, even out of order.
     assert await take(engine, kind) is None
-    await jobs.complete(engine, job=running)
+    await outcomes.complete(engine, job=running)
     claimed = await take(engine, kind)
     assert claimed is not None and claimed.id == older
 
@@ -369,7 +360,7 @@ async def test_concurrent_claimers_take_each_job_once(
             order[job.conversation_id].append(job.id)
             await asyncio.sleep(random.uniform(0, 0.002))
             in_flight.discard(job.conversation_id)
-            await jobs.complete(engine, job=job)
+            await outcomes.complete(engine, job=job)
 
     # A claimer stops at the first None; rounds repeat until nothing is left (a None can come
     # while the only eligible jobs are being taken by others).
@@ -470,13 +461,13 @@ async def test_an_expired_lease_is_reclaimed(
     assert await take(engine, kind, worker="third") is None
 
     # The worker presumed dead cannot touch the job any more.
-    assert not await jobs.extend_lease(engine, job=dead_worker, lease_seconds=30)
-    await jobs.complete(engine, job=dead_worker)
-    await jobs.fail(engine, job=dead_worker, error="late")
+    assert not await outcomes.extend_lease(engine, job=dead_worker, lease_seconds=30)
+    await outcomes.complete(engine, job=dead_worker)
+    await outcomes.fail(engine, job=dead_worker, error="late")
     stored = await row(engine, first)
     assert (stored.status, stored.locked_by, stored.last_error) == ("running", "lives", None)
 
-    await jobs.complete(engine, job=reclaimed)
+    await outcomes.complete(engine, job=reclaimed)
     stored = await row(engine, first)
     assert stored.status == "done" and stored.finished_at is not None
 
@@ -513,10 +504,10 @@ async def test_a_claim_is_told_apart_from_an_earlier_claim_by_the_same_worker(
     await asyncio.sleep(0.15)
     current = await take(engine, kind, worker="same")
     assert stale is not None and current is not None and current.attempts == 2
-    assert not await jobs.extend_lease(engine, job=stale, lease_seconds=30)
-    await jobs.complete(engine, job=stale)
+    assert not await outcomes.extend_lease(engine, job=stale, lease_seconds=30)
+    await outcomes.complete(engine, job=stale)
     assert (await row(engine, job_id)).status == "running"
-    await jobs.complete(engine, job=current)
+    await outcomes.complete(engine, job=current)
     assert (await row(engine, job_id)).status == "done"
 
 
@@ -524,7 +515,7 @@ async def test_extend_lease_keeps_the_job(engine: AsyncEngine, tenant_id: int, k
     await put(engine, kind=kind, tenant_id=tenant_id)
     claimed = await take(engine, kind, worker="a", lease=0.2)
     assert claimed is not None
-    assert await jobs.extend_lease(engine, job=claimed, lease_seconds=30)
+    assert await outcomes.extend_lease(engine, job=claimed, lease_seconds=30)
     await asyncio.sleep(0.25)
     assert await take(engine, kind, worker="b") is None
 
@@ -712,9 +703,9 @@ def test_backoff_grows_exponentially_with_jitter_and_a_cap() -> None:
     for attempts in range(1, 15):
         full = min(300.0, 2.0 ** (attempts - 1))
         for _ in range(20):
-            assert full / 2 <= jobs.backoff_seconds(attempts) <= full
-    assert 150 <= jobs.backoff_seconds(10**6) <= 300
-    assert 0.05 <= jobs.backoff_seconds(1, base=0.1) <= 0.1
+            assert full / 2 <= backoff_seconds(attempts) <= full
+    assert 150 <= backoff_seconds(10**6) <= 300
+    assert 0.05 <= backoff_seconds(1, base=0.1) <= 0.1
 
 
 async def test_failure_requeues_with_backoff(
@@ -723,7 +714,7 @@ async def test_failure_requeues_with_backoff(
     job_id = await put(engine, kind=kind, tenant_id=tenant_id)
     claimed = await take(engine, kind)
     assert claimed is not None
-    await jobs.fail(engine, job=claimed, error="RuntimeError: upstream 503")
+    await outcomes.fail(engine, job=claimed, error="RuntimeError: upstream 503")
     stored = await row(engine, job_id)
     assert (stored.status, stored.attempts) == ("queued", 1)
     assert stored.last_error == "RuntimeError: upstream 503"
@@ -738,7 +729,7 @@ async def test_failure_requeues_with_backoff(
         )
     claimed = await take(engine, kind)
     assert claimed is not None and claimed.attempts == 2
-    await jobs.fail(engine, job=claimed, error="again")
+    await outcomes.fail(engine, job=claimed, error="again")
     stored = await row(engine, job_id)
     assert (stored.status, stored.attempts) == ("queued", 2)
     assert 0.9 < stored.run_in.total_seconds() <= 2.0
@@ -854,7 +845,7 @@ async def test_a_failure_superseded_by_a_queued_duplicate_closes(
     assert claimed is not None
     second = await put(engine, kind=kind, tenant_id=tenant_id, dedupe_key=key)
     # Only one job per key may be queued: the queued one will do the work.
-    await jobs.fail(engine, job=claimed, error="boom")
+    await outcomes.fail(engine, job=claimed, error="boom")
     stored = await row(engine, first)
     assert (stored.status, stored.last_error) == ("done", "boom")
     assert (await row(engine, second)).status == "queued"
@@ -864,10 +855,10 @@ async def test_a_failure_superseded_by_a_queued_duplicate_closes(
     dead = await put(engine, kind=kind, tenant_id=tenant_id, dedupe_key=third_key, max_attempts=1)
     claimed = await take(engine, kind)
     assert claimed is not None and claimed.id == second
-    await jobs.complete(engine, job=claimed)
+    await outcomes.complete(engine, job=claimed)
     claimed = await take(engine, kind)
     assert claimed is not None and claimed.id == dead
-    await jobs.fail(engine, job=claimed, error="boom")
+    await outcomes.fail(engine, job=claimed, error="boom")
     await put(engine, kind=kind, tenant_id=tenant_id, dedupe_key=third_key)
     async with engine.begin() as conn:
         assert not await jobs.retry(conn, job_id=dead)
@@ -884,7 +875,7 @@ async def test_retry_and_listing_are_tenant_scoped(
     theirs = await put(engine, kind=kind, tenant_id=other_tenant)
     claimed = await take(engine, kind)
     assert claimed is not None and claimed.id == mine
-    await jobs.fail(engine, job=claimed, error="boom")
+    await outcomes.fail(engine, job=claimed, error="boom")
 
     async with engine.begin() as conn:
         with pytest.raises(NotFound):

@@ -414,6 +414,35 @@ async def test_llm_a_model_that_takes_no_temperature_is_asked_without_one(
         await summarizer.summarize(CONVERSATION, level=1, target_tokens=120)
 
 
+async def test_llm_reply_is_bounded_by_the_summary_budget(
+    upstream: UpstreamServer, client: Provider
+) -> None:
+    """A summary request carries `max_tokens` from the narrative's budget (MEMSTRATA_SUMMARY_
+    TOKENS): without it, a model caught in JSON mode's whitespace runaway wrote, and billed, up
+    to the end of its context. A model that takes only `max_completion_tokens` (OpenAI's
+    reasoning and newer models refuse `max_tokens`) is asked again with that, with room for its
+    reasoning, and so is every later request."""
+    refusal = {
+        "error": {
+            "message": "Unsupported parameter: 'max_tokens' is not supported with this model. "
+            "Use 'max_completion_tokens' instead.",
+            "type": "invalid_request_error",
+            "param": "max_tokens",
+            "code": "unsupported_parameter",
+        }
+    }
+    reply = json.dumps({"narrative": NARRATIVE, **LLM_FACTS})
+    upstream.script({"reply": reply}, {"status": 400, "body": refusal}, {"reply": reply})
+    upstream.script({"reply": reply})
+    summarizer = llm(upstream, client)
+    for _ in range(3):
+        summary = await summarizer.summarize(CONVERSATION, level=1, target_tokens=120)
+        assert (summary.text, summary.method) == (NARRATIVE, "llm")
+    sent = [request["body"] for request in upstream.requests("/v1/chat/completions")]
+    limits = [(body.get("max_tokens"), body.get("max_completion_tokens")) for body in sent]
+    assert limits == [(1504, None), (1504, None), (None, 9696), (None, 9696)]
+
+
 async def test_llm_level_two_prompt_carries_children_and_their_facts(
     upstream: UpstreamServer, client: Provider
 ) -> None:

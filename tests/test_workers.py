@@ -37,6 +37,7 @@ from gateway.settings import Settings
 from memory.build.segments import SegmentPolicy
 from memory.schema import jobs, nodes
 from memory.write import store
+from tests import own_database
 from tests.test_hierarchy import (
     check_complete,
     expected_levels,
@@ -45,19 +46,12 @@ from tests.test_hierarchy import (
     walk_tree,
 )
 
+# This module's own database (its workers run every queued job).
+database_url = own_database.database_url
+engine = own_database.engine
+
 # Real embeddings in real processes: ~30 s on an idle 2-core machine, minutes on a busy one.
 pytestmark = pytest.mark.timeout(600)
-
-
-@pytest.fixture(scope="module")
-def database_url(module_database_url: str) -> str:
-    """This module's own database: its workers run every queued job (see `module_database_url`)."""
-    return module_database_url
-
-
-@pytest.fixture(scope="module")
-def engine(module_engine: AsyncEngine) -> AsyncEngine:
-    return module_engine
 
 
 @pytest.fixture
@@ -479,7 +473,7 @@ async def test_serve_starts_another_worker_process_when_its_child_dies(
     settings = Settings(
         database_url=database_url, upstream_base_url=upstream.url, workers=1, worker_nice=0
     )
-    async with worker_process.running(settings, database_url, grace=5):
+    async with worker_process.running(settings, database_url):
         (child,) = [p for p in multiprocessing.active_children() if p.name == "memstrata-worker"]
         os.kill(child.pid or 0, signal.SIGKILL)
         await asyncio.to_thread(child.join, 10)

@@ -19,22 +19,20 @@ Contract
   backoff). A dead job no longer holds back the ones after it. Jobs without a conversation are
   unordered. Claims of one conversation are serialised by a transaction-level advisory lock, and
   the eligibility is re-checked under that lock with a fresh snapshot (see `claim`).
-* `extend_lease`, `complete` and `fail` act only while the caller still owns the claim (same
-  `locked_by` *and* `attempts`, which every claim increments): a worker whose job was reclaimed
-  cannot overwrite the new owner's state. `describe_lost` says what became of a lost claim.
-* `fail` requeues with exponential backoff and jitter, or after `max_attempts` attempts moves the
-  job to `dead` (the dead letter), keeping `last_error`; `retry` revives it;
-  `memory.build.backlog` shows both. A job whose worker keeps dying (killed, out of memory) never
-  calls `fail`: once its lease runs out after its `max_attempts`-th claim, the next `claim`
-  dead-letters it instead of running it again, so a job that crashes its worker cannot loop.
+* A claim ends as `memory.build.outcomes` records it: done, failed (requeued with a backoff,
+  or after `max_attempts` attempts moved to `dead`, the dead letter), or given back without
+  spending its attempt. `retry` revives a dead job; `memory.build.backlog` shows them. A job
+  whose worker keeps dying (killed, out of memory) never calls `fail`: once its lease runs out
+  after its `max_attempts`-th claim, the next `claim` dead-letters it instead of running it
+  again, so a job that crashes its worker cannot loop.
 * Every time is the database's `now()`, never a host's clock, so any number of `serve` and
   `worker` processes on any machines may share one database.
 
-Statuses: queued → running → done; running → queued (retry later) or dead; dead → queued (retry).
+Statuses: queued → running → done; running → queued (retry later, or given back) or dead;
+dead → queued (retry).
 """
 
 import logging
-import random
 from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -51,7 +49,6 @@ from sqlalchemy import (
     Text,
     and_,
     bindparam,
-    case,
     exists,
     false,
     func,
@@ -83,11 +80,6 @@ DONE: Final = "done"
 DEAD: Final = "dead"
 STATUSES: Final = (QUEUED, RUNNING, DONE, DEAD)
 
-BACKOFF_BASE: Final = 1.0
-"""Seconds before the first retry; each further failure doubles it."""
-BACKOFF_CAP: Final = 300.0
-"""No retry waits longer than this many seconds."""
-
 MAX_ERROR_CHARS: Final = 4000
 """`last_error` is cut to this length: a failing job must not bloat its row."""
 
@@ -99,14 +91,15 @@ _LOCK_NAMESPACE: Final = 0x6A6F6273  # "jobs" in ASCII
 _CANDIDATES: Final = 16
 
 
-def _status(value: str) -> ColumnElement[str]:
+def status_sql(value: str) -> ColumnElement[str]:
+    """A status as SQL (`memory.build.outcomes` writes them too)."""
     # Statuses are written as SQL literals, not bound parameters, so that the planner can match
     # the partial indexes (`WHERE status = 'queued'`) even in a cached generic plan, and so that
     # ON CONFLICT can infer `uq_jobs_queued_dedupe`.
     return literal_column(f"'{value}'", Text)
 
 
-_Q, _R, _DONE, _DEAD = (_status(s) for s in STATUSES)
+_Q, _R, _DEAD = (status_sql(s) for s in (QUEUED, RUNNING, DEAD))
 
 
 @dataclass(frozen=True)
@@ -214,7 +207,7 @@ async def _notify(conn: AsyncConnection, kind: str) -> None:
 
 
 @asynccontextmanager
-async def _storage(what: str) -> AsyncIterator[None]:
+async def storage_errors(what: str) -> AsyncIterator[None]:
     """Translate driver errors into `StorageUnavailable`, without the statement's parameters."""
     try:
         yield
@@ -429,7 +422,7 @@ async def claim(
     wanted = None if kinds is None else list(kinds)
     if wanted is not None and not wanted:
         return None
-    async with _storage("claiming a job"), engine.begin() as conn:
+    async with storage_errors("claiming a job"), engine.begin() as conn:
         for job_id, kind, attempts in await conn.execute(_BURY_LOST):
             log.warning("job %d (%s) is dead: its worker was lost %d times", job_id, kind, attempts)
         if wanted is None:
@@ -460,138 +453,6 @@ async def _take(
         )
     ).one_or_none()
     return None if row is None else _job(row)
-
-
-def _owned(job: Job) -> ColumnElement[bool]:
-    # `attempts` grows with every claim, so (locked_by, attempts) names one claim: even another
-    # loop of the same worker that reclaimed the job is told apart.
-    return and_(
-        jobs.c.id == job.id,
-        jobs.c.status == _R,
-        jobs.c.locked_by == job.locked_by,
-        jobs.c.attempts == job.attempts,
-    )
-
-
-async def describe_lost(engine: AsyncEngine, *, job: Job) -> str:
-    """What became of a claim that is no longer ours, for the log: the job was deleted (with
-    its conversation), dead-lettered (its lease ran out on its last attempt), or reclaimed."""
-    try:
-        async with _storage(f"reading job {job.id}"), engine.connect() as conn:
-            row = (
-                await conn.execute(
-                    select(jobs.c.status, jobs.c.locked_by).where(jobs.c.id == job.id)
-                )
-            ).one_or_none()
-    except StorageUnavailable:
-        return "is no longer ours"
-    if row is None:
-        return "was deleted (with its conversation)"
-    if row.status == DEAD:
-        return "was dead-lettered (its lease ran out on its last attempt)"
-    return f"was reclaimed by worker {row.locked_by}"
-
-
-async def extend_lease(engine: AsyncEngine, *, job: Job, lease_seconds: float) -> bool:
-    """Push the lease to now + `lease_seconds`; False if the job is no longer ours."""
-    async with _storage(f"extending the lease of job {job.id}"), engine.begin() as conn:
-        kept = await conn.scalar(
-            update(jobs)
-            .where(_owned(job))
-            .values(
-                lease_until=func.now() + timedelta(seconds=lease_seconds), updated_at=func.now()
-            )
-            .returning(jobs.c.id)
-        )
-    return kept is not None
-
-
-async def complete(engine: AsyncEngine, *, job: Job) -> None:
-    """Mark the job done, unless another worker has reclaimed it meanwhile."""
-    async with _storage(f"completing job {job.id}"), engine.begin() as conn:
-        done = await conn.scalar(
-            update(jobs)
-            .where(_owned(job))
-            .values(status=_DONE, lease_until=None, finished_at=func.now(), updated_at=func.now())
-            .returning(jobs.c.id)
-        )
-    if done is None:
-        log.info(
-            "job %d (%s) %s; not marked done",
-            job.id,
-            job.kind,
-            await describe_lost(engine, job=job),
-        )
-
-
-def backoff_seconds(
-    attempts: int, *, base: float = BACKOFF_BASE, cap: float = BACKOFF_CAP
-) -> float:
-    """The wait before retrying a job that failed its `attempts`-th attempt.
-
-    `base * 2^(attempts-1)`, capped at `cap`, with "equal jitter": uniformly in [d/2, d], so that
-    jobs which failed together (an outage) do not all come back at the same instant.
-    """
-    delay = min(cap, base * 2.0 ** min(max(attempts - 1, 0), 62))
-    return delay / 2 + random.uniform(0, delay / 2)
-
-
-async def fail(
-    engine: AsyncEngine,
-    *,
-    job: Job,
-    error: str,
-    backoff_base: float = BACKOFF_BASE,
-    backoff_cap: float = BACKOFF_CAP,
-) -> None:
-    """Record a failed attempt: requeue after a backoff, or dead-letter after `max_attempts`.
-
-    `last_error` keeps `error` either way. If, while this job ran, the same work was queued
-    again (same `dedupe_key`), that queued job will do it: this one is closed as done rather
-    than requeued beside it (the unique index allows one queued job per key).
-    """
-    delay = backoff_seconds(job.attempts, base=backoff_base, cap=backoff_cap)
-    duplicate = jobs.alias("duplicate")
-    queued_duplicate = exists().where(
-        duplicate.c.dedupe_key == jobs.c.dedupe_key,
-        duplicate.c.status == _Q,
-        duplicate.c.id != jobs.c.id,
-    )
-    exhausted = jobs.c.attempts >= jobs.c.max_attempts
-    settled = or_(exhausted, queued_duplicate)
-    statement = (
-        update(jobs)
-        .where(_owned(job))
-        .values(
-            status=case((exhausted, _DEAD), (queued_duplicate, _DONE), else_=_Q),
-            run_after=case(
-                (settled, jobs.c.run_after), else_=func.now() + timedelta(seconds=delay)
-            ),
-            finished_at=case((settled, func.now()), else_=None),
-            lease_until=None,
-            last_error=error[:MAX_ERROR_CHARS],
-            updated_at=func.now(),
-        )
-        .returning(jobs.c.status)
-    )
-    async with _storage(f"recording the failure of job {job.id}"):
-        try:
-            async with engine.begin() as conn:
-                status = await conn.scalar(statement)
-        except IntegrityError:
-            # A job with our key was queued after our snapshot: a second try sees it (and
-            # closes this one); a second conflict is left to the lease to sort out.
-            async with engine.begin() as conn:
-                status = await conn.scalar(statement)
-    if status is None:
-        log.info(
-            "job %d (%s) %s; failure not recorded",
-            job.id,
-            job.kind,
-            await describe_lost(engine, job=job),
-        )
-    elif status == DEAD:
-        log.warning("job %d (%s) is dead after %d attempts", job.id, job.kind, job.attempts)
 
 
 # --- Reviving (in the caller's transaction) ------------------------------------------------

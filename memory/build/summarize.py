@@ -25,10 +25,11 @@ Three implementations:
   Pure CPU, about 0.1 ms per message: it runs on the event loop, where a thread hop would cost
   more than it saves.
 * :class:`LLMSummarizer` -- asks an OpenAI-compatible ``/chat/completions`` for a JSON object
-  (narrative + facts), at temperature 0 unless the model refuses one (reasoning models),
-  parses it leniently, and adds the identifiers, numbers and dates the regular expressions
-  find in the input that the model left out: models drop exact strings silently, and these
-  expressions are precise enough to trust.
+  (narrative + facts), at temperature 0 unless the model refuses one (reasoning models), its
+  reply bounded by ``max_tokens`` (``max_completion_tokens``, with room to reason, for models
+  that refuse the former), parses it leniently, and adds the identifiers, numbers and dates
+  the regular expressions find in the input that the model left out: models drop exact strings
+  silently, and these expressions are precise enough to trust.
 * :class:`FallbackSummarizer` -- ``auto`` mode: the LLM, and the extractive summarizer whenever
   the LLM fails; each Summary's ``method`` says which one made it.
 """
@@ -236,6 +237,14 @@ Every list holds strings; use [] when there is nothing. Copy identifiers, number
 dates exactly as written in the input. Never invent facts that are not stated."""
 
 _FENCE_RE = re.compile(r"```(?:json|JSON)?[ \t]*\n?(.*?)```", re.DOTALL)
+# A reply's bound, in multiples of the narrative's budget plus the JSON's keys: the facts' lists
+# may run as long as the narrative, and a model overshoots its budget. Without one, a model
+# caught in JSON mode's whitespace runaway wrote (and billed) up to its context's end.
+_REPLY_TOKENS_PER_TARGET = 4
+_REPLY_TOKENS_EXTRA = 1024
+# `max_completion_tokens` also counts a reasoning model's hidden reasoning: room for it, or its
+# summary is cut before it starts (a failure, not a shorter summary).
+_REASONING_TOKENS = 8192
 _MAX_JSON_ATTEMPTS = 32
 # Finish reasons of a reply the upstream cut before the model ended it.
 _CUT_SHORT = frozenset({"length", "content_filter"})
@@ -309,6 +318,9 @@ class LLMSummarizer:
         # None once the model refused it: reasoning models (o-series, gpt-5) take only their
         # default temperature, and answered every summary 400.
         self._temperature: float | None = 0
+        # The reply's bound; `max_completion_tokens` once the model refused `max_tokens` (the
+        # same reasoning models, and newer OpenAI ones, take only that).
+        self._limit = "max_tokens"
 
     def _prompt(self, items: Sequence[SummaryInput], level: int) -> str:
         if level == 1:
@@ -348,7 +360,8 @@ class LLMSummarizer:
             "stream": False,
             "response_format": {"type": "json_object"},
         }
-        content, finish_reason = await self._complete(payload)
+        reply_tokens = _REPLY_TOKENS_PER_TARGET * target_tokens + _REPLY_TOKENS_EXTRA
+        content, finish_reason = await self._complete(payload, reply_tokens)
         try:
             return self._parse(content, finish_reason, items)
         except RecursionError as exc:
@@ -356,14 +369,21 @@ class LLMSummarizer:
             # malformed reply like any other, so that `auto` falls back instead of failing.
             raise ProviderError("summary upstream's JSON is nested too deeply") from exc
 
-    async def _complete(self, payload: dict[str, Any]) -> tuple[str, str | None]:
-        try:
-            body = await self._post(payload)
-        except ProviderError as exc:
-            if self._temperature is None or refused_parameter(exc) != "temperature":
-                raise
-            self._temperature = None
-            body = await self._post(payload)
+    async def _complete(self, payload: dict[str, Any], reply_tokens: int) -> tuple[str, str | None]:
+        while True:
+            try:
+                body = await self._post(payload, reply_tokens)
+                break
+            except ProviderError as exc:
+                # Each refusal changes what is sent, once: a model that refuses both parameters
+                # is asked three times, then never again with either.
+                refused = refused_parameter(exc)
+                if refused == "temperature" and self._temperature is not None:
+                    self._temperature = None
+                elif refused == "max_tokens" and self._limit == "max_tokens":
+                    self._limit = "max_completion_tokens"
+                else:
+                    raise
         try:
             choice = body["choices"][0]
             content = choice["message"]["content"]
@@ -374,9 +394,12 @@ class LLMSummarizer:
         finish_reason = choice.get("finish_reason")
         return content, finish_reason if isinstance(finish_reason, str) else None
 
-    async def _post(self, payload: dict[str, Any]) -> Any:
+    async def _post(self, payload: dict[str, Any], reply_tokens: int) -> Any:
+        if self._limit == "max_completion_tokens":
+            reply_tokens += _REASONING_TOKENS
+        payload = {**payload, self._limit: reply_tokens}
         if self._temperature is not None:
-            payload = {**payload, "temperature": self._temperature}
+            payload["temperature"] = self._temperature
         return await self._provider.post("chat", payload, what="summary", seconds=self._timeout)
 
     def _parse(

@@ -1,14 +1,25 @@
 """Workers: processes that run the queue's jobs (`memory.build.jobs`) with registered handlers.
 
 A `Worker` runs `concurrency` loops that claim a job, run its handler while a background task
-extends the lease every lease/3 seconds, and complete or fail it. A handler's exception fails
-the job (logged by id and kind only: the error text goes to `last_error`, never the log); a
-lost lease cancels the handler, because the job now belongs to another worker. Idle loops wake
-on a NOTIFY (a dedicated LISTEN connection) or after the poll interval. `run(stop)` returns once
-`stop` is set and the jobs in hand are done; `run_until_idle()` runs until nothing is eligible.
+extends the lease every lease/3 seconds, and complete or fail it (`memory.build.outcomes`). A
+handler's exception fails the job (logged by id and kind only: the error text goes to
+`last_error`, never the log), except a passing upstream fault (`ProviderUnavailable`: the
+upstream is down, timing out, rate-limiting or answering 5xx), which gives the job back
+without spending an attempt, after a backoff that grows while such faults follow one another
+(`memory.build.backoff.Outage`): an outage of any length dead-letters nothing. A lost lease
+cancels the handler, because the job now belongs to another worker.
+
+Idle loops wake on a NOTIFY (a dedicated LISTEN connection, reconnected whenever it fails or
+the server ends it, with a warning) or after the poll interval. With a `retention`, the worker
+also deletes done jobs older than that now and then (`memory.build.retention`).
+
+`run(stop)` returns once `stop` is set and the jobs in hand are done, or, after `grace`
+seconds, gives those still running back to the queue (their attempt not spent) and returns;
+`run_until_idle()` runs until nothing is eligible.
 """
 
 import asyncio
+import contextlib
 import logging
 import os
 import socket
@@ -21,27 +32,26 @@ import asyncpg
 from sqlalchemy.engine import URL
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from memory.build.jobs import (
-    BACKOFF_BASE,
-    BACKOFF_CAP,
-    CHANNEL,
-    MAX_ERROR_CHARS,
-    Handler,
-    Job,
-    claim,
-    complete,
-    describe_lost,
-    extend_lease,
-    fail,
-)
-from memory.errors import InvalidInput, StorageUnavailable
+from memory.build import retention
+from memory.build.backoff import BACKOFF_BASE, BACKOFF_CAP, OUTAGE_BACKOFF_CAP, Outage
+from memory.build.jobs import CHANNEL, MAX_ERROR_CHARS, Handler, Job, claim
+from memory.build.outcomes import complete, describe_lost, extend_lease, fail, requeue
+from memory.errors import InvalidInput, ProviderUnavailable, StorageUnavailable
 
 log = logging.getLogger(__name__)
 
 JobObserver = Callable[[str, float, str], None]
-"""Told `(kind, seconds, outcome)` of every job this worker runs: outcome `done`, `failed` or
-`abandoned` (its lease was lost to another worker). Metrics hang on it; `memory` stays free of
-them."""
+"""Told `(kind, seconds, outcome)` of every job this worker runs: outcome `done`, `failed`,
+`deferred` (its upstream was unavailable: given back, no attempt spent), `abandoned` (its lease
+was lost to another worker) or `released` (given back when the worker stopped). Metrics hang on
+it; `memory` stays free of them."""
+
+# Seconds between two looks for done jobs past their retention: each look is one indexed scan
+# and deletes in bounded batches, so a week's backlog goes at the first one.
+SWEEP_SECONDS: Final = 300.0
+# The longest wait before a lost LISTEN connection is opened again: notices sent meanwhile are
+# lost, and a worker with a long poll interval would sleep through its queue until then.
+_RELISTEN_SECONDS: Final = 1.0
 
 
 _DSN_OPTIONS: Final = frozenset(
@@ -89,15 +99,26 @@ class Worker:
         kinds: Collection[str] | None = None,
         backoff_base: float = BACKOFF_BASE,
         backoff_cap: float = BACKOFF_CAP,
+        outage_backoff_cap: float = OUTAGE_BACKOFF_CAP,
         listen: bool = True,
         observe: JobObserver | None = None,
+        grace: float | None = None,
+        retention: float | None = None,
+        sweep_interval: float = SWEEP_SECONDS,
     ) -> None:
+        """`grace`: seconds `run` lets the jobs in hand finish once stopped (None: as long as
+        they take); `retention`: seconds a done job is kept (None: for ever), looked for every
+        `sweep_interval` seconds."""
         if lease_seconds <= 0:
             raise InvalidInput("lease_seconds must be positive", param="lease_seconds")
         if poll_interval <= 0:
             raise InvalidInput("poll_interval must be positive", param="poll_interval")
         if concurrency < 1:
             raise InvalidInput("concurrency must be at least 1", param="concurrency")
+        if grace is not None and grace < 0:
+            raise InvalidInput("grace must not be negative", param="grace")
+        if retention is not None and retention <= 0:
+            raise InvalidInput("retention must be positive", param="retention")
         self.worker_id = worker_id or default_worker_id()
         self._engine = engine
         self._handlers = dict(handlers)
@@ -107,23 +128,69 @@ class Worker:
         self._kinds = None if kinds is None else tuple(kinds)
         self._backoff_base = backoff_base
         self._backoff_cap = backoff_cap
+        self._outage = Outage(base=backoff_base, cap=outage_backoff_cap)
         self._listen_enabled = listen
         self._observe = observe
+        self.grace = grace
+        self._retention = retention
+        self._sweep_interval = sweep_interval
         # Set by a NOTIFY on `CHANNEL`; idle loops wait on it or on the poll interval.
         self._wake = asyncio.Event()
+        # The handlers running now, by job id; given back once `grace` has run out.
+        self._in_hand: dict[int, asyncio.Task[None]] = {}
+        self._releasing = False
 
     async def run(self, stop: asyncio.Event) -> None:
-        """Run jobs until `stop` is set; then finish the jobs in hand and return."""
-        listener = asyncio.create_task(self._listen(stop)) if self._listen_enabled else None
+        """Run jobs until `stop` is set; then finish the jobs in hand (for up to `grace`
+        seconds, after which they are given back) and return."""
+        # Each ends by itself once `stop` is set.
+        helpers = [self._listen(stop)] if self._listen_enabled else []
+        if self._retention is not None:
+            helpers.append(self._sweep(stop, self._retention))
+        tasks = [asyncio.create_task(helper) for helper in helpers]
+        deadline = None if self.grace is None else asyncio.create_task(self._release_late(stop))
         try:
             async with asyncio.TaskGroup() as group:
                 for _ in range(self._concurrency):
                     group.create_task(self._loop(stop))
         finally:
-            if listener is not None:
-                if not stop.is_set():  # we are leaving on an error or a cancellation
-                    listener.cancel()
-                await asyncio.gather(listener, return_exceptions=True)
+            if deadline is not None:
+                deadline.cancel()
+                tasks.append(deadline)
+            if not stop.is_set():  # we are leaving on an error or a cancellation
+                for task in tasks:
+                    task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _release_late(self, stop: asyncio.Event) -> None:
+        """Once `stop` is set and `grace` has passed, cancel the handlers still running: their
+        jobs are given back (`_execute`), so that a stopping worker is not held for as long as a
+        job may take (a summary's upstream request, minutes) and loses none of them."""
+        await stop.wait()
+        await asyncio.sleep(self.grace or 0)
+        self._releasing = True
+        for job_id, work in list(self._in_hand.items()):
+            log.warning(
+                "worker %s stopping: job %d still running after %gs; giving it back",
+                self.worker_id,
+                job_id,
+                self.grace,
+            )
+            work.cancel()
+
+    async def _sweep(self, stop: asyncio.Event, older_than: float) -> None:
+        """Delete done jobs older than `older_than` seconds every `sweep_interval`, until
+        `stop` is set."""
+        while not stop.is_set():
+            try:
+                deleted = await retention.delete_done(self._engine, older_than=older_than)
+            except StorageUnavailable as exc:
+                log.warning("worker %s cannot delete old done jobs: %s", self.worker_id, exc)
+            else:
+                if deleted:
+                    log.info("worker %s deleted %d old done jobs", self.worker_id, deleted)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), self._sweep_interval)
 
     async def run_until_idle(self) -> int:
         """Run jobs until none is eligible (delayed retries are not waited for); how many ran."""
@@ -171,13 +238,17 @@ class Worker:
             else:
                 await self._execute(job)
 
-    async def _idle(self, stop: asyncio.Event, *, wake: bool) -> None:
-        """Wait for `stop`, a notice (if `wake`), or the poll interval."""
+    async def _idle(self, stop: asyncio.Event, *, wake: bool, seconds: float | None = None) -> None:
+        """Wait for `stop`, a notice (if `wake`), or `seconds` (the poll interval if None)."""
         waits = [asyncio.ensure_future(stop.wait())]
         if wake:
             waits.append(asyncio.ensure_future(self._wake.wait()))
         try:
-            await asyncio.wait(waits, timeout=self._poll, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait(
+                waits,
+                timeout=self._poll if seconds is None else seconds,
+                return_when=asyncio.FIRST_COMPLETED,
+            )
         finally:
             for waiting in waits:
                 waiting.cancel()
@@ -197,12 +268,14 @@ class Worker:
             return
         started = time.perf_counter()
         work = asyncio.create_task(_run_handler(handler, job), name=f"job-{job.id}")
+        self._in_hand[job.id] = work
         lost = asyncio.Event()
         keeper = asyncio.create_task(self._keep_lease(job, work, lost))
         try:
             try:
                 await work
             finally:
+                del self._in_hand[job.id]
                 keeper.cancel()
                 await asyncio.gather(keeper, return_exceptions=True)
         except asyncio.CancelledError:
@@ -213,9 +286,25 @@ class Worker:
                 what = await describe_lost(self._engine, job=job)
                 log.warning("job %d (%s) %s; abandoned", job.id, job.kind, what)
                 self._observed(job, started, "abandoned")
+            elif self._releasing:
+                self._observed(job, started, "released")
+                await self._requeue(job, None, 0)
             else:
                 self._observed(job, started, "failed")
                 await self._fail(job, "the handler was cancelled")
+        except ProviderUnavailable as exc:
+            delay = self._outage.failed()
+            # Once per outage at warning level: every job of the queue meets the same one.
+            log.log(
+                logging.WARNING if self._outage.failures == 1 else logging.INFO,
+                "job %d (%s) deferred for %.1fs, its attempt not counted: %s",
+                job.id,
+                job.kind,
+                delay,
+                exc,
+            )
+            self._observed(job, started, "deferred")
+            await self._requeue(job, _describe(exc), delay)
         except Exception as exc:
             # Only the exception's type: its message may quote conversation contents. The full
             # text is kept in the job's last_error, which only its tenant and the admin can read.
@@ -230,6 +319,7 @@ class Worker:
             self._observed(job, started, "failed")
             await self._fail(job, _describe(exc))
         else:
+            self._outage.cleared()
             self._observed(job, started, "done")
             try:
                 await complete(self._engine, job=job)
@@ -254,6 +344,13 @@ class Worker:
             # The lease runs out and the job runs again, as if this attempt had not happened.
             log.warning("job %d (%s): could not record its failure: %s", job.id, job.kind, exc)
 
+    async def _requeue(self, job: Job, error: str | None, delay: float) -> None:
+        try:
+            await requeue(self._engine, job=job, error=error, delay_seconds=delay)
+        except StorageUnavailable as exc:
+            # The lease runs out and the job runs again (this attempt counted after all).
+            log.warning("job %d (%s): could not give it back: %s", job.id, job.kind, exc)
+
     async def _keep_lease(self, job: Job, work: asyncio.Task[None], lost: asyncio.Event) -> None:
         """Extend the lease every third of it while `work` runs; cancel `work` if it is lost."""
         while True:
@@ -272,7 +369,9 @@ class Worker:
                 return
 
     async def _listen(self, stop: asyncio.Event) -> None:
-        """Hold a LISTEN connection that wakes idle loops; reconnect after a failure."""
+        """Hold a LISTEN connection that wakes idle loops until `stop` is set; reconnect after
+        any failure, and say so: polling carries on meanwhile, but a worker that lost its
+        wake-ups unnoticed waited out its poll interval for every job."""
         dsn = _listen_dsn(self._engine.url)
         failures = 0
         while not stop.is_set():
@@ -280,25 +379,35 @@ class Worker:
                 connection = await asyncpg.connect(
                     dsn, server_settings={"application_name": "memstrata-listen"}
                 )
-            except (OSError, asyncpg.PostgresError) as exc:
+            # Whatever it was (asyncpg raises some errors outside its PostgresError), this
+            # task must not end: nothing would notice that wake-ups stopped.
+            except Exception as exc:
                 failures += 1
                 # Once per outage, not once per poll: polling carries on meanwhile.
                 log.log(
                     logging.WARNING if failures == 1 else logging.DEBUG,
                     "worker %s cannot LISTEN (polling instead): %s",
                     self.worker_id,
-                    exc,
+                    _describe(exc),
                 )
             else:
                 failures = 0
                 try:
                     await self._listen_on(connection, stop)
-                except (OSError, asyncpg.PostgresError) as exc:
-                    log.warning("worker %s lost its LISTEN connection: %s", self.worker_id, exc)
+                except Exception as exc:
+                    log.warning(
+                        "worker %s lost its LISTEN connection: %s", self.worker_id, _describe(exc)
+                    )
+                else:
+                    if not stop.is_set():
+                        log.warning(
+                            "worker %s lost its LISTEN connection: the server closed it",
+                            self.worker_id,
+                        )
                 finally:
                     await _close(connection)
             if not stop.is_set():
-                await self._idle(stop, wake=False)
+                await self._idle(stop, wake=False, seconds=min(self._poll, _RELISTEN_SECONDS))
 
     async def _listen_on(self, connection: Any, stop: asyncio.Event) -> None:
         """Wake idle loops on every notice until `stop` is set or `connection` closes."""
@@ -321,7 +430,7 @@ async def _close(connection: Any) -> None:
         return
     try:
         await asyncio.wait_for(connection.close(), timeout=5)
-    except (OSError, asyncpg.PostgresError, TimeoutError):
+    except Exception:  # any failure to close politely (the listener must live on): just drop it
         connection.terminate()
 
 
