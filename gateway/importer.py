@@ -21,6 +21,7 @@ from typing import Any, NoReturn
 from pydantic import ValidationError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from gateway.errors import validation_param
 from gateway.schemas import ImportMessage
 from memory.db import transaction
 from memory.errors import InvalidInput
@@ -59,7 +60,7 @@ def read_messages(path: Path) -> tuple[list[dict[str, Any]], list[datetime | Non
             message = ImportMessage.model_validate(item)
         except ValidationError as exc:
             error = exc.errors()[0]
-            field = ".".join(str(part) for part in error["loc"])
+            field = validation_param(error["loc"], item, missing=error["type"] == "missing")
             reason = f"{field}: {error['msg']}" if field else error["msg"]
             raise InvalidInput(f"{path}: message {number}: {reason}") from exc
         messages.append(message.model_dump(exclude={"created_at"}, exclude_none=True))

@@ -321,6 +321,17 @@ async def test_export_is_jsonl_that_imports_back_identically(admin: httpx.AsyncC
     assert missing.status_code == 404
 
 
+async def test_a_bad_import_names_the_field_as_openai_does(admin: httpx.AsyncClient) -> None:
+    """FastAPI's own validation (of the bulk import) names a field in OpenAI's form too, not
+    pydantic's `body.messages.1.content.str`."""
+    messages = [{"role": "user", "content": "hi"}, {"role": "user", "content": 42}]
+    refused = await admin.post("/admin/conversations/bad/messages", json={"messages": messages})
+    assert refused.status_code == 400, refused.text
+    error = refused.json()["error"]
+    assert error["param"] == "messages[1].content", error
+    assert error["message"].startswith("messages[1].content: "), error
+
+
 async def test_delete_removes_messages_summaries_embeddings_and_jobs(
     app: App, admin: httpx.AsyncClient, engine: AsyncEngine
 ) -> None:

@@ -233,6 +233,11 @@ def test_a_message_refused_names_its_field(tmp_path: Path, database_url: str) ->
     path = write_jsonl(tmp_path / "turns.jsonl", [TURNS[0], {"content": "no role"}])
     said = refused(memstrata("import", str(path), database_url=database_url))
     assert "message 2: role: Field required" in said
+    # A part of a content is named as OpenAI names it, without pydantic's union member.
+    part = {"role": "user", "content": [{"type": "text", "text": "a"}, 5]}
+    path = write_jsonl(tmp_path / "parts.jsonl", [part])
+    said = refused(memstrata("import", str(path), database_url=database_url))
+    assert "message 1: content: " in said and "content.str" not in said
 
 
 @pytest.mark.parametrize("number", ["NaN", "-Infinity", "1e400"])

@@ -82,7 +82,7 @@ async def create(request: Request, state: State, *, tenant_id: int) -> Response:
     try:
         parsed = ResponsesRequest.model_validate(body)
     except ValidationError as exc:
-        raise RequestValidationError(exc.errors()) from exc
+        raise RequestValidationError(exc.errors(), body=body) from exc
     # An earlier reply named by its id goes on as the stored item: the upstream need not keep
     # responses (a stateless one, or another account than the one that made it).
     body = translate.dereferenced(body, await _referenced(state, tenant_id, body))
