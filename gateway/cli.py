@@ -220,7 +220,8 @@ def worker(concurrency: int) -> None:
 @click.option(
     "--wait",
     is_flag=True,
-    help="Also build the summary tree here, then exit (with an error if a job failed).",
+    help="Also build the imported conversation's summary tree here (its jobs only), then exit "
+    "(with an error if a job failed).",
 )
 def import_command(
     file: Path, conversation: str | None, model: str, batch: int, wait: bool
@@ -251,11 +252,13 @@ def import_command(
             )
         click.echo(f"{imported} messages imported into {external_id}", err=True)
         if wait:
+            tenant_id, imported_id = await _imported(engine, external_id=external_id)
             async with _worker(engine, settings, concurrency=1) as runner:
                 started = time.perf_counter()
-                ran = await runner.run_until_idle()
+                # Only this conversation's: the rest of the queue is the workers' to run.
+                ran = await runner.run_until_idle(conversations=[imported_id])
             click.echo(f"{ran} jobs run in {time.perf_counter() - started:.1f}s", err=True)
-            failed = await _failed_jobs(engine, external_id=external_id)
+            failed = await _failed_jobs(engine, tenant_id=tenant_id, conversation_id=imported_id)
             if failed:
                 raise click.ClickException(
                     f"the summary tree of {external_id} is not built: {len(failed)} of its jobs "
@@ -266,14 +269,22 @@ def import_command(
     _with_database(settings, run)
 
 
-async def _failed_jobs(engine: AsyncEngine, *, external_id: str) -> list[backlog.JobRecord]:
-    """The default tenant's conversation's jobs that failed: dead, or queued to try again
-    later (a worker stops when no job is due, so `--wait` left them)."""
+async def _imported(engine: AsyncEngine, *, external_id: str) -> tuple[int, int]:
+    """The default tenant's id and that of its conversation `external_id`, imported into."""
     async with transaction(engine) as conn:
         tenant_id = await store.tenant_id_by_name(conn)
         ref = await store.find_conversation(conn, tenant_id=tenant_id, external_id=external_id)
+    return tenant_id, ref.id
+
+
+async def _failed_jobs(
+    engine: AsyncEngine, *, tenant_id: int, conversation_id: int
+) -> list[backlog.JobRecord]:
+    """The conversation's jobs that failed: dead, or queued to try again later (a worker
+    stops when no job is due, so `--wait` left them)."""
+    async with transaction(engine) as conn:
         found = await backlog.list_jobs(
-            conn, status=None, tenant_id=tenant_id, conversation_id=ref.id, limit=1000
+            conn, status=None, tenant_id=tenant_id, conversation_id=conversation_id, limit=1000
         )
     return [
         job for job in found if job.status == "dead" or (job.status == "queued" and job.attempts)

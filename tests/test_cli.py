@@ -15,17 +15,20 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from sqlalchemy import func, select
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from devkit.service import REPO_ROOT, child_env
+from memory import schema
+from memory.build import jobs, tree
 from memory.errors import NotFound
-from memory.write import store, tree_nodes
+from memory.write import store, tenants, tree_nodes
 
 
 @pytest.fixture(scope="module")
 def database_url(module_database_url: str) -> str:
-    """This module's own database: `import --wait` runs every queued job (see
-    `module_database_url`), and one test runs them with embeddings that fail."""
+    """This module's own database (see `module_database_url`): `import --wait` runs its
+    conversation's jobs, one test with embeddings that fail, and one leaves jobs queued."""
     return module_database_url
 
 
@@ -304,6 +307,44 @@ async def test_wait_builds_what_the_import_queued(
                 conn, tenant_id=await store.tenant_id_by_name(conn), node_id=message.node_id
             )
             assert node.embedded
+
+
+async def test_wait_runs_only_the_imported_conversations_jobs(
+    tmp_path: Path, database_url: str, engine: AsyncEngine
+) -> None:
+    """`--wait` builds what it imported, and leaves the rest of the queue to the workers: another
+    tenant's job and another conversation's stay queued. It ran every job in the database."""
+    async with engine.begin() as conn:
+        others = []
+        default = await store.tenant_id_by_name(conn)
+        tenant = await tenants.create_tenant(conn, name=f"other-{uuid.uuid4().hex[:8]}")
+        for tenant_id in (default, tenant.id):
+            ref, _ = await store.open_conversation(
+                conn, tenant_id=tenant_id, external_id=conversation_id()
+            )
+            job_id = await jobs.enqueue(
+                conn, kind=tree.JOB_KIND, tenant_id=tenant_id, conversation_id=ref.id
+            )
+            assert job_id is not None
+            others.append(job_id)
+    path = write_jsonl(tmp_path / "turns.jsonl", TURNS)
+    conversation = conversation_id()
+    run = memstrata(
+        "import", str(path), "--conversation", conversation, "--wait", database_url=database_url
+    )
+    assert run.returncode == 0, run.stderr
+    async with engine.connect() as conn:
+        statuses = await conn.execute(
+            select(schema.jobs.c.status).where(schema.jobs.c.id.in_(others))
+        )
+        assert [status for (status,) in statuses] == ["queued", "queued"]
+        imported = await store.find_conversation(conn, tenant_id=default, external_id=conversation)
+        left = await conn.scalar(
+            select(func.count()).where(
+                schema.jobs.c.conversation_id == imported.id, schema.jobs.c.status != "done"
+            )
+        )
+    assert left == 0
 
 
 def test_serve_refuses_a_database_it_cannot_reach_in_words() -> None:
