@@ -7,7 +7,8 @@ unless it holds more than one value. A file that cannot be read so is refused wi
 `InvalidInput` saying why (a malformed JSONL line by its number), and so is JSON Postgres
 cannot hold (`NaN`, `Infinity`, `1e400`). Every message is validated before anything is
 written. The import continues after the messages the conversation already holds (same hash
-chain), so running it twice, or again after a failure, stores nothing twice.
+chain, from its start or after messages the conversation held before the file was imported:
+`memory.write.imports`), so running it twice, or again after a failure, stores nothing twice.
 """
 
 import json

@@ -210,6 +210,31 @@ async def test_a_file_imported_again_after_the_conversation_went_on_adds_nothing
     assert contents == [t["content"] for t in [*TURNS, grown[-1]]]
 
 
+async def test_a_file_imported_again_into_a_conversation_it_did_not_open_adds_nothing(
+    tmp_path: Path, database_url: str, engine: AsyncEngine
+) -> None:
+    """A file imported into a conversation that held messages before it follows them, so its
+    messages' chain hashes are not the file's own from the start: run again, the import found
+    none of them held and stored them all again."""
+    conversation = conversation_id()
+    earlier = write_jsonl(tmp_path / "earlier.jsonl", TURNS[:2])
+    later = write_jsonl(tmp_path / "later.jsonl", TURNS[2:])
+    for path in (earlier, later):
+        run = memstrata(
+            "import", str(path), "--conversation", conversation, database_url=database_url
+        )
+        assert run.returncode == 0, run.stderr
+    before = [m.content for m in await stored(engine, conversation)]
+    assert before == [t["content"] for t in TURNS]
+    for path in (later, earlier, later):
+        run = memstrata(
+            "import", str(path), "--conversation", conversation, database_url=database_url
+        )
+        assert run.returncode == 0, run.stderr
+        assert "0 messages imported" in run.stderr
+    assert [m.content for m in await stored(engine, conversation)] == before
+
+
 @pytest.mark.parametrize(
     ("url", "reason"),
     [
