@@ -232,7 +232,7 @@ def import_command(
     settings = _settings()
     _logging(settings)
     try:
-        messages, stamps = importer.read_messages(file)
+        read = importer.read_messages(file)
         external_id = identity.validate_conversation_id(
             conversation or importer.conversation_id_for(file)
         )
@@ -240,12 +240,13 @@ def import_command(
         raise click.ClickException(str(exc)) from exc
 
     async def run(engine: AsyncEngine) -> None:
-        with tqdm(total=len(messages), unit="msg", desc=f"import {external_id}") as bar:
+        with tqdm(total=len(read.messages), unit="msg", desc=f"import {external_id}") as bar:
             imported = await importer.import_messages(
                 engine,
                 external_id=external_id,
-                messages=messages,
-                created_at=stamps,
+                messages=read.messages,
+                created_at=read.created_at,
+                system_prompts=read.system_prompts,
                 model=model,
                 batch=batch,
                 progress=bar.update,
