@@ -15,6 +15,7 @@ from pathlib import Path
 
 import click
 import uvicorn
+from fastapi import FastAPI
 from pydantic import ValidationError
 from pydantic_core import ErrorDetails
 from sqlalchemy.ext.asyncio import AsyncEngine
@@ -87,7 +88,14 @@ def serve(host: str | None, port: int | None) -> None:
     settings = _settings(host=host, port=port)
     _logging(settings)
     _check_database(settings)
-    app = create_app(settings)
+    # The embedded server is started here, before uvicorn, where a failure is refused in words
+    # (in the app's start-up it was a traceback logged by uvicorn): the app then finds it
+    # running, and it is stopped once uvicorn is done.
+    with _database(settings):
+        _serve(create_app(settings), settings)
+
+
+def _serve(app: FastAPI, settings: Settings) -> None:
     _collect_less()
     uvicorn.run(
         app,
@@ -107,8 +115,7 @@ def serve(host: str | None, port: int | None) -> None:
 
 def _check_database(settings: Settings) -> None:
     """Refuse in words a configured database that cannot serve (unreachable, pgvector or
-    btree_gin missing): found in the app's start-up, it is logged by uvicorn as a traceback.
-    The embedded server is the app's own to start."""
+    btree_gin missing): found in the app's start-up, it is logged by uvicorn as a traceback."""
     if settings.database_url is None:
         return
 

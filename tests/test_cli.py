@@ -8,9 +8,12 @@ Python traceback. What `import` stored is read back from the database.
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
+import tempfile
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +21,7 @@ import pytest
 from sqlalchemy import func, select
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from devkit.service import REPO_ROOT, child_env
+from devkit.service import REPO_ROOT, child_env, free_port
 from memory import schema
 from memory.build import jobs, tree
 from memory.errors import NotFound
@@ -376,3 +379,52 @@ def test_serve_refuses_a_database_it_cannot_reach_in_words() -> None:
     # Found in the start-up (the app's lifespan), it was a traceback in a log line.
     run = memstrata("serve", "--port", "1", database_url="postgresql://127.0.0.1:1/memstrata")
     assert "cannot reach Postgres at postgresql+asyncpg://127.0.0.1:1/memstrata" in refused(run)
+
+
+def serve_embedded(data_dir: Path) -> subprocess.CompletedProcess[str]:
+    """`memstrata serve` with the embedded Postgres under `data_dir` (no database URL)."""
+    environment = child_env({"data_dir": data_dir, "port": free_port(), "log_level": "warning"})
+    return subprocess.run(
+        [sys.executable, "-m", "gateway", "serve"],
+        cwd=REPO_ROOT,
+        env=environment,
+        capture_output=True,
+        text=True,
+        timeout=180,
+        check=False,
+    )
+
+
+@pytest.fixture
+def reachable_dir() -> Iterator[Path]:
+    """A folder Postgres can reach even when it runs as its own user (as root)."""
+    where = Path(tempfile.mkdtemp(prefix="memstrata-cli-"))
+    where.chmod(0o755)
+    try:
+        yield where
+    finally:
+        shutil.rmtree(where, ignore_errors=True)
+
+
+def test_serve_says_in_a_paragraph_that_a_data_dir_it_cannot_create_is_unusable(
+    reachable_dir: Path,
+) -> None:
+    """A data directory that cannot be made (a file is in its place) was a traceback."""
+    (reachable_dir / "taken").write_text("not a folder")
+    said = refused(serve_embedded(reachable_dir / "taken"))
+    [line] = [line for line in said.splitlines() if line.strip()]
+    assert str(reachable_dir / "taken") in line and "MEMSTRATA_DATA_DIR" in line, said
+
+
+def test_serve_says_in_a_paragraph_that_the_embedded_postgres_did_not_start(
+    reachable_dir: Path,
+) -> None:
+    """A damaged data directory: Postgres does not start. Found in the app's start-up, it was a
+    traceback logged by uvicorn; it is the reason, where to look and what to do."""
+    (reachable_dir / "postgres").mkdir()
+    (reachable_dir / "postgres" / "PG_VERSION").write_text("18\n")
+    said = refused(serve_embedded(reachable_dir))
+    [line] = [line for line in said.splitlines() if line.strip()]
+    assert "the embedded Postgres did not start" in line, said
+    assert "postgresql.conf" in line and "move it away" in line, said
+    assert str(reachable_dir / "postgres" / "server.log") in line, said
