@@ -7,9 +7,8 @@ upstream; each test makes tenants of its own (`POST /admin/tenants`) and address
 """
 
 import asyncio
+import functools
 import json
-import subprocess
-import sys
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from datetime import UTC, datetime, timedelta
@@ -22,7 +21,7 @@ from sqlalchemy import func, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from devkit.service import REPO_ROOT, child_env
+from devkit.service import child_env, memstrata
 from devkit.upstream import UpstreamServer
 from gateway.settings import Settings
 from memory.build import jobs as job_queue
@@ -360,25 +359,12 @@ async def test_a_replaced_system_prompt_is_exported_so_that_memstrata_import_res
     path = tmp_path / "exported.jsonl"
     path.write_text(exported.text)
     run = await asyncio.to_thread(
-        subprocess.run,
-        # In batches of 2: a replaced system prompt leads a batch of its own.
-        [
-            sys.executable,
-            "-m",
-            "gateway",
-            "import",
-            str(path),
-            "--conversation",
-            conversation,
-            "--batch",
-            "2",
-        ],
-        cwd=REPO_ROOT,
-        env=child_env({"database_url": module_database_url, "log_level": "warning"}),
-        capture_output=True,
-        text=True,
-        timeout=180,
-        check=False,
+        functools.partial(
+            memstrata,
+            # In batches of 2: a replaced system prompt leads a batch of its own.
+            *("import", str(path), "--conversation", conversation, "--batch", "2"),
+            env=child_env({"database_url": module_database_url, "log_level": "warning"}),
+        )
     )
     assert run.returncode == 0, run.stderr
 

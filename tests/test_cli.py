@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
-import sys
 import tempfile
 import uuid
 from collections.abc import Iterator
@@ -21,7 +20,8 @@ import pytest
 from sqlalchemy import func, select
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from devkit.service import REPO_ROOT, child_env, free_port
+from devkit.service import child_env, free_port
+from devkit.service import memstrata as run_memstrata
 from memory import schema
 from memory.build import jobs, tree
 from memory.errors import NotFound
@@ -43,18 +43,11 @@ def engine(module_engine: AsyncEngine) -> AsyncEngine:
 def memstrata(
     *args: str, database_url: str, env: dict[str, str] | None = None
 ) -> subprocess.CompletedProcess[str]:
-    """`memstrata ARGS` run to its end, with what it wrote to stdout and stderr."""
+    """`memstrata ARGS` run to its end on `database_url`, with what it wrote to stdout and
+    stderr."""
     environment = child_env({"database_url": database_url, "log_level": "warning"})
     environment.update(env or {})
-    return subprocess.run(
-        [sys.executable, "-m", "gateway", *args],
-        cwd=REPO_ROOT,
-        env=environment,
-        capture_output=True,
-        text=True,
-        timeout=180,
-        check=False,
-    )
+    return run_memstrata(*args, env=environment)
 
 
 def refused(run: subprocess.CompletedProcess[str]) -> str:
@@ -320,24 +313,7 @@ def test_wait_fails_when_the_tree_could_not_be_built(tmp_path: Path, database_ur
     assert "4 messages imported" in said
 
 
-async def test_wait_builds_what_the_import_queued(
-    tmp_path: Path, database_url: str, engine: AsyncEngine
-) -> None:
-    path = write_jsonl(tmp_path / "turns.jsonl", TURNS)
-    conversation = conversation_id()
-    run = memstrata(
-        "import", str(path), "--conversation", conversation, "--wait", database_url=database_url
-    )
-    assert run.returncode == 0, run.stderr
-    async with engine.connect() as conn:
-        for message in await stored(engine, conversation):
-            node = await tree_nodes.get_node(
-                conn, tenant_id=await store.tenant_id_by_name(conn), node_id=message.node_id
-            )
-            assert node.embedded
-
-
-async def test_wait_runs_only_the_imported_conversations_jobs(
+async def test_wait_builds_what_the_import_queued_and_nothing_else(
     tmp_path: Path, database_url: str, engine: AsyncEngine
 ) -> None:
     """`--wait` builds what it imported, and leaves the rest of the queue to the workers: another
@@ -362,6 +338,9 @@ async def test_wait_runs_only_the_imported_conversations_jobs(
     )
     assert run.returncode == 0, run.stderr
     async with engine.connect() as conn:
+        for message in await stored(engine, conversation):
+            node = await tree_nodes.get_node(conn, tenant_id=default, node_id=message.node_id)
+            assert node.embedded
         statuses = await conn.execute(
             select(schema.jobs.c.status).where(schema.jobs.c.id.in_(others))
         )
@@ -383,15 +362,9 @@ def test_serve_refuses_a_database_it_cannot_reach_in_words() -> None:
 
 def serve_embedded(data_dir: Path) -> subprocess.CompletedProcess[str]:
     """`memstrata serve` with the embedded Postgres under `data_dir` (no database URL)."""
-    environment = child_env({"data_dir": data_dir, "port": free_port(), "log_level": "warning"})
-    return subprocess.run(
-        [sys.executable, "-m", "gateway", "serve"],
-        cwd=REPO_ROOT,
-        env=environment,
-        capture_output=True,
-        text=True,
-        timeout=180,
-        check=False,
+    return run_memstrata(
+        "serve",
+        env=child_env({"data_dir": data_dir, "port": free_port(), "log_level": "warning"}),
     )
 
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import httpx
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import StreamingResponse
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from gateway.openai import translate
@@ -57,25 +57,20 @@ class ResponseTurn(Turn):
     def answered(self) -> dict[str, Any] | None:
         """The response object the client was given, as far as it came."""
         body = self.streamed.response() if self.streamed is not None else self.response
-        return self._shown(body) if body is not None else None
+        return self._with_conversation(body) if body is not None else None
 
-    def _shown(self, response: dict[str, Any]) -> dict[str, Any]:
+    def _with_conversation(self, response: dict[str, Any]) -> dict[str, Any]:
         if self.conversation is None:
             return response
         return {**response, "conversation": {"id": self.conversation}}
 
-    async def answer(
-        self,
-        state: State,
-        content: bytes,
-        response: httpx.Response,
-        reply: Mapping[str, Any] | None = None,
-    ) -> Response:
-        if self.conversation is not None and response.is_success:
-            body = parsed_json(content)
-            if isinstance(body, dict) and body.get("object") == "response":
-                content = translate.dumps(self._shown(body))
-        return await super().answer(state, content, response, reply)
+    def shown(self, content: bytes) -> bytes:
+        if self.conversation is None:
+            return content
+        body = parsed_json(content)
+        if not isinstance(body, dict) or body.get("object") != "response":
+            return content
+        return translate.dumps(self._with_conversation(body))
 
     def stream(
         self, state: State, response: httpx.Response, chunks: Chunks, reply: Reply
@@ -95,7 +90,7 @@ class ResponseTurn(Turn):
                 for event in reader.feed(chunk):
                     payload = payload_of(event)
                     if payload is not None and isinstance(payload.get("response"), dict):
-                        payload["response"] = self._shown(payload["response"])
+                        payload["response"] = self._with_conversation(payload["response"])
                         shown += typed_event(payload)
                     else:
                         shown += event.raw
