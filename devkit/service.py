@@ -10,7 +10,8 @@ wrote. `stop()` sends SIGTERM, then SIGKILL after `stop_timeout` seconds; it is 
 `free_port()` finds a port for a server to listen on, `own_address()` an address of this machine
 that is not loopback (a client there is a remote one); `child_env(settings)` is the environment a
 child gets: this process's without any `MEMSTRATA_*` variable, the repository on `PYTHONPATH`,
-unbuffered output, and `settings` as `MEMSTRATA_<NAME>` variables.
+unbuffered output, and `settings` as `MEMSTRATA_<NAME>` variables. `memstrata(*args, env=...)`
+runs the command `memstrata ARGS` to its end and returns what it wrote.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import ipaddress
 import os
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Mapping, Sequence
@@ -63,6 +65,22 @@ def child_env(settings: Mapping[str, object] | None = None) -> dict[str, str]:
     env["PYTHONUNBUFFERED"] = "1"
     env.update({f"MEMSTRATA_{key.upper()}": str(value) for key, value in (settings or {}).items()})
     return env
+
+
+def memstrata(
+    *args: str, env: Mapping[str, str], timeout: float = 180
+) -> subprocess.CompletedProcess[str]:
+    """`memstrata ARGS` run in a process of its own with `env` (see `child_env`) to its end,
+    with its exit status and what it wrote to stdout and stderr."""
+    return subprocess.run(
+        [sys.executable, "-m", "gateway", *args],
+        cwd=REPO_ROOT,
+        env=dict(env),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
 
 
 class Service:

@@ -29,7 +29,7 @@ from typing import Any, Final, TypeVar
 import anyio
 from fastapi import Request
 
-from gateway.errors import GatewayError
+from gateway.errors import GatewayError, param_name
 
 MAX_DEPTH: Final = 64
 """Deepest nesting of arrays and objects a body may have."""
@@ -150,7 +150,7 @@ def _encodable(text: str, path: tuple[str | int, ...]) -> None:
         raise GatewayError(
             400,
             "the body holds an unpaired surrogate (such as \\ud800), which is not text",
-            param=".".join(str(part) for part in path) or None,
+            param=param_name(path),
             code="invalid_value",
         ) from exc
 

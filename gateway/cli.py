@@ -15,6 +15,7 @@ from pathlib import Path
 
 import click
 import uvicorn
+from fastapi import FastAPI
 from pydantic import ValidationError
 from pydantic_core import ErrorDetails
 from sqlalchemy.ext.asyncio import AsyncEngine
@@ -87,7 +88,14 @@ def serve(host: str | None, port: int | None) -> None:
     settings = _settings(host=host, port=port)
     _logging(settings)
     _check_database(settings)
-    app = create_app(settings)
+    # The embedded server is started here, before uvicorn, where a failure is refused in words
+    # (in the app's start-up it was a traceback logged by uvicorn): the app then finds it
+    # running, and it is stopped once uvicorn is done.
+    with _database(settings):
+        _serve(create_app(settings), settings)
+
+
+def _serve(app: FastAPI, settings: Settings) -> None:
     _collect_less()
     uvicorn.run(
         app,
@@ -107,8 +115,7 @@ def serve(host: str | None, port: int | None) -> None:
 
 def _check_database(settings: Settings) -> None:
     """Refuse in words a configured database that cannot serve (unreachable, pgvector or
-    btree_gin missing): found in the app's start-up, it is logged by uvicorn as a traceback.
-    The embedded server is the app's own to start."""
+    btree_gin missing): found in the app's start-up, it is logged by uvicorn as a traceback."""
     if settings.database_url is None:
         return
 
@@ -220,7 +227,8 @@ def worker(concurrency: int) -> None:
 @click.option(
     "--wait",
     is_flag=True,
-    help="Also build the summary tree here, then exit (with an error if a job failed).",
+    help="Also build the imported conversation's summary tree here (its jobs only), then exit "
+    "(with an error if a job failed).",
 )
 def import_command(
     file: Path, conversation: str | None, model: str, batch: int, wait: bool
@@ -231,7 +239,7 @@ def import_command(
     settings = _settings()
     _logging(settings)
     try:
-        messages, stamps = importer.read_messages(file)
+        read = importer.read_messages(file)
         external_id = identity.validate_conversation_id(
             conversation or importer.conversation_id_for(file)
         )
@@ -239,23 +247,26 @@ def import_command(
         raise click.ClickException(str(exc)) from exc
 
     async def run(engine: AsyncEngine) -> None:
-        with tqdm(total=len(messages), unit="msg", desc=f"import {external_id}") as bar:
+        with tqdm(total=len(read.messages), unit="msg", desc=f"import {external_id}") as bar:
             imported = await importer.import_messages(
                 engine,
                 external_id=external_id,
-                messages=messages,
-                created_at=stamps,
+                messages=read.messages,
+                created_at=read.created_at,
+                system_prompts=read.system_prompts,
                 model=model,
                 batch=batch,
                 progress=bar.update,
             )
         click.echo(f"{imported} messages imported into {external_id}", err=True)
         if wait:
+            tenant_id, imported_id = await _imported(engine, external_id=external_id)
             async with _worker(engine, settings, concurrency=1) as runner:
                 started = time.perf_counter()
-                ran = await runner.run_until_idle()
+                # Only this conversation's: the rest of the queue is the workers' to run.
+                ran = await runner.run_until_idle(conversations=[imported_id])
             click.echo(f"{ran} jobs run in {time.perf_counter() - started:.1f}s", err=True)
-            failed = await _failed_jobs(engine, external_id=external_id)
+            failed = await _failed_jobs(engine, tenant_id=tenant_id, conversation_id=imported_id)
             if failed:
                 raise click.ClickException(
                     f"the summary tree of {external_id} is not built: {len(failed)} of its jobs "
@@ -266,15 +277,23 @@ def import_command(
     _with_database(settings, run)
 
 
-async def _failed_jobs(engine: AsyncEngine, *, external_id: str) -> list[backlog.JobRecord]:
-    """The default tenant's conversation's jobs that failed: dead, or queued to try again
-    later (a worker stops when no job is due, so `--wait` left them), also those deferred by
-    an upstream outage (no attempt spent, but an error recorded)."""
+async def _imported(engine: AsyncEngine, *, external_id: str) -> tuple[int, int]:
+    """The default tenant's id and that of its conversation `external_id`, imported into."""
     async with transaction(engine) as conn:
         tenant_id = await store.tenant_id_by_name(conn)
         ref = await store.find_conversation(conn, tenant_id=tenant_id, external_id=external_id)
+    return tenant_id, ref.id
+
+
+async def _failed_jobs(
+    engine: AsyncEngine, *, tenant_id: int, conversation_id: int
+) -> list[backlog.JobRecord]:
+    """The conversation's jobs that failed: dead, or queued to try again later (a worker
+    stops when no job is due, so `--wait` left them), also those deferred by an upstream
+    outage (no attempt spent, but an error recorded)."""
+    async with transaction(engine) as conn:
         found = await backlog.list_jobs(
-            conn, status=None, tenant_id=tenant_id, conversation_id=ref.id, limit=1000
+            conn, status=None, tenant_id=tenant_id, conversation_id=conversation_id, limit=1000
         )
     return [
         job

@@ -6,6 +6,7 @@ have their own classes because an upstream error answer keeps its status and bod
 Anything else that escapes a route is a bug: 500 `server_error`, with the request id.
 """
 
+from collections.abc import Sequence
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -99,11 +100,48 @@ def from_domain(exc: MemstrataError) -> GatewayError:
     return GatewayError(status, str(exc), type=type_, param=param, code=code)
 
 
+def param_name(path: Sequence[str | int]) -> str | None:
+    """A place in a body named as OpenAI names a parameter: indexes in brackets, fields
+    dotted (`messages[0].content`), where pydantic writes `messages.0.content`."""
+    name = ""
+    for part in path:
+        name += f"[{part}]" if isinstance(part, int) else f".{part}" if name else part
+    return name or None
+
+
+def validation_param(location: Sequence[str | int], body: Any, *, missing: bool) -> str | None:
+    """The parameter a pydantic error's `location` in `body` names (`param_name`).
+
+    Pydantic also names the member of a union a value failed as (`content.str`,
+    `content.list[...]`); that is no field of the body, so it is left out: a name that indexes
+    no object there is such a member, unless the error says the field is `missing`."""
+    fields: list[str | int] = []
+    value = body
+    last = len(location) - 1
+    for index, part in enumerate(location):
+        if isinstance(part, int):
+            fields.append(part)
+            value = value[part] if isinstance(value, list) and 0 <= part < len(value) else None
+        elif isinstance(value, dict) and (part in value or (missing and index == last)):
+            fields.append(part)
+            value = value.get(part)
+    return param_name(fields)
+
+
+# Where FastAPI found what it validated; a body's fields are named without it.
+_SOURCES = ("body", "query", "path", "header", "cookie")
+
+
 def _validation_param(exc: RequestValidationError) -> str | None:
     for error in exc.errors():
-        location = [str(part) for part in error.get("loc", ()) if part != "body"]
-        if location:
-            return ".".join(location)
+        location = list(error.get("loc", ()))
+        source = location.pop(0) if location and location[0] in _SOURCES else "body"
+        if source == "body":
+            param = validation_param(location, exc.body, missing=error.get("type") == "missing")
+        else:
+            param = param_name(location)
+        if param:
+            return param
     return None
 
 

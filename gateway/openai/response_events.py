@@ -33,6 +33,12 @@ from gateway.openai.streams import Event, EventReader, parsed_json
 FINAL_EVENTS = frozenset({"response.completed", "response.incomplete", "response.failed"})
 
 
+def typed_event(payload: dict[str, Any]) -> bytes:
+    """An event as the Responses API sends one: named by its payload's `type`."""
+    data = json.dumps(payload, ensure_ascii=False)
+    return f"event: {payload.get('type')}\ndata: {data}\n\n".encode()
+
+
 def payload_of(event: Event) -> dict[str, Any] | None:
     """An event's data as a JSON object, or None."""
     payload = parsed_json(event.data) if event.data is not None else None
@@ -271,5 +277,4 @@ class ChatEvents:
     def _emit(self, kind: str, **fields: Any) -> bytes:
         payload = {"type": kind, "sequence_number": self._sequence, **fields}
         self._sequence += 1
-        data = json.dumps(payload, ensure_ascii=False)
-        return f"event: {kind}\ndata: {data}\n\n".encode()
+        return typed_event(payload)

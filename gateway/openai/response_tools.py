@@ -21,7 +21,6 @@ upstream error answering a later round arrives as an `error` event, as does a st
 mid-way, and the partial reply is kept, marked incomplete.
 """
 
-import json
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -29,7 +28,7 @@ import httpx
 
 from gateway.errors import GatewayError
 from gateway.openai import translate
-from gateway.openai.response_events import FINAL_EVENTS, ResponseReply, payload_of
+from gateway.openai.response_events import FINAL_EVENTS, ResponseReply, payload_of, typed_event
 from gateway.openai.streams import Event, EventReader, add_usage, interrupted, parsed_json
 from gateway.openai.toolloop import MemoryCalls, Offer
 from gateway.openai.turn import REPLY_COMPLETE, Chunks, Turn
@@ -316,13 +315,11 @@ class _Merged:
         return self.emit(payload)
 
     def emit(self, payload: dict[str, Any]) -> bytes:
-        kind = payload.get("type")
         payload = {**payload, "sequence_number": self._sequence}
         if isinstance(payload.get("response"), dict):
             _as_asked(payload["response"])
         self._sequence += 1
-        data = json.dumps(payload, ensure_ascii=False)
-        return f"event: {kind}\ndata: {data}\n\n".encode()
+        return typed_event(payload)
 
 
 def _as_asked(response: dict[str, Any]) -> None:

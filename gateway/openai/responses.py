@@ -10,7 +10,8 @@ tenant's), else the one `X-Memstrata-Conversation` names, else the one whose sto
 messages extend: a client that resends the whole input each time (openai-agents does) is
 recognised as a chat client is. `conversation` (the Conversations API's field: an id, or an
 object with its `id`) names the conversation as the header does, and is not sent upstream,
-which gets the history from the gateway (it would prepend its own copy); with `store: false`
+which gets the history from the gateway (it would prepend its own copy), and the response
+carries it as OpenAI's does (`gateway.openai.response_turn`); with `store: false`
 the request goes upstream as sent. `background: true` runs in the foreground (the reply must
 be recorded): the answer is the finished response, which polling reads back. Continuing a
 response that is no longer its conversation's latest sends its own history (even from a branch
@@ -82,7 +83,7 @@ async def create(request: Request, state: State, *, tenant_id: int) -> Response:
     try:
         parsed = ResponsesRequest.model_validate(body)
     except ValidationError as exc:
-        raise RequestValidationError(exc.errors()) from exc
+        raise RequestValidationError(exc.errors(), body=body) from exc
     # An earlier reply named by its id goes on as the stored item: the upstream need not keep
     # responses (a stateless one, or another account than the one that made it).
     body = translate.dereferenced(body, await _referenced(state, tenant_id, body))
@@ -101,7 +102,9 @@ async def create(request: Request, state: State, *, tenant_id: int) -> Response:
     header = request.headers.get(CONVERSATION_HEADER)
     external_id = identity.validate_conversation_id(header) if header is not None else None
     named = _named_conversation(body, header=external_id)
-    if named is not None and parsed.store is not False:
+    if named is not None and parsed.store is False:
+        named = None  # it goes upstream as sent
+    if named is not None:
         # The gateway's conversation of that id (each tenant's own): the upstream, which gets
         # the history from the gateway, must not add its own, and need not hold one.
         external_id = named
@@ -124,6 +127,7 @@ async def create(request: Request, state: State, *, tenant_id: int) -> Response:
         input_items=translate.stored_items(body),
         background=background,
         memory_tools=budget.tools_room > 0,
+        conversation=named,
     )
     previous = parsed.previous_response_id
     # What tells a retry of this request from a new one, as on the chat path: the SDKs retry

@@ -143,10 +143,11 @@ class Turn:
         reply: Mapping[str, Any] | None = None,
     ) -> Response:
         """A whole answer relayed with the upstream's status and headers; `reply` (the message
-        the client is shown) recorded first when the answer is a success, the turn withdrawn
-        when it refuses the request."""
+        the client is shown) recorded first when the answer is a success (`shown` as the
+        client is shown it), the turn withdrawn when it refuses the request."""
         if response.is_success:
             await self.record(state, reply, complete=True)
+            content = self.shown(content)
         elif response.status_code in REFUSED:
             await self.withdraw(state)
         return Response(
@@ -154,6 +155,10 @@ class Turn:
             status_code=response.status_code,
             headers={**relayed_headers(response), **self.headers()},
         )
+
+    def shown(self, content: bytes) -> bytes:
+        """A successful whole answer as the client is shown it: the upstream's, as it came."""
+        return content
 
     def stream(
         self, state: State, response: httpx.Response, chunks: Chunks, reply: Reply

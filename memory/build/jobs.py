@@ -300,9 +300,10 @@ def _eligible(job: Any) -> ColumnElement[bool]:
     return or_(_startable(job), _reclaimable(job))
 
 
-def _candidates(*, by_kind: bool) -> Executable:
+def _candidates(*, by_kind: bool, by_conversation: bool) -> Executable:
     """The jobs a claim tries, in order: reclaims first (they started earliest), then queued
-    jobs by due time; with `by_kind`, only those of the kinds bound to `kinds`.
+    jobs by due time; with `by_kind`, only those of the kinds bound to `kinds`, and with
+    `by_conversation`, of the conversations bound to `conversations`.
 
     Two branches, so that each reads only its own partial index (`ix_jobs_running`,
     `ix_jobs_claim`) and never the ever-growing history of done jobs.
@@ -326,6 +327,10 @@ def _candidates(*, by_kind: bool) -> Executable:
         )
         if by_kind:
             branch = branch.where(job.c.kind.in_(bindparam("kinds", expanding=True)))
+        if by_conversation:
+            branch = branch.where(
+                job.c.conversation_id.in_(bindparam("conversations", expanding=True))
+            )
         branches.append(branch.subquery())
     reclaims, queued = branches
     both = union_all(select(reclaims), select(queued)).subquery("both")
@@ -362,8 +367,11 @@ def _take_statement() -> Executable:
 
 # The claim's statements are built once: building these aliased, nested constructs costs more
 # than running them. They are immutable SQL, with every varying value a bound parameter.
-_LIST_ANY: Final = _candidates(by_kind=False)
-_LIST_KINDS: Final = _candidates(by_kind=True)
+_LISTS: Final = {
+    (by_kind, by_conversation): _candidates(by_kind=by_kind, by_conversation=by_conversation)
+    for by_kind in (False, True)
+    for by_conversation in (False, True)
+}
 _TAKE: Final = _take_statement()
 # Jobs whose lease ran out after their last allowed attempt: their worker died each time.
 _BURY_LOST: Final = (
@@ -403,8 +411,10 @@ async def claim(
     worker_id: str,
     lease_seconds: float,
     kinds: Collection[str] | None = None,
+    conversations: Collection[int] | None = None,
 ) -> Job | None:
-    """Claim the job due longest (of `kinds`, or of any kind) for `lease_seconds`, or None.
+    """Claim the job due longest (of `kinds`, or of any kind; of `conversations`, or of any)
+    for `lease_seconds`, or None.
 
     One transaction, in three steps, because a single statement cannot be safe: its snapshot is
     taken before any lock it acquires, so it could decide on a state that a claim committed
@@ -420,15 +430,17 @@ async def claim(
     if lease_seconds <= 0:
         raise InvalidInput("lease_seconds must be positive", param="lease_seconds")
     wanted = None if kinds is None else list(kinds)
-    if wanted is not None and not wanted:
+    of = None if conversations is None else list(conversations)
+    if (wanted is not None and not wanted) or (of is not None and not of):
         return None
+    bound = {"kinds": wanted, "conversations": of}
+    listing = _LISTS[wanted is not None, of is not None]
     async with storage_errors("claiming a job"), engine.begin() as conn:
         for job_id, kind, attempts in await conn.execute(_BURY_LOST):
             log.warning("job %d (%s) is dead: its worker was lost %d times", job_id, kind, attempts)
-        if wanted is None:
-            listed = await conn.execute(_LIST_ANY)
-        else:
-            listed = await conn.execute(_LIST_KINDS, {"kinds": wanted})
+        listed = await conn.execute(
+            listing, {name: value for name, value in bound.items() if value is not None}
+        )
         for job_id, conversation_id in listed.all():
             if conversation_id is not None and not await _lock_conversation(conn, conversation_id):
                 continue

@@ -192,15 +192,16 @@ class Worker:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), self._sweep_interval)
 
-    async def run_until_idle(self) -> int:
-        """Run jobs until none is eligible (delayed retries are not waited for); how many ran."""
+    async def run_until_idle(self, *, conversations: Collection[int] | None = None) -> int:
+        """Run jobs (of `conversations` only, if given) until none is eligible (delayed
+        retries are not waited for); how many ran."""
         ran = 0
 
         async def loop() -> None:
             nonlocal ran
             # A loop that finishes a job always claims again, so a job unblocked by the last
             # one to finish (the next of its conversation) is still run.
-            while (job := await self._claim()) is not None:
+            while (job := await self._claim(conversations)) is not None:
                 await self._execute(job)
                 ran += 1
 
@@ -209,9 +210,13 @@ class Worker:
                 group.create_task(loop())
         return ran
 
-    async def _claim(self) -> Job | None:
+    async def _claim(self, conversations: Collection[int] | None = None) -> Job | None:
         return await claim(
-            self._engine, worker_id=self.worker_id, lease_seconds=self._lease, kinds=self._kinds
+            self._engine,
+            worker_id=self.worker_id,
+            lease_seconds=self._lease,
+            kinds=self._kinds,
+            conversations=conversations,
         )
 
     async def _loop(self, stop: asyncio.Event) -> None:

@@ -266,8 +266,10 @@ async def export_messages(
 ) -> AsyncIterator[dict[str, Any]]:
     """Every message of the conversation's current branch in order, in OpenAI's format with its
     `created_at` (the bulk import's format: what it re-imports is a history, so abandoned
-    branches are left out), read `batch` at a time. `NotFound` is raised before the first
-    message if the conversation does not exist."""
+    branches are left out), read `batch` at a time; a system prompt that replaced the
+    conversation's (no turn of the history) says so, `"system_prompt": true`, which
+    `memstrata import` reads back. `NotFound` is raised before the first message if the
+    conversation does not exist."""
     async with transaction(engine) as conn:
         ref = await store.find_conversation(conn, tenant_id=tenant_id, external_id=external_id)
     after = -1
@@ -282,7 +284,8 @@ async def export_messages(
                 branch_only=True,
             )
         for record in records:
-            yield {**record.as_openai(), "created_at": record.created_at.isoformat()}
+            replaced = {"system_prompt": True} if record.system_prompt else {}
+            yield {**record.as_openai(), **replaced, "created_at": record.created_at.isoformat()}
         if len(records) < batch:
             return
         after = records[-1].seq

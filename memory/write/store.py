@@ -238,9 +238,12 @@ async def append(
     created_at: Sequence[datetime | None] | None = None,
     request: appends.RequestStats | None = None,
     reply_to: ReplyTo | None = None,
+    system_prompts: int = 0,
 ) -> Appended:
     """Append `messages` to a stored conversation's current branch (a reply, or a bulk import).
 
+    `system_prompts`, for an import: how many of the first messages are a system prompt that
+    replaced the conversation's, stored marked (`placement.Found.system_prompt`).
     `request`, for a reply: what the request it answers cost, counted on the conversation with
     the reply (its statistics: requests, tokens sent, full, reused, what the upstream
     reported); the reply is stored as written by `model`. `reply_to`, for a reply, says where
@@ -286,6 +289,7 @@ async def append(
         request_key=reply_to.request_key if reply_to is not None else None,
         replied_by=model if request is not None else None,
         current=place.current,
+        system_prompts=system_prompts,
     )
     added = inserted.tokens if place.current else 0
     systems = [m for m in messages if m.get("role") in chains.SYSTEM_ROLES]

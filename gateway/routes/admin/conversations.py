@@ -207,7 +207,12 @@ async def import_messages(
     skipped."""
     if body.user is not None and "\x00" in body.user:
         raise GatewayError(400, "user must not contain NUL characters", param="user")
-    messages = [m.model_dump(exclude={"created_at"}, exclude_none=True) for m in body.messages]
+    # A replaced system prompt's mark (`system_prompt`) is not the message's: such a message
+    # is stored as a turn here, where the history is placed as a chat request's is.
+    messages = [
+        m.model_dump(exclude={"created_at", "system_prompt"}, exclude_none=True)
+        for m in body.messages
+    ]
     async with transaction(engine) as conn:
         found = await identity.identify(
             conn, tenant_id=tenant_id, external_id=conversation, user=body.user, messages=messages
