@@ -116,7 +116,7 @@ def reply(
     tools: list[Any] | None = None,
     retrying: bool = False,
 ) -> dict[str, Any]:
-    """The reply message (a stream's text only); the conversation it names is noted."""
+    """The reply message (a stream's put together); the conversation it names is noted."""
     client.last = (messages, stream, tools)
     headers = client.headers()
     if retrying:
@@ -130,11 +130,21 @@ def reply(
         with http.stream("POST", CHAT, json={**body, "stream": True}, headers=headers) as answer:
             assert answer.status_code == 200, answer.read()
             client.conversations.add(answer.headers[HEADER])
-            text = ""
+            text, calls = "", dict[int, dict[str, Any]]()
             for line in answer.iter_lines():
                 if line.startswith("data: {"):
                     for choice in json.loads(line[len("data: ") :])["choices"]:
                         text += choice["delta"].get("content") or ""
+                        for part in choice["delta"].get("tool_calls") or []:
+                            call = calls.setdefault(
+                                part["index"],
+                                {"type": "function", "function": {"name": "", "arguments": ""}},
+                            )
+                            call.update({"id": part["id"]} if part.get("id") else {})
+                            for key, value in (part.get("function") or {}).items():
+                                call["function"][key] += value or ""
+            if calls:
+                return {"role": "assistant", "content": None, "tool_calls": list(calls.values())}
             return {"role": "assistant", "content": text}
     answer = http.post(CHAT, json=body, headers=headers)
     assert answer.status_code == 200, answer.text
@@ -182,7 +192,8 @@ def use_a_tool(http: httpx.Client, upstream: UpstreamServer, client: Client, ste
     task = {"role": "user", "content": f"Task {step} in the orchard [{client.tag}]"}
     client.add(task)
     upstream.script({"tool_calls": [{"name": "count_trees", "arguments": {"row": step}}]})
-    [call] = reply(http, client, client.sent([task]), stream=False, tools=TOOLS)["tool_calls"]
+    stream = client.rng.random() < 0.5
+    [call] = reply(http, client, client.sent([task]), stream=stream, tools=TOOLS)["tool_calls"]
     client.add({"role": "assistant", "content": None, "tool_calls": [call]})
     result = {"role": "tool", "tool_call_id": call["id"], "content": f"{step * 7} trees"}
     client.add(result)
@@ -339,6 +350,29 @@ def ask_responses(
     answered(client, respond(http, client, body, stream=client.rng.random() < 0.5))
 
 
+def again(
+    http: httpx.Client,
+    upstream: UpstreamServer,
+    client: ResponsesClient,
+    step: int,
+    *,
+    regenerate: bool,
+) -> None:
+    """The last request again: byte for byte (an SDK's retry; the model answers as before or
+    anew), or in another form (the answer regenerated, anew)."""
+    first = client.view[-1][1]
+    anew = f"Anew, {step} [{client.tag}]"
+    upstream.script({"reply": first if client.rng.random() < 0.5 and not regenerate else anew})
+    assert client.last is not None
+    body = dict(client.last)
+    stream = body.pop("stream") != regenerate
+    response = respond(http, client, body, retrying=not regenerate, stream=stream)
+    client.view.pop()
+    del client.items[client.answers.pop()[2] - 1 :]
+    client.ever -= said(response) == first
+    answered(client, response)
+
+
 def check_responses(http: httpx.Client, client: ResponsesClient) -> None:
     assert len(client.conversations) == 1, client.conversations
     [conversation] = client.conversations
@@ -362,8 +396,9 @@ def check_responses(http: httpx.Client, client: ResponsesClient) -> None:
 def test_a_responses_clients_random_steps_keep_its_view_and_store_each_message_once(
     http: httpx.Client, upstream: UpstreamServer, shape: str, budget: int, seed: int
 ) -> None:
-    """Its steps: ask, retry the last request (the model answers as before or anew), and,
-    continuing by `previous_response_id`, ask after an earlier response (a fork)."""
+    """Its steps: ask, retry the last request (the model answers as before or anew),
+    regenerate the last answer, and, continuing by `previous_response_id`, ask after an earlier
+    response (a fork)."""
     rng = random.Random(f"responses-{shape}-{budget}-{seed}")
     client = ResponsesClient(shape=shape, budget=budget, rng=rng)
     steps = []
@@ -372,18 +407,12 @@ def test_a_responses_clients_random_steps_keep_its_view_and_store_each_message_o
         if draw < 0.7:
             steps.append("ask")
             ask_responses(http, client, step)
-        elif draw < 0.85:
+        elif draw < 0.8:
             steps.append("retry")
-            first = client.view[-1][1]
-            anew = f"Anew, {step} [{client.tag}]"
-            upstream.script({"reply": first if rng.random() < 0.5 else anew})
-            assert client.last is not None
-            retried = dict(client.last)
-            again = respond(http, client, retried, retrying=True, stream=retried.pop("stream"))
-            client.view.pop()
-            del client.items[client.answers.pop()[2] - 1 :]
-            client.ever -= said(again) == first
-            answered(client, again)
+            again(http, upstream, client, step, regenerate=False)
+        elif draw < 0.9 and shape != "conversation":  # naming it, only new input is sent
+            steps.append("regenerate")
+            again(http, upstream, client, step, regenerate=True)
         elif shape == "previous" and len(client.answers) > 1:
             steps.append("fork")
             response_id, seen, items = rng.choice(client.answers[-3:-1])
