@@ -208,3 +208,34 @@ def test_langchain_trimming_its_history_keeps_one_conversation(
     # It fits the budget: sent as langchain sent it.
     prompt = upstream.requests(CHAT)[-1]["body"]["messages"]
     assert [m["content"] for m in prompt] == [message.content for message in window]
+
+
+@pytest.mark.parametrize("named", [False, True], ids=["no-header", "header"])
+def test_a_window_whose_last_question_was_edited_branches_where_it_was_asked(
+    http: httpx.Client, named: bool
+) -> None:
+    """A chat app that trims its history lets the user rewrite the last question: the window
+    then ends with the rewritten question after the reply before it. The old question and its
+    answer leave the branch (kept); nothing of the window is stored again (it used to be
+    appended after the head with the conversation named, and start a new conversation
+    without)."""
+    tag = uuid.uuid4().hex[:8]
+    headers = {HEADER: f"edit-{tag}"} if named else {}
+    said: list[dict[str, Any]] = []
+    named_as = set()
+    for turn in range(5):
+        said.append({"role": "user", "content": f"Question {turn} about the hedge [{tag}]"})
+        answer = http.post(CHAT, json={"model": "m", "messages": said[-4:]}, headers=headers)
+        assert answer.status_code == 200, answer.text
+        named_as.add(answer.headers[HEADER])
+        said.append({"role": "assistant", "content": reply_of(answer)})
+    dropped = said[-2:]
+    said[-2:] = [{"role": "user", "content": f"Question 4, put better [{tag}]"}]
+    answer = http.post(CHAT, json={"model": "m", "messages": said[-4:]}, headers=headers)
+    assert answer.status_code == 200, answer.text
+    named_as.add(answer.headers[HEADER])
+    said.append({"role": "assistant", "content": reply_of(answer)})
+    [conversation] = named_as
+    current, stored = branch(http, conversation)
+    assert current == [m["content"] for m in said]
+    assert stored == len(said) + len(dropped)

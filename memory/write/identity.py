@@ -279,7 +279,7 @@ async def _match(
         if found is None:
             found = await _rewritten(conn, tenant_id, user, messages, hashes)
         if found is None:
-            found = await _resent_window(conn, tenant_id, user, messages)
+            found = await _window_onto(conn, tenant_id, user, messages)
         if found is not None:
             return found
         if attempt == 0:
@@ -380,25 +380,24 @@ async def _rewritten(
     return None
 
 
-async def _resent_window(
+async def _window_onto(
     conn: AsyncConnection,
     tenant_id: int,
     user: str | None,
     messages: Sequence[Mapping[str, Any]],
 ) -> Found | None:
-    """The conversation whose head answers the history's last message, when the history is a
-    window onto it that resends the head's request (`windows.resending`), locked; else None.
-    Without it, a window retried or regenerated once its answer was recorded started a new
-    conversation holding the window again."""
+    """The conversation the history is a window onto, found by its first turn
+    (`windows.candidates`), locked; else None. Without it, a window retried, regenerated or
+    edited once its answer was recorded started a new conversation holding the window again."""
 
-    async def resent(row: AnyRow) -> Found | None:
+    async def onto(row: AnyRow) -> Found | None:
         window = await windows.place(conn, row, messages, named=False)
         return None if window is None else _window(row, window, created=False)
 
-    for conversation_id in await windows.resending(
+    for conversation_id in await windows.candidates(
         conn, tenant_id=tenant_id, user=user, messages=messages
     ):
-        found = await _lock_and_place(conn, conversation_id, resent)
+        found = await _lock_and_place(conn, conversation_id, onto)
         if found is not None:
             return found
     return None
@@ -512,10 +511,10 @@ def _extends(row: AnyRow, start: int, *, created: bool) -> Found:
 def _window(row: AnyRow, window: windows.Window, *, created: bool) -> Found:
     """A history that is a window onto the current branch of the locked conversation `row`
     (`memory.write.windows`): the client's whole view of it."""
-    if window.resent is None:
+    if window.fork is None:
         parent, parent_seq, branch = row.head_hash, row.head_seq, None
-    else:  # the head's request again: a retry (`memory.write.retries`), else a regeneration
-        (parent, parent_seq), branch = window.resent, Branch(fork_seq=window.resent[1])
+    else:  # the head's request again (a retry: `memory.write.retries`), or an edit
+        (parent, parent_seq), branch = window.fork, Branch(fork_seq=window.fork[1])
     return Found(
         row=row,
         start=window.start,

@@ -37,13 +37,18 @@ from memory.write import chains, rewritten, system_prompts
 MAX_WINDOW: Final = 1000
 """Turns of a window compared with the branch at most: its start is within them."""
 
-# The head answers (follows) a message of the role and text given.
-_RESENT = text(
+EDITS: Final = 8
+"""Messages before the head a window may leave the branch at, at most (a question rewritten
+a few exchanges back)."""
+
+# A current message of the role and text given among the branch's latest (by seq, a bound
+# that branches make loose: `place` checks).
+_NEAR_HEAD = text(
     rewritten.LATEST_WITH_HEAD.format(
-        head="""h.model IS NOT NULL AND EXISTS (
+        head="""EXISTS (
             SELECT 1 FROM nodes p
             WHERE p.conversation_id = h.conversation_id AND p.level = 0
-              AND p.seq = COALESCE(h.follows_seq, h.seq - 1)
+              AND p.seq > h.seq - :reach AND p.seq <= h.seq AND p.superseded_at IS NULL
               AND p.role = :role AND p.text = :text)"""
     )
 )
@@ -52,11 +57,12 @@ _RESENT = text(
 @dataclass(frozen=True)
 class Window:
     """Where a window's new messages go: from `start` on, after the head, or, for a window that
-    resends the head's request (a retry, or its answer regenerated), after `resent` (the chain
-    hash and seq of the message before the head), where it branches."""
+    leaves the branch before its head, after `fork` (the chain hash and seq of the last message
+    it shares with the branch), where it branches: it resends the head's request (a retry, or
+    its answer regenerated), or rewrote a message after the shared part (an edit)."""
 
     start: int
-    resent: tuple[str, int] | None = None
+    fork: tuple[str, int] | None = None
 
 
 async def place(
@@ -76,7 +82,7 @@ async def place(
     # The branch's last messages, newest first, as far back as the window could reach.
     tail = (
         await conn.execute(
-            select(nodes.c.chain_hash, nodes.c.seq)
+            select(nodes.c.chain_hash, nodes.c.seq, nodes.c.model.is_not(None).label("replied"))
             .where(
                 nodes.c.conversation_id == row.id,
                 nodes.c.level == 0,
@@ -84,7 +90,7 @@ async def place(
                 nodes.c.seq <= row.head_seq,
             )
             .order_by(nodes.c.seq.desc())
-            .limit(len(turns) + 2)
+            .limit(len(turns) + 2 + EDITS)
         )
     ).all()
     hashes = [*(found.chain_hash for found in tail), chains.ROOT_HASH]
@@ -104,7 +110,18 @@ async def place(
         if reaches(end + 1, 0):
             return Window(start=opening + end + 1)
     if len(tail) > 1 and reaches(len(turns), 1):
-        return Window(start=len(messages), resent=(tail[1].chain_hash, tail[1].seq))
+        return Window(start=len(messages), fork=(tail[1].chain_hash, tail[1].seq))
+    # Left before the head: where what it shares holds a reply the gateway recorded (proof the
+    # client saw this conversation, not a chat or a few-shot prompt that opens alike). A window
+    # that holds the head went on past it: a client that rewrote its own earlier messages
+    # (`memory.write.rewritten`), not an edit.
+    if len(tail) > 1 and any(chains.chain_hash(hashes[1], turn) == hashes[0] for turn in turns):
+        return None
+    for last in range(1, min(len(tail), EDITS + 1)):
+        for end in reversed(range(len(turns))):
+            recorded = any(found.replied for found in tail[last : last + end + 1])
+            if recorded and reaches(end + 1, last):
+                return Window(start=opening + end + 1, fork=(tail[last].chain_hash, tail[last].seq))
     return None
 
 
@@ -117,31 +134,31 @@ def _ties(message: Mapping[str, Any]) -> bool:
     )
 
 
-async def resending(
+async def candidates(
     conn: AsyncConnection,
     *,
     tenant_id: int,
     user: str | None,
     messages: Sequence[Mapping[str, Any]],
 ) -> list[int]:
-    """The ids of the user's latest conversations whose head, a recorded reply, answers a
-    message like the history's last one (its role and text), newest first. A window that
-    resends the head's request (an SDK's retry once the answer was recorded, or the answer
-    regenerated) holds nothing of the head, so it is found by the message the head answers;
-    `place` then says whether it is a window onto the conversation."""
+    """The ids of the user's latest conversations whose current branch holds the history's
+    first turn (its role and text) among its latest messages, newest first: those it may be a
+    window onto (`place` says). A window that resends the head's request or rewrote a message
+    holds nothing of the head, so the gateway's last reply (`memory.write.rewritten`) does not
+    find it."""
     opening = system_prompts.opening(messages)
     if len(messages) - opening < 2:  # not a window (`place`)
         return []
-    last = messages[-1]
-    stored, _ = escape_unstorable(dict(last))
+    first, _ = escape_unstorable(dict(messages[opening]))
     rows = await conn.execute(
-        _RESENT,
+        _NEAR_HEAD,
         {
             "tenant_id": tenant_id,
             "user": user,
             "limit": system_prompts.CANDIDATES,
-            "role": last.get("role"),
-            "text": tokens.message_text(stored),
+            "reach": 4 * (min(len(messages) - opening, MAX_WINDOW) + 2 + EDITS),
+            "role": first.get("role"),
+            "text": tokens.message_text(first),
         },
     )
     return [row.id for row in rows]
