@@ -195,7 +195,11 @@ def use_a_tool(http: httpx.Client, upstream: UpstreamServer, client: Client, ste
     stream = client.rng.random() < 0.5
     [call] = reply(http, client, client.sent([task]), stream=stream, tools=TOOLS)["tool_calls"]
     client.add({"role": "assistant", "content": None, "tool_calls": [call]})
-    result = {"role": "tool", "tool_call_id": call["id"], "content": f"{step * 7} trees"}
+    result = {
+        "role": "tool",
+        "tool_call_id": call["id"],
+        "content": f"Row {step}: {step * 7} trees",
+    }
     client.add(result)
     answer = send(
         http, client, client.sent([result]), stream=client.rng.random() < 0.5, tools=TOOLS

@@ -41,15 +41,16 @@ EDITS: Final = 8
 """Messages before the head a window may leave the branch at, at most (a question rewritten
 a few exchanges back)."""
 
-# A current message of the role and text given among the branch's latest (by seq, a bound
-# that branches make loose: `place` checks).
+# A reply the gateway recorded, of one of the texts given, current among the branch's latest
+# messages (by seq, a bound that branches make loose: `place` checks).
 _NEAR_HEAD = text(
     rewritten.LATEST_WITH_HEAD.format(
         head="""EXISTS (
             SELECT 1 FROM nodes p
             WHERE p.conversation_id = h.conversation_id AND p.level = 0
               AND p.seq > h.seq - :reach AND p.seq <= h.seq AND p.superseded_at IS NULL
-              AND p.role = :role AND p.text = :text)"""
+              AND p.role = 'assistant' AND p.model IS NOT NULL
+              AND p.text = ANY(CAST(:texts AS text[])))"""
     )
 )
 
@@ -141,24 +142,29 @@ async def candidates(
     user: str | None,
     messages: Sequence[Mapping[str, Any]],
 ) -> list[int]:
-    """The ids of the user's latest conversations whose current branch holds the history's
-    first turn (its role and text) among its latest messages, newest first: those it may be a
-    window onto (`place` says). A window that resends the head's request or rewrote a message
-    holds nothing of the head, so the gateway's last reply (`memory.write.rewritten`) does not
-    find it."""
+    """The ids of the user's latest conversations, newest first, whose latest messages hold a
+    reply the gateway recorded that the history holds too (by its text): those it may be a
+    window onto that leaves the branch before its head (`place` says; such a window must share
+    such a reply). A window that resends the head's request or rewrote a message holds nothing
+    of the head, so the gateway's last reply (`memory.write.rewritten`) does not find it; a
+    few-shot prompt, whose assistant messages the client wrote, finds nothing here."""
     opening = system_prompts.opening(messages)
-    if len(messages) - opening < 2:  # not a window (`place`)
+    turns = messages[opening:][:MAX_WINDOW]
+    said = [
+        tokens.message_text(escape_unstorable(dict(message))[0])
+        for message in turns
+        if message.get("role") == "assistant"
+    ]
+    if len(turns) < 2 or not said:  # not a window (`place`)
         return []
-    first, _ = escape_unstorable(dict(messages[opening]))
     rows = await conn.execute(
         _NEAR_HEAD,
         {
             "tenant_id": tenant_id,
             "user": user,
             "limit": system_prompts.CANDIDATES,
-            "reach": 4 * (min(len(messages) - opening, MAX_WINDOW) + 2 + EDITS),
-            "role": first.get("role"),
-            "text": tokens.message_text(first),
+            "reach": 4 * (len(turns) + 2 + EDITS),
+            "texts": said,
         },
     )
     return [row.id for row in rows]
