@@ -17,6 +17,7 @@ import pytest
 from sqlalchemy import delete, insert
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from devkit.gateway import GatewayProcess
 from devkit.postgres import drop_database, fresh_database, throwaway_postgres
 from devkit.upstream import UpstreamServer
 from gateway.settings import Settings
@@ -97,6 +98,21 @@ def upstream() -> Iterator[UpstreamServer]:
 def fresh_upstream(upstream: UpstreamServer) -> None:
     """Forget what earlier tests scripted and recorded on the module's upstream."""
     upstream.reset()
+
+
+@pytest.fixture(scope="module")
+def gateway(database_url: str, upstream: UpstreamServer) -> Iterator[GatewayProcess]:
+    """A `memstrata serve` process on the module's upstream, without background work (a
+    module that needs another defines its own)."""
+    with GatewayProcess(database_url=database_url, upstream_url=upstream.url, workers=0) as gw:
+        yield gw
+
+
+@pytest.fixture
+def http(gateway: GatewayProcess) -> Iterator[httpx.Client]:
+    """An HTTP client of `gateway`, from its root (`/v1/...`, `/admin/...`)."""
+    with httpx.Client(base_url=gateway.root_url, timeout=30) as client:
+        yield client
 
 
 @pytest.fixture

@@ -20,14 +20,12 @@ conversation (`conversation`).
 import json
 import random
 import uuid
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
 import pytest
 
-from devkit.gateway import GatewayProcess
 from devkit.upstream import UpstreamServer
 
 pytestmark = pytest.mark.usefixtures("fresh_upstream")
@@ -36,18 +34,6 @@ CHAT = "/v1/chat/completions"
 HEADER = "X-Memstrata-Conversation"
 STEPS = 24
 TOOLS = [{"type": "function", "function": {"name": "count_trees", "parameters": {}}}]
-
-
-@pytest.fixture(scope="module")
-def gateway(database_url: str, upstream: UpstreamServer) -> Iterator[GatewayProcess]:
-    with GatewayProcess(database_url=database_url, upstream_url=upstream.url, workers=0) as gw:
-        yield gw
-
-
-@pytest.fixture
-def http(gateway: GatewayProcess) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=gateway.root_url, timeout=30) as raw:
-        yield raw
 
 
 @dataclass
@@ -92,19 +78,9 @@ class Client:
         return [*opening, *turns]
 
 
-def send(
-    http: httpx.Client,
-    client: Client,
-    messages: list[dict[str, Any]],
-    *,
-    stream: bool,
-    tools: list[Any] | None = None,
-    retrying: bool = False,
-) -> str:
-    """The reply's text; the conversation it names is noted."""
-    return str(
-        reply(http, client, messages, stream=stream, tools=tools, retrying=retrying)["content"]
-    )
+def text_of(*args: Any, **kwargs: Any) -> str:
+    """The text of `reply`'s message."""
+    return str(reply(*args, **kwargs)["content"])
 
 
 def reply(
@@ -156,7 +132,7 @@ def reply(
 def ask(http: httpx.Client, client: Client, step: int) -> None:
     question = {"role": "user", "content": f"Question {step} about the orchard [{client.tag}]"}
     client.add(question)
-    reply = send(http, client, client.sent([question]), stream=client.rng.random() < 0.5)
+    reply = text_of(http, client, client.sent([question]), stream=client.rng.random() < 0.5)
     client.add({"role": "assistant", "content": reply})
 
 
@@ -169,7 +145,7 @@ def retry(http: httpx.Client, upstream: UpstreamServer, client: Client, step: in
     upstream.script(
         {"reply": first if client.rng.random() < 0.5 else f"Anew, {step} [{client.tag}]"}
     )
-    again = send(http, client, messages, stream=stream, tools=tools, retrying=True)
+    again = text_of(http, client, messages, stream=stream, tools=tools, retrying=True)
     if again != first:  # the first answer leaves the branch, stored; the retry's is stored
         del client.view[-1]
         client.add({"role": "assistant", "content": again})
@@ -182,7 +158,7 @@ def regenerate(http: httpx.Client, upstream: UpstreamServer, client: Client, ste
     messages, stream, tools = client.last
     upstream.script({"reply": f"Another answer, the {step}th [{client.tag}]"})
     del client.view[-1]
-    again = send(http, client, messages, stream=not stream, tools=tools)
+    again = text_of(http, client, messages, stream=not stream, tools=tools)
     client.add({"role": "assistant", "content": again})
 
 
@@ -201,7 +177,7 @@ def use_a_tool(http: httpx.Client, upstream: UpstreamServer, client: Client, ste
         "content": f"Row {step}: {step * 7} trees",
     }
     client.add(result)
-    answer = send(
+    answer = text_of(
         http, client, client.sent([result]), stream=client.rng.random() < 0.5, tools=TOOLS
     )
     client.add({"role": "assistant", "content": answer})

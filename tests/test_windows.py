@@ -8,7 +8,6 @@ longer sends (the conversation fits the budget, so it goes whole, from memory).
 """
 
 import uuid
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -26,18 +25,6 @@ CHAT = "/v1/chat/completions"
 HEADER = "X-Memstrata-Conversation"
 TURNS = 12
 WORDS = "tulips go in before the first frost and the soil must drain well"
-
-
-@pytest.fixture(scope="module")
-def gateway(database_url: str, upstream: UpstreamServer) -> Iterator[GatewayProcess]:
-    with GatewayProcess(database_url=database_url, upstream_url=upstream.url, workers=0) as gw:
-        yield gw
-
-
-@pytest.fixture
-def http(gateway: GatewayProcess) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=gateway.root_url, timeout=15) as raw:
-        yield raw
 
 
 def branch(http: httpx.Client, conversation: str) -> tuple[list[Any], int]:

@@ -371,13 +371,8 @@ async def _rewritten(
         path = await _path(conn, row.id, hashes)
         return _branch(row, path, hashes, created=False) if path else None
 
-    for conversation_id in await rewritten.candidates(
-        conn, tenant_id=tenant_id, user=user, messages=messages
-    ):
-        found = await _lock_and_place(conn, conversation_id, branching)
-        if found is not None:
-            return found
-    return None
+    found = await rewritten.candidates(conn, tenant_id=tenant_id, user=user, messages=messages)
+    return await _first_placed(conn, found, branching)
 
 
 async def _window_onto(
@@ -386,7 +381,7 @@ async def _window_onto(
     user: str | None,
     messages: Sequence[Mapping[str, Any]],
 ) -> Found | None:
-    """The conversation the history is a window onto, found by its first turn
+    """The conversation the history is a window onto that leaves its branch before the head
     (`windows.candidates`), locked; else None. Without it, a window retried, regenerated or
     edited once its answer was recorded started a new conversation holding the window again."""
 
@@ -394,10 +389,19 @@ async def _window_onto(
         window = await windows.place(conn, row, messages, named=False)
         return None if window is None else _window(row, window, created=False)
 
-    for conversation_id in await windows.candidates(
-        conn, tenant_id=tenant_id, user=user, messages=messages
-    ):
-        found = await _lock_and_place(conn, conversation_id, onto)
+    found = await windows.candidates(conn, tenant_id=tenant_id, user=user, messages=messages)
+    return await _first_placed(conn, found, onto)
+
+
+async def _first_placed(
+    conn: AsyncConnection,
+    conversation_ids: Sequence[int],
+    place: Callable[[AnyRow], Awaitable[Found | None]],
+) -> Found | None:
+    """Where the history goes in the first of the candidate conversations it belongs to
+    (`_lock_and_place`), that one locked; None when it belongs to none."""
+    for conversation_id in conversation_ids:
+        found = await _lock_and_place(conn, conversation_id, place)
         if found is not None:
             return found
     return None

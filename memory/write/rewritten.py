@@ -30,7 +30,7 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from sqlalchemy import text
+from sqlalchemy import TextClause, text
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from memory.db import AnyRow
@@ -121,7 +121,14 @@ async def candidates(
     head = _head_of(messages, calls=True)
     if head is None:
         return []
+    return await latest_with_head(conn, _LATEST, tenant_id=tenant_id, user=user, **head)
+
+
+async def latest_with_head(
+    conn: AsyncConnection, query: TextClause, *, tenant_id: int, user: str | None, **params: Any
+) -> list[int]:
+    """The conversation ids `query`, a `LATEST_WITH_HEAD`, finds with `params`."""
     rows = await conn.execute(
-        _LATEST, {"tenant_id": tenant_id, "user": user, "limit": CANDIDATES, **head}
+        query, {"tenant_id": tenant_id, "user": user, "limit": CANDIDATES, **params}
     )
     return [row.id for row in rows]

@@ -157,14 +157,11 @@ async def candidates(
     ]
     if len(turns) < 2 or not said:  # not a window (`place`)
         return []
-    rows = await conn.execute(
+    return await rewritten.latest_with_head(
+        conn,
         _NEAR_HEAD,
-        {
-            "tenant_id": tenant_id,
-            "user": user,
-            "limit": system_prompts.CANDIDATES,
-            "reach": 4 * (len(turns) + 2 + EDITS),
-            "texts": said,
-        },
+        tenant_id=tenant_id,
+        user=user,
+        reach=4 * (len(turns) + 2 + EDITS),
+        texts=said,
     )
-    return [row.id for row in rows]
