@@ -26,7 +26,7 @@ from gateway.settings import Settings
 from memory.build import backlog
 from memory.build.worker import Worker
 from memory.db import check, connect, migrate, transaction
-from memory.errors import MemstrataError
+from memory.errors import MemstrataError, NotFound
 from memory.postgres import EmbeddedPostgres
 from memory.write import identity, store
 
@@ -216,6 +216,11 @@ def worker(concurrency: int) -> None:
 @main.command("import")
 @click.argument("file", type=click.Path(exists=True, dir_okay=False, path_type=Path))
 @click.option("--conversation", help="Conversation id (default: the file's name).")
+@click.option(
+    "--tenant",
+    help="Name of the tenant that owns the conversation (`POST /admin/tenants` makes one; "
+    "default: the default tenant).",
+)
 @click.option("--model", default="gpt-4o", show_default=True, help="Tokenizer for counting.")
 @click.option(
     "--batch",
@@ -231,7 +236,7 @@ def worker(concurrency: int) -> None:
     "(with an error if a job failed).",
 )
 def import_command(
-    file: Path, conversation: str | None, model: str, batch: int, wait: bool
+    file: Path, conversation: str | None, tenant: str | None, model: str, batch: int, wait: bool
 ) -> None:
     """Import messages from FILE: JSONL (one OpenAI message a line) or JSON (a list of
     messages, or {"messages": [...]}); each message may carry `created_at`. Importing the same
@@ -247,9 +252,16 @@ def import_command(
         raise click.ClickException(str(exc)) from exc
 
     async def run(engine: AsyncEngine) -> None:
+        try:
+            async with transaction(engine) as conn:
+                named = {} if tenant is None else {"name": tenant}
+                tenant_id = await store.tenant_id_by_name(conn, **named)
+        except NotFound as exc:
+            raise click.ClickException(str(exc)) from exc
         with tqdm(total=len(read.messages), unit="msg", desc=f"import {external_id}") as bar:
             imported = await importer.import_messages(
                 engine,
+                tenant_id=tenant_id,
                 external_id=external_id,
                 messages=read.messages,
                 created_at=read.created_at,
@@ -260,7 +272,7 @@ def import_command(
             )
         click.echo(f"{imported} messages imported into {external_id}", err=True)
         if wait:
-            tenant_id, imported_id = await _imported(engine, external_id=external_id)
+            imported_id = await _imported(engine, tenant_id=tenant_id, external_id=external_id)
             async with _worker(engine, settings, concurrency=1) as runner:
                 started = time.perf_counter()
                 # Only this conversation's: the rest of the queue is the workers' to run.
@@ -277,12 +289,11 @@ def import_command(
     _with_database(settings, run)
 
 
-async def _imported(engine: AsyncEngine, *, external_id: str) -> tuple[int, int]:
-    """The default tenant's id and that of its conversation `external_id`, imported into."""
+async def _imported(engine: AsyncEngine, *, tenant_id: int, external_id: str) -> int:
+    """The id of the tenant's conversation `external_id`, imported into."""
     async with transaction(engine) as conn:
-        tenant_id = await store.tenant_id_by_name(conn)
         ref = await store.find_conversation(conn, tenant_id=tenant_id, external_id=external_id)
-    return tenant_id, ref.id
+    return ref.id
 
 
 async def _failed_jobs(

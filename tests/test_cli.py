@@ -401,3 +401,45 @@ def test_serve_says_in_a_paragraph_that_the_embedded_postgres_did_not_start(
     assert "the embedded Postgres did not start" in line, said
     assert "postgresql.conf" in line and "move it away" in line, said
     assert str(reachable_dir / "postgres" / "server.log") in line, said
+
+
+async def test_a_file_is_imported_into_the_tenant_named(
+    tmp_path: Path, database_url: str, engine: AsyncEngine
+) -> None:
+    """`--tenant` names the tenant that owns the conversation (it went to the default one
+    always); a tenant that does not exist is refused in words, storing nothing."""
+    name = f"imports-{uuid.uuid4().hex[:8]}"
+    async with engine.begin() as conn:
+        tenant = await tenants.create_tenant(conn, name=name)
+    path = write_jsonl(tmp_path / "turns.jsonl", TURNS)
+    conversation = conversation_id()
+    missing = memstrata(
+        "import",
+        str(path),
+        "--conversation",
+        conversation,
+        "--tenant",
+        f"{name}-missing",
+        database_url=database_url,
+    )
+    assert f"tenant '{name}-missing' does not exist" in refused(missing)
+    run = memstrata(
+        "import",
+        str(path),
+        "--conversation",
+        conversation,
+        "--tenant",
+        name,
+        "--wait",
+        database_url=database_url,
+    )
+    assert run.returncode == 0, run.stderr
+    async with engine.connect() as conn:
+        owned = await store.find_conversation(conn, tenant_id=tenant.id, external_id=conversation)
+        count = select(func.count()).where(
+            schema.nodes.c.conversation_id == owned.id, schema.nodes.c.level == 0
+        )
+        assert await conn.scalar(count) == len(TURNS)
+        default = await store.tenant_id_by_name(conn)
+        with pytest.raises(NotFound):
+            await store.find_conversation(conn, tenant_id=default, external_id=conversation)
