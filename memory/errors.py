@@ -67,5 +67,5 @@ class ProviderError(MemstrataError):
 
 
 class ProviderUnavailable(ProviderError):
-    """The backend could not answer for now (unreachable, timed out, HTTP 408, 429 or 5xx):
+    """The backend could not answer for now (unreachable, timed out, HTTP 408, 409, 429 or 5xx):
     the same request may well succeed later, unlike a refused or malformed one."""

@@ -11,8 +11,8 @@ header is sent at all (local servers such as Ollama or vLLM need none).
 themselves (and stay indifferent to the SDK's own models); every failure becomes a
 `ProviderError` whose message names the status and the error's type or code, never the
 request's text (a `ProviderUnavailable` when a later try may succeed: unreachable, timed out,
-408, 429 or 5xx, once the SDK's own retries are spent); `refused_parameter` reads which request
-parameter a 400 answer named, so that a caller may send the request again without it.
+408, 409, 429 or 5xx, once the SDK's own retries are spent); `refused_parameter` reads which
+request parameter a 400 answer named, so that a caller may send the request again without it.
 """
 
 import json
@@ -24,7 +24,7 @@ from memory.errors import ProviderError, ProviderUnavailable
 
 DEFAULT_MAX_RETRIES = 2
 # Statuses of an upstream that is down or busy rather than refusing the request.
-_PASSING_STATUSES = frozenset({408, 429})
+_PASSING_STATUSES = frozenset({408, 409, 429})
 _PLACEHOLDER_KEY = "memstrata-no-key"  # the SDK needs one; its header is left out (`_headers`)
 
 

@@ -175,6 +175,7 @@ async def test_a_refused_request_still_spends_attempts_but_an_outage_does_not(
         ({"status": 500}, True),
         ({"status": 429}, True),
         ({"status": 408}, True),
+        ({"status": 409}, True),  # a lock timeout, retried by the SDK too
         ({"cut_after": 0}, True),
         ({"status": 400}, False),
         ({"status": 401}, False),
