@@ -264,6 +264,25 @@ async def test_invalid_request_is_400(
     assert error["message"].startswith(f"{param}: "), error
 
 
+INVALID_INPUT = {
+    "a role": ([{"role": "robot", "content": "hi"}], "input[0].role"),
+    "content": ([{"role": "user", "content": 7}], "input[0].content"),
+    "an item type": ([{"role": "user", "content": "hi"}, {"type": "hologram"}], "input[1].type"),
+    "a reference without id": ([{"type": "item_reference"}], "input[0].id"),
+}
+
+
+@pytest.mark.parametrize(("items", "param"), INVALID_INPUT.values(), ids=INVALID_INPUT.keys())
+async def test_a_bad_responses_input_item_is_named_in_param(
+    client: httpx.AsyncClient, refused: _Refused, items: list[Any], param: str
+) -> None:
+    # `param` named the whole `input`, though the message named the item and field.
+    body = {"model": "m", "input": items}
+    error = await refused(400, lambda: client.post("/v1/responses", json=body))
+    assert error["param"] == param, error
+    assert error["message"].startswith(param.split(".")[0]), error
+
+
 UNSTORABLE = {
     "NUL in content": {"role": "user", "content": "a\u0000b"},
     "NUL in a content part": {"role": "user", "content": [{"type": "text", "text": "a\u0000"}]},

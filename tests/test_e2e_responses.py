@@ -338,7 +338,7 @@ def test_a_reply_resent_as_an_item_reference_is_the_stored_reply(
         },
     )
     assert refused.status_code == 400, refused.text
-    assert refused.json()["error"]["param"] == "input" and "msg_nope" in refused.text
+    assert refused.json()["error"]["param"] == "input[1].id" and "msg_nope" in refused.text
     assert way.upstream.requests() == before
     assert http.get("/admin/search", params={"q": gone}).json()["data"] == []
 
@@ -437,7 +437,7 @@ def test_unknown_previous_response_is_404_and_stores_nothing(
     [
         ({"model": "m"}, "input"),
         ({"model": "m", "input": []}, "input"),
-        ({"model": "m", "input": [{"role": "robot", "content": "x"}]}, "input"),
+        ({"model": "m", "input": [{"role": "robot", "content": "x"}]}, "input[0].role"),
         ({"model": "m", "input": "x", "stream": "yes"}, "stream"),
         ({"model": "", "input": "x"}, "model"),
     ],

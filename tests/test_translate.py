@@ -91,20 +91,21 @@ def test_chat_messages_and_items_round_trip() -> None:
 
 
 @pytest.mark.parametrize(
-    "bad",
+    ("bad", "param"),
     [
-        [{"type": "item_reference", "id": "msg_1"}],
-        [{"type": "no_such_item"}],
-        [{"role": "user", "content": 3}],
-        [{"type": "function_call", "name": "f"}],
-        "",
+        ([{"type": "item_reference", "id": "msg_1"}], "input[0].type"),
+        ([{"type": "no_such_item"}], "input[0].type"),
+        ([{"role": "user", "content": 3}], "input[0].content"),
+        ([{"type": "function_call", "name": "f"}], "input[0].call_id"),
+        ("", "input"),
     ],
 )
-def test_items_memory_cannot_read_are_refused(bad: Any) -> None:
+def test_items_memory_cannot_read_are_refused(bad: Any, param: str) -> None:
     body = {"input": bad} if bad != "" else {"input": []}
     with pytest.raises(GatewayError) as refused:
         translate.input_messages(body)
-    assert (refused.value.status, refused.value.param) == (400, "input")
+    # Named down to the item and its field, as OpenAI names a bad parameter.
+    assert (refused.value.status, refused.value.param) == (400, param)
 
 
 def test_a_responses_request_as_a_chat_request() -> None:

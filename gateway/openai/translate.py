@@ -105,7 +105,9 @@ def references(body: Mapping[str, Any]) -> list[str]:
     ids = []
     for index, item_id in named:
         if not isinstance(item_id, str):
-            raise _invalid(f"input[{index}]: an item_reference needs the id of an item")
+            raise _invalid(
+                f"input[{index}]: an item_reference needs the id of an item", f"input[{index}].id"
+            )
         ids.append(item_id)
     return ids
 
@@ -125,7 +127,8 @@ def dereferenced(body: dict[str, Any], referenced: Mapping[str, Item]) -> dict[s
             if found is None:
                 raise _invalid(
                     f"input[{index}]: item_reference {item.get('id')!r} names no output item "
-                    "of a stored response"
+                    "of a stored response",
+                    f"input[{index}].id",
                 )
             item = found
         resolved.append(item)
@@ -178,7 +181,7 @@ def items_to_messages(items: Sequence[Mapping[str, Any]]) -> list[Message]:
                 }
             )
         elif kind not in _NOT_MESSAGES:
-            raise _invalid(f"input[{index}]: unknown item type {kind!r}")
+            raise _invalid(f"input[{index}]: unknown item type {kind!r}", f"input[{index}].type")
     return messages
 
 
@@ -204,14 +207,16 @@ def reply_message(output: Any) -> Message | None:
 def _text(item: Mapping[str, Any], key: str, index: int) -> str:
     value = item.get(key)
     if not isinstance(value, str):
-        raise _invalid(f"input[{index}].{key} must be a string")
+        raise _invalid(f"input[{index}].{key} must be a string", f"input[{index}].{key}")
     return value
 
 
 def _message(item: Mapping[str, Any], index: int) -> Message:
     role = item.get("role")
     if role not in _ROLES:
-        raise _invalid(f"input[{index}].role must be one of {', '.join(_ROLES)}")
+        raise _invalid(
+            f"input[{index}].role must be one of {', '.join(_ROLES)}", f"input[{index}].role"
+        )
     content = item.get("content")
     if role != "assistant":
         return {
@@ -234,7 +239,10 @@ def _message(item: Mapping[str, Any], index: int) -> Message:
 
 def _part_list(content: Any, index: int) -> list[dict[str, Any]]:
     if not isinstance(content, list) or not all(isinstance(part, dict) for part in content):
-        raise _invalid(f"input[{index}].content must be a string or a list of content parts")
+        raise _invalid(
+            f"input[{index}].content must be a string or a list of content parts",
+            f"input[{index}].content",
+        )
     return content
 
 
