@@ -242,17 +242,22 @@ class Turn:
                     head=self.reply_to,
                 )
                 if withdrawn:
-                    await working_context.forget(
-                        conn,
-                        tenant_id=self.tenant_id,
-                        conversation_id=self.conversation_id,
-                        branched_at=self.stored_from,
-                    )
+                    await self._forget_context(conn, branched_at=self.stored_from)
         except Exception:
             log.exception("could not withdraw a turn the upstream refused", extra=extra)
             return
         if withdrawn:
             log.info("the upstream refused the turn: its messages left the branch", extra=extra)
+
+    async def _forget_context(self, conn: AsyncConnection, *, branched_at: int) -> None:
+        """Drop the working context if it holds messages that left the branch from seq
+        `branched_at` on (`working_context.forget`)."""
+        await working_context.forget(
+            conn,
+            tenant_id=self.tenant_id,
+            conversation_id=self.conversation_id,
+            branched_at=branched_at,
+        )
 
     # A turn whose answer is worth keeping even without a reply message (a response object).
     records_without_reply: ClassVar[bool] = False
@@ -279,12 +284,7 @@ class Turn:
                     reply_to=self.reply_to,
                 )
                 if replaced is not None:  # a retry's answer took the first's place
-                    await working_context.forget(
-                        conn,
-                        tenant_id=self.tenant_id,
-                        conversation_id=self.conversation_id,
-                        branched_at=replaced,
-                    )
+                    await self._forget_context(conn, branched_at=replaced)
             await self.recorded(conn)
         if reply is not None:
             state.metrics.observe_request(stats)
