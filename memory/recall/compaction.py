@@ -119,7 +119,7 @@ def _costs(items: Sequence[Item], mask_before: int, model: str) -> list[int]:
     ]
 
 
-def _point(
+def verbatim_start(
     items: Sequence[Item], costs: Sequence[int], *, room: int, protect: int, end: int
 ) -> int:
     """The first seq kept verbatim so that the items from it on cost at most `room`, never past
@@ -136,7 +136,10 @@ def _point(
     if (items[forward].seq if forward < len(items) else end) <= protect:
         index = forward
     else:
-        while index > 0 and items[index].role == "tool":
+        # Every turn compacted, `protect` past the last of them and short of `end` (the seqs
+        # between are off the branch: the answer a regeneration replaces, once the tree has
+        # covered its question): no turn is left to step back over.
+        while 0 < index < len(items) and items[index].role == "tool":
             index -= 1
     return items[index].seq if index < len(items) else end
 
@@ -203,11 +206,11 @@ async def compact(
     covered = await _covered(conn, state)
     point = start
     for _ in range(_ATTEMPTS):
-        point = _point(live, costs, room=target - allowance, protect=protect, end=end)
+        point = verbatim_start(live, costs, room=target - allowance, protect=protect, end=end)
         if point > covered > start:
             # Compacting only what the tree has summarized loses no summary: preferred while
             # the context stays under the high-water mark.
-            near = _point(live, costs, room=target - allowance, protect=covered, end=end)
+            near = verbatim_start(live, costs, room=target - allowance, protect=covered, end=end)
             if _kept(live, costs, near) + allowance <= ceiling:
                 point = near
         stable = state.stable
