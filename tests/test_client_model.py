@@ -15,17 +15,24 @@ edit leaves the old branch stored, superseded, and nothing is stored twice.
 Clients of the Responses API the same way: resending their whole input, continuing the latest
 response (`previous_response_id`, also from an earlier one: a fork), or naming their
 conversation (`conversation`).
+
+As deployed: the same steps through two `serve` processes on one database, each request sent
+to either (a load balancer's choice), each process with its worker building segments,
+summaries, the next turn's recall and the next compaction while the client goes on.
 """
 
 import json
 import random
+import time
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
 import pytest
 
+from devkit.gateway import GatewayProcess
 from devkit.upstream import UpstreamServer
 
 pytestmark = pytest.mark.usefixtures("fresh_upstream")
@@ -34,6 +41,62 @@ CHAT = "/v1/chat/completions"
 HEADER = "X-Memstrata-Conversation"
 STEPS = 24
 TOOLS = [{"type": "function", "function": {"name": "count_trees", "parameters": {}}}]
+
+
+class Balanced(httpx.Client):
+    """A client of several `serve` processes: each request goes to one of them at random."""
+
+    def __init__(self, gateways: list[GatewayProcess], rng: random.Random) -> None:
+        super().__init__(base_url=gateways[0].root_url, timeout=30)
+        self._ports = [gateway.port for gateway in gateways]
+        self._rng = rng
+
+    def send(self, request: httpx.Request, **kwargs: Any) -> httpx.Response:
+        request.url = request.url.copy_with(port=self._rng.choice(self._ports))
+        return super().send(request, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def deployed(module_database_url: str, upstream: UpstreamServer) -> Iterator[list[GatewayProcess]]:
+    """Two `serve` processes on one database (of this module's own: their workers run every
+    queued job), each with its worker (serve's default), summaries extractive; segments close
+    at the least they may, so that summaries and their roll-ups are built within a few turns."""
+
+    def serve() -> GatewayProcess:
+        return GatewayProcess(
+            database_url=module_database_url,
+            upstream_url=upstream.url,
+            workers=1,
+            summary_mode="extractive",
+            segment_token_cap=64,
+            segment_min_tokens=0,
+            fanout=2,
+        )
+
+    with (
+        serve() as one,
+        serve() as two,
+        httpx.Client(base_url=one.root_url, timeout=30) as http,
+    ):
+        # Workers load their models on their first jobs: those are waited for, so that the
+        # builds keep up with the clients from their first steps.
+        for gateway in (one, two):
+            first = [{"role": "user", "content": f"Warm up {uuid.uuid4().hex}"}]
+            answer = http.post(
+                f"{gateway.url}/chat/completions", json={"model": "m", "messages": first}
+            )
+            settled(http, answer.headers[HEADER])
+        yield [one, two]
+
+
+def settled(http: httpx.Client, conversation: str) -> dict[str, Any]:
+    """The conversation's statistics once its workers have nothing left to build for it."""
+    for _ in range(600):
+        stats: dict[str, Any] = http.get(f"/admin/conversations/{conversation}").json()
+        if not stats["pending_jobs"]:
+            return stats
+        time.sleep(0.1)
+    raise AssertionError(f"still building: {stats}")
 
 
 @dataclass
@@ -212,17 +275,50 @@ def check(http: httpx.Client, upstream: UpstreamServer, client: Client) -> None:
     assert not [content for content in left if content in prompt]
 
 
-@pytest.mark.parametrize("seed", [1, 2, 3])
-@pytest.mark.parametrize("budget", [8000, 600], ids=["fits", "past-budget"])
-@pytest.mark.parametrize(
+SHAPES = pytest.mark.parametrize(
     ("shape", "named"),
     [("history", False), ("history", True), ("window", False), ("window", True), ("new", True)],
     ids=["history", "history-named", "window", "window-named", "new-named"],
 )
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+@pytest.mark.parametrize("budget", [8000, 600], ids=["fits", "past-budget"])
+@SHAPES
 def test_a_clients_random_steps_keep_its_view_and_store_each_message_once(
     http: httpx.Client, upstream: UpstreamServer, shape: str, named: bool, budget: int, seed: int
 ) -> None:
-    rng = random.Random(f"{shape}-{named}-{budget}-{seed}")
+    run_client(
+        http, upstream, random.Random(f"{shape}-{named}-{budget}-{seed}"), shape, named, budget
+    )
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+@SHAPES
+def test_the_same_through_two_serve_processes_with_their_workers(
+    deployed: list[GatewayProcess], upstream: UpstreamServer, shape: str, named: bool, seed: int
+) -> None:
+    rng = random.Random(f"deployed-{shape}-{named}-{seed}")
+    with Balanced(deployed, random.Random(seed)) as http:
+        client = run_client(http, upstream, rng, shape, named, budget=600)
+        # The workers built while the client went on, past the budget (a working context);
+        # what they built leaves the branch as it was.
+        [conversation] = client.conversations
+        stats = settled(http, conversation)
+        assert stats["levels"].get("1", 0) > 0, stats
+        assert stats["working_context"] is not None, stats
+        check(http, upstream, client)
+
+
+def run_client(
+    http: httpx.Client,
+    upstream: UpstreamServer,
+    rng: random.Random,
+    shape: str,
+    named: bool,
+    budget: int,
+) -> Client:
+    """`STEPS` steps of one client, drawn from `rng`, each checked."""
     client = Client(shape=shape, named=named, system=rng.random() < 0.5, budget=budget, rng=rng)
     steps = []
     for step in range(STEPS):
@@ -246,6 +342,7 @@ def test_a_clients_random_steps_keep_its_view_and_store_each_message_once(
             check(http, upstream, client)
         except AssertionError as failure:
             raise AssertionError(f"after {steps}: {failure}") from failure
+    return client
 
 
 # -- the Responses API -------------------------------------------------------------------------
@@ -380,7 +477,23 @@ def test_a_responses_clients_random_steps_keep_its_view_and_store_each_message_o
     """Its steps: ask, retry the last request (the model answers as before or anew),
     regenerate the last answer, and, continuing by `previous_response_id`, ask after an earlier
     response (a fork)."""
-    rng = random.Random(f"responses-{shape}-{budget}-{seed}")
+    run_responses_client(
+        http, upstream, random.Random(f"responses-{shape}-{budget}-{seed}"), shape, budget
+    )
+
+
+@pytest.mark.parametrize("shape", ["input", "previous", "conversation"])
+def test_a_responses_client_through_two_serve_processes_with_their_workers(
+    deployed: list[GatewayProcess], upstream: UpstreamServer, shape: str
+) -> None:
+    with Balanced(deployed, random.Random(shape)) as http:
+        run_responses_client(http, upstream, random.Random(f"deployed-{shape}"), shape, 600)
+
+
+def run_responses_client(
+    http: httpx.Client, upstream: UpstreamServer, rng: random.Random, shape: str, budget: int
+) -> None:
+    """`STEPS` steps of one Responses client, drawn from `rng`, each checked."""
     client = ResponsesClient(shape=shape, budget=budget, rng=rng)
     steps = []
     for step in range(STEPS):
