@@ -64,6 +64,7 @@ INSTRUMENTED_MODULES = (
     "memory.recall.prompt",
     "memory.recall.retrieval",
     "memory.build.tree",
+    "memory.build.summary_nodes",
     "memory.build.jobs",
     "memory.write.identity",
     "memory.tokens",

@@ -2,15 +2,25 @@
 
 Each command builds `Settings` from the environment (flags override), so the CLI, Docker and
 tests configure the same way. Commands that need a database use `MEMSTRATA_DATABASE_URL` or
-start the embedded server under `MEMSTRATA_DATA_DIR`.
+start the embedded server under `MEMSTRATA_DATA_DIR`, and migrate it first.
+
+A command that cannot do its work says why in one paragraph (`Error: ...`, exit status 1), never
+in a traceback: settings refused, the domain's errors (`MemstrataError`: an embedded Postgres
+that did not start, a database unreachable or refusing us, a migration that failed, each
+worded where it is raised) and, for `serve`, a port it cannot listen on all become a
+`click.ClickException`. `serve` finds them before uvicorn starts the app, whose start-up
+would only log them as a traceback.
 """
 
 import asyncio
+import errno
 import gc
+import logging
 import signal
+import socket
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
-from contextlib import asynccontextmanager, contextmanager
+from contextlib import asynccontextmanager, contextmanager, suppress
 from pathlib import Path
 
 import click
@@ -25,10 +35,12 @@ from gateway import background, importer, logs
 from gateway.settings import Settings
 from memory.build import backlog
 from memory.build.worker import Worker
-from memory.db import check, connect, migrate, transaction
+from memory.db import connect, migrate, transaction
 from memory.errors import MemstrataError, NotFound
 from memory.postgres import EmbeddedPostgres
 from memory.write import identity, store
+
+log = logging.getLogger(__name__)
 
 
 def _settings(**overrides: object) -> Settings:
@@ -87,17 +99,20 @@ def serve(host: str | None, port: int | None) -> None:
 
     settings = _settings(host=host, port=port)
     _logging(settings)
-    _check_database(settings)
-    # The embedded server is started here, before uvicorn, where a failure is refused in words
-    # (in the app's start-up it was a traceback logged by uvicorn): the app then finds it
-    # running, and it is stopped once uvicorn is done.
-    with _database(settings):
-        _serve(create_app(settings), settings)
+    # What keeps the gateway from starting is found here, before uvicorn, and refused in words:
+    # the port taken, the embedded Postgres not starting, the database unreachable, its
+    # migration failing. In the app's start-up each was a traceback logged by uvicorn (exit
+    # status 3), found after the model and the worker process had started. The port first,
+    # held from here on: the cheapest to find taken. The app migrates again as it starts (it
+    # is also run without this command): by then nothing is left to do.
+    with _listening(settings) as sockets, _database(settings) as url:
+        _on_database(settings, url, _nothing)
+        _serve(create_app(settings), settings, sockets)
 
 
-def _serve(app: FastAPI, settings: Settings) -> None:
+def _serve(app: FastAPI, settings: Settings, sockets: list[socket.socket]) -> None:
     _collect_less()
-    uvicorn.run(
+    config = uvicorn.Config(
         app,
         host=settings.host,
         port=settings.port,
@@ -111,25 +126,86 @@ def _serve(app: FastAPI, settings: Settings) -> None:
         timeout_keep_alive=settings.keep_alive_seconds,
         timeout_graceful_shutdown=10,
     )
+    # Stopped by Ctrl-C, uvicorn raises the signal again once it has shut down: as
+    # `uvicorn.run` does, there is nothing left to do.
+    with suppress(KeyboardInterrupt):
+        uvicorn.Server(config).run(sockets=sockets)
 
 
-def _check_database(settings: Settings) -> None:
-    """Refuse in words a configured database that cannot serve (unreachable, pgvector or
-    btree_gin missing): found in the app's start-up, it is logged by uvicorn as a traceback."""
-    if settings.database_url is None:
-        return
+LISTEN_BACKLOG = 2048
+"""Connections the kernel queues for `serve` until they are accepted (uvicorn's default)."""
 
-    async def probe(url: str) -> None:
-        engine = connect(url, pool_size=1)
-        try:
-            await check(engine)
-        finally:
-            await engine.dispose()
 
+@contextmanager
+def _listening(settings: Settings) -> Iterator[list[socket.socket]]:
+    """Sockets listening on `MEMSTRATA_HOST`:`MEMSTRATA_PORT`, one for each address the host
+    resolves to, made as asyncio's `create_server` (which uvicorn used) makes them; closed on
+    exit. A port that is taken, or an address that is not this machine's, is refused in words.
+    Connections made while the app starts wait in the backlog instead of being refused."""
+    host, port = settings.host, settings.port
     try:
-        asyncio.run(probe(settings.database_url))
-    except MemstrataError as exc:
-        raise click.ClickException(str(exc)) from exc
+        addresses = socket.getaddrinfo(
+            host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )
+    except socket.gaierror as exc:
+        raise click.ClickException(
+            f"cannot listen on {host}: the host name is unknown ({exc.strerror}). Set "
+            "MEMSTRATA_HOST (or --host) to an address of this machine: 127.0.0.1, or 0.0.0.0 "
+            "for all of them."
+        ) from exc
+    sockets: list[socket.socket] = []
+    try:
+        for family, kind, proto, _, address in dict.fromkeys(addresses):
+            sock = socket.socket(family, kind, proto)
+            sockets.append(sock)
+            # As asyncio binds: a port whose last server just stopped (connections in
+            # TIME_WAIT) is free again, and an IPv6 socket leaves IPv4 to its own socket.
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            sock.bind(address)
+            sock.listen(LISTEN_BACKLOG)
+    except OSError as exc:
+        for sock in sockets:
+            sock.close()
+        raise click.ClickException(_cannot_listen(host, port, exc)) from exc
+    where = ", ".join(_url(sock) for sock in sockets)
+    log.info("listening on %s", where)
+    try:
+        yield sockets
+    finally:
+        for sock in sockets:
+            sock.close()
+
+
+def _cannot_listen(host: str, port: int, exc: OSError) -> str:
+    """Why `serve` cannot listen on `host`:`port`, and what to do."""
+    if exc.errno == errno.EADDRINUSE:
+        return (
+            f"port {port} is in use on {host}: another program listens on it (another "
+            "memstrata serve?). Stop that program, or set MEMSTRATA_PORT (or --port) to a free "
+            "port."
+        )
+    if exc.errno == errno.EADDRNOTAVAIL:
+        return (
+            f"cannot listen on {host}:{port}: {host} is not an address of this machine. Set "
+            "MEMSTRATA_HOST (or --host) to one of its addresses: 127.0.0.1, or 0.0.0.0 for all "
+            "of them."
+        )
+    if exc.errno == errno.EACCES:
+        return (
+            f"cannot listen on {host}:{port}: permission denied (a port below 1024 needs root "
+            "or CAP_NET_BIND_SERVICE). Set MEMSTRATA_PORT (or --port) to a port from 1024 up."
+        )
+    return (
+        f"cannot listen on {host}:{port}: {exc.strerror or exc}. Check MEMSTRATA_HOST and "
+        "MEMSTRATA_PORT (or --host and --port)."
+    )
+
+
+def _url(sock: socket.socket) -> str:
+    host, port = sock.getsockname()[:2]
+    return f"http://[{host}]:{port}" if sock.family == socket.AF_INET6 else f"http://{host}:{port}"
 
 
 YOUNG_COLLECTION_THRESHOLD = 20_000
@@ -157,11 +233,7 @@ def migrate_command() -> None:
     """Apply pending database migrations and exit."""
     settings = _settings()
     _logging(settings)
-
-    async def nothing(_: AsyncEngine) -> None:
-        return None
-
-    _with_database(settings, nothing)
+    _with_database(settings, _nothing)
     click.echo("migrations applied")
 
 
@@ -316,8 +388,18 @@ async def _failed_jobs(
 def _with_database(settings: Settings, work: Callable[[AsyncEngine], Awaitable[None]]) -> None:
     """Run `work` on a migrated engine (starting the embedded server if needed); domain
     errors become the command's error message."""
+    with _database(settings) as url:
+        _on_database(settings, url, work)
 
-    async def run(url: str) -> None:
+
+def _on_database(
+    settings: Settings, url: str, work: Callable[[AsyncEngine], Awaitable[None]]
+) -> None:
+    """Run `work` on a migrated engine on `url`; domain errors become the command's error
+    message (an unusable database or a failed migration is one paragraph saying what to do:
+    `memory.db`)."""
+
+    async def run() -> None:
         engine = connect(url, pool_size=settings.db_pool_size)
         try:
             await migrate(engine)
@@ -325,11 +407,14 @@ def _with_database(settings: Settings, work: Callable[[AsyncEngine], Awaitable[N
         finally:
             await engine.dispose()
 
-    with _database(settings) as url:
-        try:
-            asyncio.run(run(url))
-        except MemstrataError as exc:
-            raise click.ClickException(str(exc)) from exc
+    try:
+        asyncio.run(run())
+    except MemstrataError as exc:
+        raise click.ClickException(str(exc)) from exc
+
+
+async def _nothing(_: AsyncEngine) -> None:
+    """No work: the database migrated is all a command asked for."""
 
 
 @asynccontextmanager

@@ -5,6 +5,12 @@ without pgvector or btree_gin with a message saying so; `migrate(engine)` applie
 migrations under a Postgres advisory lock, so any number of processes may start at once. Errors
 of the driver are translated to `StorageUnavailable` / `SchemaMismatch` here.
 
+A server `check` cannot use (nothing listens at the URL's address, a user or password it
+refuses, a database that does not exist) and a migration that fails (a user without the rights
+to change the schema, a database migrated by a newer memstrata) are refused in one paragraph an
+operator can act on: the server's address (never the password), Postgres' own reason, and what
+to do. The CLI prints it as the command's error (`gateway.cli`).
+
 `spare(conn)` lends a second pooled connection, when one is idle, for reads that may run beside
 `conn`'s own statements (a request's two retrieval legs at once).
 
@@ -13,6 +19,8 @@ a connection the server has closed (a restart, a terminated backend) is known cl
 driver without asking, and is replaced at checkout instead (`_replace_closed`).
 """
 
+import os
+import socket
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -20,9 +28,12 @@ from typing import Any, TypeAlias
 
 from alembic import command
 from alembic.config import Config
+from alembic.runtime.migration import MigrationContext
+from alembic.script import ScriptDirectory
+from alembic.util import CommandError
 from sqlalchemy import REAL, Row, event, text
 from sqlalchemy.dialects.postgresql import ARRAY
-from sqlalchemy.engine import Connection, make_url
+from sqlalchemy.engine import URL, Connection, make_url
 from sqlalchemy.exc import (
     ArgumentError,
     DBAPIError,
@@ -103,7 +114,7 @@ async def check(engine: AsyncEngine) -> None:
                 )
             )
     except (OSError, DBAPIError) as exc:
-        raise StorageUnavailable(f"cannot reach Postgres at {_safe(engine)}: {exc}") from exc
+        raise StorageUnavailable(_unusable(engine, exc)) from exc
     if "vector" not in available:
         raise SchemaMismatch(
             f"the Postgres server at {_safe(engine)} does not have the pgvector extension; "
@@ -134,18 +145,126 @@ async def migrate(engine: AsyncEngine) -> None:
                 await conn.run_sync(_upgrade)
                 await conn.commit()
             finally:
+                # A migration that failed left the transaction aborted: without the rollback
+                # the unlock failed too ("current transaction is aborted"), and its error hid
+                # the migration's own. The lock is the session's: it outlives the rollback.
+                await conn.rollback()
                 await conn.execute(
                     text("SELECT pg_advisory_unlock(:key)"), {"key": _MIGRATION_LOCK}
                 )
                 await conn.commit()
-    except OperationalError as exc:
-        raise StorageUnavailable(f"migrating {_safe(engine)} failed: {exc}") from exc
+    except CommandError as exc:
+        raise SchemaMismatch(f"migrating {_database(engine)} failed: {exc}") from exc
+    except DBAPIError as exc:
+        raise _failed_migration(engine, exc) from exc
 
 
 def _upgrade(connection: Connection) -> None:
     config = Config(str(ALEMBIC_INI))
     config.attributes["connection"] = connection
-    command.upgrade(config, "head")
+    try:
+        command.upgrade(config, "head")
+    except CommandError:
+        # Looked into only once Alembic failed: a revision it cannot find is raised before any
+        # statement, so the transaction can still read which one the database is at.
+        _refuse_unknown_revisions(connection, ScriptDirectory.from_config(config))
+        raise
+
+
+def _refuse_unknown_revisions(connection: Connection, scripts: ScriptDirectory) -> None:
+    """Refuse a database at a migration this code does not have: a newer memstrata migrated
+    it, and this one would not know its tables (Alembic said only "Can't locate revision")."""
+    current = MigrationContext.configure(connection).get_current_heads()
+    known = {script.revision for script in scripts.walk_revisions()}
+    unknown = [revision for revision in current if revision not in known]
+    if unknown:
+        url = connection.engine.url
+        raise SchemaMismatch(
+            f"the database {url.database!r} at {_address(url)} is at migration {unknown[0]!r}, "
+            f"which this memstrata does not have (its newest is {scripts.get_current_head()!r}): "
+            "a newer version of memstrata migrated it. Run that version or a newer one, or set "
+            "MEMSTRATA_DATABASE_URL to another database (migrations are never undone "
+            "automatically)."
+        )
+
+
+def _failed_migration(engine: AsyncEngine, exc: DBAPIError) -> StorageUnavailable:
+    """A migration the server refused, or could not run, in words."""
+    if unavailable(exc):
+        return StorageUnavailable(
+            f"migrating {_database(engine)} failed, the server could not go on: {_said(exc)}"
+        )
+    if _sqlstate(exc) == "42501":  # insufficient_privilege
+        return SchemaMismatch(
+            f"migrating {_database(engine)} failed: user {engine.url.username!r} may not "
+            f"change its schema ({_said(exc)}). Set MEMSTRATA_DATABASE_URL to a user that may "
+            "create tables and extensions in it (its owner; a superuser the first time, as the "
+            f"vector extension needs one), or grant {engine.url.username!r} these rights."
+        )
+    return SchemaMismatch(f"migrating {_database(engine)} failed: {_said(exc)}")
+
+
+def _unusable(engine: AsyncEngine, exc: OSError | DBAPIError) -> str:
+    """Why the server at `engine`'s URL cannot be used, and what to do, in one paragraph."""
+    url = engine.url
+    where = _address(url)
+    if isinstance(exc, socket.gaierror):
+        return (
+            f"cannot reach Postgres at {where}: the host name {url.host!r} is unknown "
+            f"({exc.strerror}). Check the host in MEMSTRATA_DATABASE_URL."
+        )
+    if isinstance(exc, TimeoutError):
+        return (
+            f"cannot reach Postgres at {where}: it did not answer in time. Is the host right, "
+            "and does no firewall stand between? Check the host and port in "
+            "MEMSTRATA_DATABASE_URL."
+        )
+    if isinstance(exc, OSError):
+        # asyncio's own strerror quotes the address again ("Connect call failed (...)").
+        reason = os.strerror(exc.errno) if exc.errno else str(exc)
+        return (
+            f"cannot reach Postgres at {where} ({reason}): is Postgres running, "
+            "and listening on that address? Check the host and port in MEMSTRATA_DATABASE_URL, "
+            "or unset it to use the embedded Postgres."
+        )
+    sqlstate = _sqlstate(exc)
+    if sqlstate == "3D000":  # invalid_catalog_name
+        return (
+            f"the Postgres server at {where} has no database {url.database!r}: create it "
+            f'(CREATE DATABASE "{url.database}"), or name one it has in MEMSTRATA_DATABASE_URL.'
+        )
+    if sqlstate.startswith("28"):  # invalid_authorization_specification, invalid_password
+        return (
+            f"the Postgres server at {where} refused user {url.username!r}: {_said(exc)}. Check "
+            "the user name and password in MEMSTRATA_DATABASE_URL (and that the server's "
+            "pg_hba.conf lets this user connect from here)."
+        )
+    if sqlstate == "53300":  # too_many_connections
+        return (
+            f"the Postgres server at {where} has no connection left: {_said(exc)}. Raise its "
+            "max_connections, or lower MEMSTRATA_DB_POOL_SIZE of the processes that share it."
+        )
+    return f"cannot use Postgres at {where}: {_said(exc)}. Check MEMSTRATA_DATABASE_URL."
+
+
+def _address(url: URL) -> str:
+    """`host:port` of a database URL, as an operator would look for the server."""
+    host = url.host or "localhost"
+    return f"[{host}]:{url.port or 5432}" if ":" in host else f"{host}:{url.port or 5432}"
+
+
+def _database(engine: AsyncEngine) -> str:
+    return f"the database {engine.url.database!r} at {_address(engine.url)}"
+
+
+def _sqlstate(exc: DBAPIError) -> str:
+    return getattr(exc.orig, "sqlstate", None) or ""
+
+
+def _said(exc: DBAPIError) -> str:
+    """What Postgres said, without SQLAlchemy's wrapping (the statement, its documentation
+    link: lines of their own that broke the one paragraph)."""
+    return str(exc.orig or exc).strip().rstrip(".")
 
 
 def _safe(engine: AsyncEngine) -> str:

@@ -7,24 +7,29 @@ Python traceback. What `import` stored is read back from the database.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
+import socket
 import subprocess
 import tempfile
 import uuid
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from sqlalchemy import func, select
+from sqlalchemy import func, select, text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from devkit.postgres import drop_database, fresh_database
 from devkit.service import child_env, free_port
 from devkit.service import memstrata as run_memstrata
 from memory import schema
 from memory.build import jobs, tree
+from memory.db import connect, migrate
 from memory.errors import NotFound
+from memory.postgres import EmbeddedPostgres
 from memory.write import store, tenants, tree_nodes
 
 
@@ -238,7 +243,6 @@ async def test_a_file_imported_again_into_a_conversation_it_did_not_open_adds_no
         ("postgresql://localhost:5432:5432/memstrata", "MEMSTRATA_DATABASE_URL"),
         ("postgresql://localhost:99999/memstrata", "MEMSTRATA_DATABASE_URL"),
         ("postgresql://[::1/memstrata", "MEMSTRATA_DATABASE_URL"),
-        ("postgresql://127.0.0.1:1/memstrata", "cannot reach Postgres"),  # nothing listens
     ],
 )
 def test_a_database_url_that_cannot_serve_is_refused_in_words(url: str, reason: str) -> None:
@@ -354,10 +358,122 @@ async def test_wait_builds_what_the_import_queued_and_nothing_else(
     assert left == 0
 
 
-def test_serve_refuses_a_database_it_cannot_reach_in_words() -> None:
-    # Found in the start-up (the app's lifespan), it was a traceback in a log line.
-    run = memstrata("serve", "--port", "1", database_url="postgresql://127.0.0.1:1/memstrata")
-    assert "cannot reach Postgres at postgresql+asyncpg://127.0.0.1:1/memstrata" in refused(run)
+def paragraph(run: subprocess.CompletedProcess[str]) -> str:
+    """The reason a command that could not start gave: one paragraph (a line), exit status 1,
+    without a traceback or SQLAlchemy's documentation link."""
+    said = refused(run)
+    assert run.returncode == 1, (run.returncode, said)
+    [line] = [line for line in said.splitlines() if line.strip()]
+    assert line.startswith("Error: ") and "sqlalche.me" not in line, said
+    return line
+
+
+COMMANDS = ["serve", "worker", "migrate"]
+
+
+def start(command: str, database_url: str) -> subprocess.CompletedProcess[str]:
+    """`memstrata COMMAND` (`serve` on a free port, without background work) on `database_url`."""
+    serving = {"MEMSTRATA_PORT": str(free_port()), "MEMSTRATA_WORKERS": "0"}
+    return memstrata(command, database_url=database_url, env=serving if command == "serve" else {})
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_a_database_nothing_listens_at_is_refused_saying_what_to_do(command: str) -> None:
+    # Found in serve's start-up (the app's lifespan), it was a traceback in a log line.
+    said = paragraph(start(command, "postgresql://127.0.0.1:1/memstrata"))
+    assert "cannot reach Postgres at 127.0.0.1:1 (Connection refused)" in said, said
+    assert "is Postgres running" in said and "MEMSTRATA_DATABASE_URL" in said, said
+
+
+@pytest.fixture(scope="module")
+def server_url(postgres: EmbeddedPostgres) -> str:
+    """The session's server, as a `postgresql://` URL without its database."""
+    return postgres.url.replace("postgresql+asyncpg://", "postgresql://").rsplit("/", 1)[0]
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+@pytest.mark.parametrize(
+    ("where", "said"),
+    [
+        ("postgres@{host}/no_such_database", ["no database 'no_such_database'", "CREATE DATABASE"]),
+        ("no_such_user@{host}/postgres", ["refused user 'no_such_user'", "user name and password"]),
+    ],
+)
+def test_a_database_the_server_refuses_is_named_with_what_to_do(
+    server_url: str, command: str, where: str, said: list[str]
+) -> None:
+    """A database that does not exist, a user the server refuses (as a wrong password is): the
+    reason was Postgres' own after SQLAlchemy's class name, with its documentation link on a
+    line of its own, and nothing to do."""
+    host = server_url.removeprefix("postgresql://").split("@")[-1]
+    line = paragraph(start(command, f"postgresql://{where.format(host=host)}"))
+    assert all(words in line for words in said) and "MEMSTRATA_DATABASE_URL" in line, line
+
+
+def test_serve_says_in_a_paragraph_that_its_port_is_in_use(database_url: str) -> None:
+    """It was a JSON log line of uvicorn's, exit status 3, once the database was migrated,
+    the model loaded and the worker process started."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        env = {"MEMSTRATA_PORT": str(port), "MEMSTRATA_WORKERS": "0"}
+        line = paragraph(memstrata("serve", database_url=database_url, env=env))
+    assert f"port {port} is in use on 127.0.0.1" in line and "MEMSTRATA_PORT" in line, line
+
+
+@contextlib.asynccontextmanager
+async def own_database(server_url: str, *, migrated: bool) -> AsyncIterator[str]:
+    """A database of the test's own on the session's server (migrated or empty), its URL."""
+    name = f"cli_{uuid.uuid4().hex[:12]}"
+    server = server_url.replace("://", "+asyncpg://", 1) + "/postgres"
+    url = await fresh_database(server, name)
+    try:
+        if migrated:
+            engine = connect(url)
+            try:
+                await migrate(engine)
+            finally:
+                await engine.dispose()
+        yield url
+    finally:
+        await drop_database(server, name)
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+async def test_a_database_a_newer_memstrata_migrated_is_refused_in_words(
+    server_url: str, command: str
+) -> None:
+    """Alembic's "Can't locate revision" was a traceback (in serve's, a log line's)."""
+    async with own_database(server_url, migrated=True) as url:
+        await execute(url, "UPDATE alembic_version SET version_num = '0099_from_the_future'")
+        line = paragraph(start(command, url))
+    assert "is at migration '0099_from_the_future'" in line and "newer" in line, line
+    assert "MEMSTRATA_DATABASE_URL" in line, line
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+async def test_a_user_who_may_not_migrate_is_told_so(server_url: str, command: str) -> None:
+    """The reason (Postgres' "permission denied") was hidden by a second error: the unlock that
+    followed ran in the aborted transaction, and its traceback said only that."""
+    user = f"cli_{uuid.uuid4().hex[:12]}"
+    async with own_database(server_url, migrated=False) as url:
+        await execute(url, f"CREATE ROLE {user} LOGIN")
+        try:
+            line = paragraph(start(command, url.replace("postgres@", f"{user}@", 1)))
+        finally:
+            await execute(url, f"DROP ROLE {user}")
+    assert f"user '{user}' may not change its schema" in line, line
+    assert "permission denied for schema public" in line and "MEMSTRATA_DATABASE_URL" in line
+
+
+async def execute(url: str, statement: str) -> None:
+    engine = connect(url, pool_size=1)
+    try:
+        async with engine.begin() as conn:
+            await conn.execute(text(statement))
+    finally:
+        await engine.dispose()
 
 
 def serve_embedded(data_dir: Path) -> subprocess.CompletedProcess[str]:

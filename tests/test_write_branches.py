@@ -10,7 +10,7 @@ import pytest
 from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from memory.build import tree
+from memory.build import summary_nodes, tree
 from memory.build.segments import SegmentPolicy
 from memory.build.summarize import ExtractiveSummarizer
 from memory.embeddings import LocalEmbedder
@@ -154,7 +154,7 @@ async def test_a_summary_being_written_holds_up_a_branch_move_and_no_other_turn(
     async with engine.connect() as writer:
         # What the build holds while it writes a summary and its children's vectors.
         transaction = await writer.begin()
-        assert await tree.hold_branch(writer, conversation_id=stored.conversation.id)
+        assert await summary_nodes.hold_branch(writer, conversation_id=stored.conversation.id)
         history.append({"role": "user", "content": "And the delta?"})
         # A turn that extends the branch does not wait for it: it would never end here.
         extended = await asyncio.wait_for(

@@ -32,8 +32,7 @@ and gain a parent. Builds of one conversation are serialized by the job queue (o
 conversation runs at a time); the unique `(conversation_id, level, seq)` key makes a racing
 duplicate insert a no-op all the same. A request that moves the current branch drops the
 summaries over what changed (`memory.write.branches.move`) under the conversation's update lock;
-a summary is inserted under a key-share lock of that row (which the lock every turn takes does
-not wait for, and a branch move does), after checking that none of its children
+summaries are inserted (`memory.build.summary_nodes`) after checking that none of their children
 left the branch or went away meanwhile: if one did, the build stops there, and the build that
 request queued starts again from what is left.
 """
@@ -43,22 +42,18 @@ import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any
 
-from sqlalchemy import cast, func, literal, select
-from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy import cast, func, select
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
-from memory import tokens
-from memory.build import indexing, jobs
+from memory.build import indexing, jobs, summary_nodes
 from memory.build.indexing import Embedded
 from memory.build.jobs import Job
 from memory.build.segments import SegmentMessage, SegmentPolicy, split
 from memory.build.summarize import Summarizer, Summary, SummaryInput
 from memory.db import FLOATS, AnyRow, transaction
 from memory.embeddings import Embedder, Vector, centroid
-from memory.schema import conversations, nodes
-from memory.text import escape_unstorable
+from memory.schema import nodes
 
 log = logging.getLogger(__name__)
 
@@ -155,17 +150,13 @@ async def build(
         embedded, progress.segments = await _segment(engine, config=config, final=final, **scope)
         progress.embedded += embedded
         progress.rollups += await _roll_up(engine, config=config, **scope)
-    except _Branched:
+    except summary_nodes.Branched:
         log.info("the conversation branched during its build", extra=scope)
         return progress
     # Summaries that got no centroid (none of their children has a vector): rare, and cheap
     # to look for through the partial index of unembedded nodes.
     progress.embedded += await _embed_pending(engine, config=config, **scope)
     return progress
-
-
-class _Branched(Exception):
-    """Children of a summary about to be inserted left the current branch or went away."""
 
 
 # -- 1. messages: embeddings and segments -------------------------------------------------
@@ -243,13 +234,13 @@ async def _segment(
             ]
             summaries = await _summarize_all(config, groups, level=1)
             async with transaction(engine) as conn:
-                await _insert_summaries(
+                await summary_nodes.insert_summaries(
                     conn,
                     tenant_id=tenant_id,
                     conversation_id=conversation_id,
                     level=1,
                     new=[
-                        _NewSummary(
+                        summary_nodes.NewSummary(
                             seq=next_seq + made + offset,
                             children=groups[offset],
                             summary=summary,
@@ -260,7 +251,7 @@ async def _segment(
                             zip(batch, summaries, strict=True)
                         )
                     ],
-                    config=config,
+                    token_model=config.token_model,
                     fresh=fresh,
                 )
             for segment in batch:
@@ -375,13 +366,13 @@ async def _roll_up(
             batch = groups[start : start + config.summary_batch]
             summaries = await _summarize_all(config, batch, level=level + 1)
             async with transaction(engine) as conn:
-                await _insert_summaries(
+                await summary_nodes.insert_summaries(
                     conn,
                     tenant_id=tenant_id,
                     conversation_id=conversation_id,
                     level=level + 1,
                     new=[
-                        _NewSummary(
+                        summary_nodes.NewSummary(
                             seq=next_seq + start + offset,
                             children=children,
                             summary=summary,
@@ -393,7 +384,7 @@ async def _roll_up(
                             zip(batch, summaries, strict=True)
                         )
                     ],
-                    config=config,
+                    token_model=config.token_model,
                 )
         made += full
         level += 1
@@ -480,140 +471,6 @@ async def _summarize_all(
         raise
 
 
-@dataclass(frozen=True)
-class _NewSummary:
-    """A summary node to insert, with its children (in order)."""
-
-    seq: int
-    children: Sequence[SummaryInput]
-    summary: Summary
-    # The centroid of the children's vectors; None when none of them has one.
-    vector: list[float] | None
-    meta: dict[str, Any]
-    # When each child's period began, for children that are summaries (their `created_at` is
-    # when their period ended); messages begin and end at their `created_at`.
-    started: Sequence[datetime | None] | None = None
-
-
-async def hold_branch(conn: AsyncConnection, *, conversation_id: int) -> bool:
-    """Keep the conversation's current branch from moving until the transaction ends; False
-    when the conversation is gone.
-
-    A key-share lock of its row: the lock every turn takes (`FOR NO KEY UPDATE`:
-    `memory.write.identity`) does not wait for it, a branch move's (`FOR UPDATE`:
-    `memory.write.branches.move`) does. It was a share lock, which every turn waited for: with
-    the worker writing summaries, 13 of 120 turns on a 10,000-message conversation waited 8-56
-    ms for a summary's writes (its children's vectors go into the HNSW index) to commit."""
-    alive = await conn.scalar(
-        select(conversations.c.id)
-        .where(conversations.c.id == conversation_id)
-        .with_for_update(read=True, key_share=True)
-    )
-    return alive is not None
-
-
-async def _insert_summaries(
-    conn: AsyncConnection,
-    *,
-    tenant_id: int,
-    conversation_id: int,
-    level: int,
-    new: Sequence[_NewSummary],
-    config: TreeConfig,
-    fresh: Mapping[int, Embedded] | None = None,
-) -> None:
-    """Insert summary nodes and adopt their children, each child's parent written together
-    with its vector when `fresh` holds one (one row version, one HNSW entry).
-
-    A summary that already exists (a racing build made it: same conversation, level and seq)
-    is skipped, and a child that already has a parent keeps it. `_Branched` when a child left
-    the current branch or went away since it was read (see the module docstring)."""
-    if not new:
-        return
-    # A deleted conversation is not checked: the insert fails on its foreign key.
-    alive = await hold_branch(conn, conversation_id=conversation_id)
-    child_ids = {child.node_id for item in new for child in item.children}
-    kept = await conn.scalar(
-        select(func.count()).where(nodes.c.id.in_(child_ids), nodes.c.superseded_at.is_(None))
-    )
-    if alive and kept != len(child_ids):
-        raise _Branched
-    rows = []
-    for item in new:
-        # A model may answer a NUL or an unpaired surrogate (the `\u0000` of a conversation about
-        # C strings, copied into its JSON), which Postgres refuses: stored escaped, as a
-        # message is, rather than failing the build on every attempt.
-        text, text_escaped = escape_unstorable(item.summary.text)
-        facts, facts_escaped = escape_unstorable(item.summary.facts)
-        children = item.children
-        stamps = [child.created_at for child in children if child.created_at is not None]
-        starts = [s for s in item.started if s is not None] if item.started is not None else stamps
-        rows.append(
-            {
-                "tenant_id": tenant_id,
-                "conversation_id": conversation_id,
-                "level": level,
-                "seq": item.seq,
-                "span_start": children[0].seq_start,
-                "span_end": children[-1].seq_end,
-                "text": text,
-                "facts": facts,
-                "escaped": text_escaped or facts_escaped,
-                "method": item.summary.method,
-                "model": item.summary.model,
-                "token_count": tokens.count_text(text, model=config.token_model),
-                "embedding": (
-                    None
-                    if item.vector is None
-                    else cast(literal(item.vector, FLOATS), nodes.c.embedding.type)
-                ),
-                "meta": {
-                    **item.meta,
-                    "children": len(children),
-                    **_period(starts or stamps, stamps),
-                },
-                # The end of the period it covers (children always have one in practice).
-                "created_at": max(stamps) if stamps else func.now(),
-            }
-        )
-    inserted: dict[int, int] = dict(
-        (
-            await conn.execute(
-                pg_insert(nodes)
-                .values(rows)
-                .on_conflict_do_nothing(constraint="uq_nodes_conversation_level_seq")
-                .returning(nodes.c.seq, nodes.c.id)
-            )
-        ).all()
-    )
-    if len(inserted) < len(new):
-        log.info(
-            "%d summaries already built",
-            len(new) - len(inserted),
-            extra={"conversation_id": conversation_id},
-        )
-    adopted = [
-        (child.node_id, inserted[item.seq])
-        for item in new
-        if item.seq in inserted
-        for child in item.children
-    ]
-    if not adopted:
-        return
-    fresh = fresh or {}
-    await indexing.write(
-        conn,
-        [(child, fresh.get(child), parent) for child, parent in adopted],
-        tenant_id=tenant_id,
-    )
-
-
 def _centroid(vectors: Sequence[Vector | None]) -> list[float] | None:
     present = [vector for vector in vectors if vector is not None]
     return centroid(present) if present else None
-
-
-def _period(starts: Sequence[datetime], ends: Sequence[datetime]) -> dict[str, str]:
-    if not starts or not ends:
-        return {}
-    return {"started_at": min(starts).isoformat(), "ended_at": max(ends).isoformat()}
