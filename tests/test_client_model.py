@@ -4,21 +4,22 @@
 Each client keeps its own view of its conversation, as a chat app does, and sends it in one of
 the shapes clients use: the whole history, a window of its latest messages, or (naming the
 conversation) only what is new; with or without the conversation header, streamed or not. Its
-steps are drawn from a seeded generator: ask something new, retry the last request (an SDK's
-retry of the same bytes, the answer already recorded: stored only if it differs, in the
-first's place), regenerate the last answer (the same messages in another request: a new answer,
-stored beside the first), or edit an earlier question of its own and ask again from there.
-After every step the gateway's current branch must be exactly the client's view, every answer
-must name the one conversation, and every message the client ever had must be stored once: an
-edit leaves the old branch stored, superseded, and nothing is stored twice.
+steps are drawn from a seeded generator: ask something new, run a tool round (half the results
+long enough to be masked once outside the fresh tail), retry the last request (an SDK's retry of
+the same bytes, the answer already recorded: stored only if it differs, in the first's place),
+regenerate the last answer (the same messages in another request: a new answer, stored beside
+the first), or edit an earlier question of its own and ask again from there. After every step
+the gateway's current branch must be exactly the client's view, every answer must name the one
+conversation, and every message the client ever had must be stored once: an edit leaves the old
+branch stored, superseded, and nothing is stored twice.
 
 Clients of the Responses API the same way: resending their whole input, continuing the latest
 response (`previous_response_id`, also from an earlier one: a fork), or naming their
 conversation (`conversation`).
 
-As deployed: the same steps through two `serve` processes on one database, each request sent
-to either (a load balancer's choice), each process with its worker building segments,
-summaries, the next turn's recall and the next compaction while the client goes on.
+As deployed: the same steps through two `serve` processes on one database, each request sent to
+either (a load balancer's choice), each process with its worker building segments, summaries,
+the next turn's recall and the next compaction while the client goes on.
 """
 
 import json
@@ -234,11 +235,10 @@ def use_a_tool(http: httpx.Client, upstream: UpstreamServer, client: Client, ste
     stream = client.rng.random() < 0.5
     [call] = reply(http, client, client.sent([task]), stream=stream, tools=TOOLS)["tool_calls"]
     client.add({"role": "assistant", "content": None, "tool_calls": [call]})
-    result = {
-        "role": "tool",
-        "tool_call_id": call["id"],
-        "content": f"Row {step}: {step * 7} trees",
-    }
+    # Half the results are long, as a file or a page read by a tool is: once a compaction
+    # leaves one outside the fresh tail, it is masked (observation masking).
+    rows = " ".join(f"tree {n} of row {step}: apples" for n in range(client.rng.choice([1, 12])))
+    result = {"role": "tool", "tool_call_id": call["id"], "content": f"Row {step}: {rows}"}
     client.add(result)
     answer = text_of(
         http, client, client.sent([result]), stream=client.rng.random() < 0.5, tools=TOOLS
