@@ -16,9 +16,14 @@ many jobs at once, exactly as `memstrata worker` does (`gateway.background`).
 * The child stops when `serve` stops (it finishes the jobs in hand for
   `MEMSTRATA_WORKER_GRACE_SECONDS`, then gives back those still running; one that does not
   leave a few seconds later is terminated, its unfinished job's lease runs out and another
-  worker takes it over), and also
-  when `serve` dies without stopping it: it watches its parent and exits once orphaned. It
-  ignores SIGINT, which a terminal's Ctrl-C sends it beside `serve`: `serve` stops it.
+  worker takes it over), and also when `serve` dies without stopping it. Each child is told
+  to stop by `serve` closing a pipe of that child's own, which the kernel also closes when
+  `serve` dies; the child watches its parent too and exits once orphaned. Closing a pipe
+  waits for no one: the children once shared a multiprocessing Event, whose `set()` waits for
+  every process waiting on it to wake, and for ever for a child killed while it waited, so
+  `serve` never finished stopping after it had replaced a dead child, and its new child,
+  blocked on the lock that `set()` held, never noticed `serve` was gone. The child ignores
+  SIGINT, which a terminal's Ctrl-C sends it beside `serve`: `serve` stops it.
 * A child that dies while `serve` runs (killed by the OOM killer, crashed) is logged and
   replaced by a new one, after a delay that doubles while children keep dying young: without
   it `serve` went on answering while the jobs it queued were never run. A job the dead child
@@ -37,8 +42,8 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
-from multiprocessing.synchronize import Event as ProcessEvent
 from typing import Any
 
 from gateway import background, logs
@@ -66,19 +71,21 @@ async def running(
     """The worker process (another one whenever it dies), for the duration of the block."""
     grace = settings.worker_grace_seconds + background.STOP_MARGIN
     context = multiprocessing.get_context("spawn")
-    stop = context.Event()
 
     def start() -> _Child:
         outcomes: Any = context.Queue()
+        stop_read, stop = context.Pipe(duplex=False)
         process = context.Process(
             target=_main,
-            args=(settings, database_url, outcomes, stop, os.getpid()),
+            args=(settings, database_url, outcomes, stop_read, os.getpid()),
             name="memstrata-worker",
             daemon=True,
         )
         process.start()
+        # The child has its own copy now; the only end left here is the one that stops it.
+        stop_read.close()
         log.info("background worker process started", extra={"pid": process.pid})
-        return _Child(process, outcomes, asyncio.create_task(_relay(outcomes, observe)))
+        return _Child(process, outcomes, stop, asyncio.create_task(_relay(outcomes, observe)))
 
     current = [start()]
     keeper = asyncio.create_task(_replace_when_dead(current, start))
@@ -89,8 +96,8 @@ async def running(
         keeper.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await keeper
-        stop.set()
         (child,) = current
+        child.stop.close()
         await asyncio.to_thread(child.process.join, grace)
         if child.process.is_alive():
             log.warning("background worker process did not stop within %.0fs", grace)
@@ -101,13 +108,16 @@ async def running(
 
 @dataclass
 class _Child:
-    """One worker process, the queue its job outcomes come back on, and their relay."""
+    """One worker process, the queue its job outcomes come back on, the pipe whose closing
+    stops it, and the relay of its outcomes."""
 
     process: BaseProcess
     outcomes: Any
+    stop: Connection
     relay: asyncio.Task[None]
 
     async def close(self) -> None:
+        self.stop.close()
         self.relay.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await self.relay
@@ -152,11 +162,12 @@ async def _relay(outcomes: Any, observe: JobObserver | None) -> None:
 
 
 def _main(
-    settings: Settings, database_url: str, outcomes: Any, stop: ProcessEvent, parent: int
+    settings: Settings, database_url: str, outcomes: Any, stop: Connection, parent: int
 ) -> None:
-    """The child: run the queue until `stop` is set or the parent is gone."""
+    """The child: run the queue until the pipe `stop` reads from is closed, or the parent is
+    gone."""
     # Ctrl-C in a terminal signals the whole foreground process group, this child too: `serve`
-    # stops on it and tells the child to (`stop`), which finishes its jobs in hand first.
+    # stops on it and tells the child to (closes `stop`), which finishes its jobs in hand first.
     # Interrupted by the signal itself, the child abandoned them, each until its lease ran out.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     os.nice(settings.worker_nice)
@@ -165,13 +176,16 @@ def _main(
 
 
 async def _work(
-    settings: Settings, database_url: str, outcomes: Any, stop: ProcessEvent, parent: int
+    settings: Settings, database_url: str, outcomes: Any, stop: Connection, parent: int
 ) -> None:
     loop = asyncio.get_running_loop()
     stopping = asyncio.Event()
 
     def watch() -> None:
-        while not stop.wait(_POLL_SECONDS):
+        # Nothing is ever sent: the pipe becomes readable (at its end) once `serve` closes it,
+        # or dies. The parent's pid is looked at too, in case a process forked from `serve`
+        # holds a copy of its end.
+        while not stop.poll(_POLL_SECONDS):
             if os.getppid() != parent:
                 break  # orphaned: serve died without stopping us
         loop.call_soon_threadsafe(stopping.set)

@@ -496,6 +496,90 @@ async def test_serve_starts_another_worker_process_when_its_child_dies(
         assert int(job.locked_by.split(":")[1]) != child.pid
 
 
+async def _built_by(engine: AsyncEngine, tenant_id: int, name: str, *, seed: int) -> int:
+    """The pid of the worker process that built a conversation `name` imported now: one that
+    runs jobs is up, its stop watch too (started before anything else). Its thread count says
+    nothing: its imports start threads of their own."""
+    conversation = synthetic.generate(6, seed=seed)
+    await importer.import_messages(
+        engine,
+        tenant_id=tenant_id,
+        external_id=name,
+        messages=conversation.messages,
+        created_at=conversation.created_at,
+        model="gpt-4o",
+        batch=6,
+    )
+    async with engine.connect() as conn:
+        conversation_id = (
+            await store.find_conversation(conn, tenant_id=tenant_id, external_id=name)
+        ).id
+
+    async def built() -> Any:
+        rows = await job_rows(engine, tenant_id)
+        return [r for r in rows if r.conversation_id == conversation_id and r.status == "done"]
+
+    (job,) = await wait_for(built, within=120, what=f"the build of {name}", workers=[])
+    return int(job.locked_by.split(":")[1])
+
+
+@pytest.mark.parametrize(
+    "signals",
+    [(signal.SIGTERM,), (signal.SIGKILL,), (signal.SIGTERM, signal.SIGKILL)],
+    ids=["sigterm", "sigkill", "sigterm-then-sigkill"],
+)
+async def test_serve_and_a_replaced_worker_process_stop(
+    engine: AsyncEngine,
+    database_url: str,
+    tenant_id: int,
+    upstream: UpstreamServer,
+    signals: tuple[signal.Signals, ...],
+) -> None:
+    """After its worker process died and was replaced, `serve` still stops on SIGTERM, and its
+    new worker process still leaves once `serve` is gone, even SIGKILLed while stopping. The
+    children once shared one stop event (a multiprocessing Event): setting it waited, for
+    ever, for the dead child that had been waiting on it to wake, and held the event's lock
+    meanwhile, on which the new child's watch of its parent then blocked. Every rolling restart
+    after a worker crash waited for SIGKILL, which left the new child behind, an orphan with
+    its database connection."""
+    gateway = GatewayProcess(
+        database_url=database_url,
+        upstream_url=upstream.url,
+        workers=1,
+        worker_nice=0,
+        worker_grace_seconds=1,
+    )
+    children: set[int] = set()
+    try:
+        first = await _built_by(engine, tenant_id, "first", seed=17)
+        assert first in _children(gateway.pid)
+        os.kill(first, signal.SIGKILL)
+        assert await _built_by(engine, tenant_id, "second", seed=19) in _children(gateway.pid)
+        children = _children(gateway.pid)  # the new worker process and the resource tracker
+        # Grace 1 s + the stop margin 5 s + 5 s for a child that does not leave: 11 s at most.
+        deadline = time.monotonic() + 15
+        for number, sig in enumerate(signals):
+            if number:
+                await asyncio.sleep(1)  # while `serve` stops (or hangs)
+            gateway.process.send_signal(sig)
+        while gateway.running or any(_alive(child) for child in children):
+            if time.monotonic() > deadline:
+                left = [child for child in children if _alive(child)]
+                pytest.fail(
+                    f"15 s after {signals[0].name}: serve running: {gateway.running},"
+                    f" its children alive: {left}\n{gateway.logs()[-3000:]}"
+                )
+            await asyncio.sleep(0.2)
+        # Told to stop, the new child left; it was not terminated at the end of its grace.
+        assert "did not stop within" not in gateway.logs(), gateway.logs()[-3000:]
+    finally:
+        gateway.process.kill()
+        gateway.stop()
+        for child in children:  # an orphan a failure left behind
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(child, signal.SIGKILL)
+
+
 async def test_ctrl_c_lets_serve_s_worker_process_finish_its_job(
     engine: AsyncEngine, database_url: str, tenant_id: int
 ) -> None:
