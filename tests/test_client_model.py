@@ -19,14 +19,19 @@ conversation (`conversation`).
 
 As deployed: the same steps through two `serve` processes on one database, each request sent to
 either (a load balancer's choice), each process with its worker building segments, summaries,
-the next turn's recall and the next compaction while the client goes on.
+the next turn's recall and the next compaction while the client goes on; half way, a process is
+killed while a question's answer is upstream, and the client retries it.
 """
 
 import json
+import os
 import random
+import signal
+import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,56 +49,73 @@ STEPS = 24
 TOOLS = [{"type": "function", "function": {"name": "count_trees", "parameters": {}}}]
 
 
-class Balanced(httpx.Client):
-    """A client of several `serve` processes: each request goes to one of them at random."""
+class Deployment:
+    """Two `serve` processes on one database, each with its worker (serve's default); one may
+    be killed and started again (`restart`)."""
 
-    def __init__(self, gateways: list[GatewayProcess], rng: random.Random) -> None:
-        super().__init__(base_url=gateways[0].root_url, timeout=30)
-        self._ports = [gateway.port for gateway in gateways]
+    def __init__(self, database_url: str, upstream: UpstreamServer, stack: ExitStack) -> None:
+        self._database_url, self._upstream, self._stack = database_url, upstream, stack
+        self.gateways = [self._serve(), self._serve()]
+
+    def _serve(self) -> GatewayProcess:
+        # Segments close at the least they may, so that summaries and their roll-ups are built
+        # within a few turns; summaries extractive.
+        return self._stack.enter_context(
+            GatewayProcess(
+                database_url=self._database_url,
+                upstream_url=self._upstream.url,
+                workers=1,
+                summary_mode="extractive",
+                segment_token_cap=64,
+                segment_min_tokens=0,
+                fanout=2,
+            )
+        )
+
+    def restart(self, index: int) -> None:
+        """The process killed (SIGKILL: it finishes nothing) and another started in its place."""
+        os.kill(self.gateways[index].pid, signal.SIGKILL)
+        self.gateways[index].stop()
+        self.gateways[index] = self._serve()
+
+
+class Balanced(httpx.Client):
+    """A client of a deployment's `serve` processes: each request goes to one of them at
+    random."""
+
+    def __init__(self, deployment: Deployment, rng: random.Random) -> None:
+        super().__init__(base_url=deployment.gateways[0].root_url, timeout=30)
+        self._deployment = deployment
         self._rng = rng
 
     def send(self, request: httpx.Request, **kwargs: Any) -> httpx.Response:
-        request.url = request.url.copy_with(port=self._rng.choice(self._ports))
+        gateway = self._rng.choice(self._deployment.gateways)
+        request.url = request.url.copy_with(port=gateway.port)
         return super().send(request, **kwargs)
 
 
 @pytest.fixture(scope="module")
-def deployed(module_database_url: str, upstream: UpstreamServer) -> Iterator[list[GatewayProcess]]:
-    """Two `serve` processes on one database (of this module's own: their workers run every
-    queued job), each with its worker (serve's default), summaries extractive; segments close
-    at the least they may, so that summaries and their roll-ups are built within a few turns."""
-
-    def serve() -> GatewayProcess:
-        return GatewayProcess(
-            database_url=module_database_url,
-            upstream_url=upstream.url,
-            workers=1,
-            summary_mode="extractive",
-            segment_token_cap=64,
-            segment_min_tokens=0,
-            fanout=2,
-        )
-
-    with (
-        serve() as one,
-        serve() as two,
-        httpx.Client(base_url=one.root_url, timeout=30) as http,
-    ):
+def deployed(module_database_url: str, upstream: UpstreamServer) -> Iterator[Deployment]:
+    """Two `serve` processes on one database of this module's own (their workers run every
+    queued job)."""
+    with ExitStack() as stack:
+        deployment = Deployment(module_database_url, upstream, stack)
+        http = stack.enter_context(httpx.Client(timeout=30))
         # Workers load their models on their first jobs: those are waited for, so that the
         # builds keep up with the clients from their first steps.
-        for gateway in (one, two):
+        for gateway in deployment.gateways:
             first = [{"role": "user", "content": f"Warm up {uuid.uuid4().hex}"}]
             answer = http.post(
                 f"{gateway.url}/chat/completions", json={"model": "m", "messages": first}
             )
-            settled(http, answer.headers[HEADER])
-        yield [one, two]
+            settled(http, answer.headers[HEADER], root=gateway.root_url)
+        yield deployment
 
 
-def settled(http: httpx.Client, conversation: str) -> dict[str, Any]:
+def settled(http: httpx.Client, conversation: str, root: str = "") -> dict[str, Any]:
     """The conversation's statistics once its workers have nothing left to build for it."""
     for _ in range(600):
-        stats: dict[str, Any] = http.get(f"/admin/conversations/{conversation}").json()
+        stats: dict[str, Any] = http.get(f"{root}/admin/conversations/{conversation}").json()
         if not stats["pending_jobs"]:
             return stats
         time.sleep(0.1)
@@ -260,6 +282,45 @@ def edit(http: httpx.Client, client: Client, step: int) -> None:
     ask(http, client, step)
 
 
+def crash_mid_turn(
+    http: httpx.Client,
+    deployment: Deployment,
+    upstream: UpstreamServer,
+    client: Client,
+    step: int,
+) -> None:
+    """A question whose `serve` process is killed while its answer is upstream: the request
+    fails, and the client retries the same bytes (to either process, the killed one started
+    again). The question, stored before it went upstream, stays stored once; the retry's answer
+    is recorded."""
+    question = {"role": "user", "content": f"Question {step}, as a process dies [{client.tag}]"}
+    client.add(question)
+    messages = client.sent([question])
+    victim = deployment.gateways[0]
+    upstream.script({"delay": 5.0, "reply": f"Never seen [{client.tag}]"})
+    sent = len(upstream.requests(CHAT))
+    failed: list[httpx.TransportError] = []
+
+    def send() -> None:
+        body = {"model": "m", "messages": messages}
+        try:
+            httpx.post(f"{victim.url}/chat/completions", json=body, headers=client.headers())
+        except httpx.TransportError as error:
+            failed.append(error)
+
+    request = threading.Thread(target=send)
+    request.start()
+    for _ in range(100):
+        if len(upstream.requests(CHAT)) > sent:
+            break
+        time.sleep(0.05)
+    deployment.restart(0)
+    request.join()
+    assert failed
+    answer = text_of(http, client, messages, stream=False, retrying=True)
+    client.add({"role": "assistant", "content": answer})
+
+
 def check(http: httpx.Client, upstream: UpstreamServer, client: Client) -> None:
     assert len(client.conversations) == 1, client.conversations
     [conversation] = client.conversations
@@ -296,11 +357,15 @@ def test_a_clients_random_steps_keep_its_view_and_store_each_message_once(
 @pytest.mark.parametrize("seed", [1, 2])
 @SHAPES
 def test_the_same_through_two_serve_processes_with_their_workers(
-    deployed: list[GatewayProcess], upstream: UpstreamServer, shape: str, named: bool, seed: int
+    deployed: Deployment, upstream: UpstreamServer, shape: str, named: bool, seed: int
 ) -> None:
     rng = random.Random(f"deployed-{shape}-{named}-{seed}")
     with Balanced(deployed, random.Random(seed)) as http:
-        client = run_client(http, upstream, rng, shape, named, budget=600)
+
+        def crash(client: Client, step: int) -> None:
+            crash_mid_turn(http, deployed, upstream, client, step)
+
+        client = run_client(http, upstream, rng, shape, named, budget=600, crash=crash)
         # The workers built while the client went on, past the budget (a working context);
         # what they built leaves the branch as it was.
         [conversation] = client.conversations
@@ -317,13 +382,18 @@ def run_client(
     shape: str,
     named: bool,
     budget: int,
+    crash: Callable[[Client, int], None] | None = None,
 ) -> Client:
-    """`STEPS` steps of one client, drawn from `rng`, each checked."""
+    """`STEPS` steps of one client, drawn from `rng`, each checked; half way, `crash` when
+    given."""
     client = Client(shape=shape, named=named, system=rng.random() < 0.5, budget=budget, rng=rng)
     steps = []
     for step in range(STEPS):
         draw = rng.random() if client.last is not None else 0.0
-        if draw < 0.6:
+        if crash is not None and step == STEPS // 2:
+            steps.append("crash")
+            crash(client, step)
+        elif draw < 0.6:
             steps.append("ask")
             ask(http, client, step)
         elif draw < 0.7:
@@ -484,7 +554,7 @@ def test_a_responses_clients_random_steps_keep_its_view_and_store_each_message_o
 
 @pytest.mark.parametrize("shape", ["input", "previous", "conversation"])
 def test_a_responses_client_through_two_serve_processes_with_their_workers(
-    deployed: list[GatewayProcess], upstream: UpstreamServer, shape: str
+    deployed: Deployment, upstream: UpstreamServer, shape: str
 ) -> None:
     with Balanced(deployed, random.Random(shape)) as http:
         run_responses_client(http, upstream, random.Random(f"deployed-{shape}"), shape, 600)
