@@ -249,21 +249,32 @@ def regenerate(http: httpx.Client, upstream: UpstreamServer, client: Client, ste
 
 
 def use_a_tool(http: httpx.Client, upstream: UpstreamServer, client: Client, step: int) -> None:
-    """A task the model answers with a call of the client's tool: the client runs it, sends
-    the result, and gets the answer (an agent's round)."""
+    """A task the model answers with one call of the client's tool, or two at once (parallel
+    tool calls): the client runs them, sends the results, and gets the answer (an agent's
+    round)."""
     task = {"role": "user", "content": f"Task {step} in the orchard [{client.tag}]"}
     client.add(task)
-    upstream.script({"tool_calls": [{"name": "count_trees", "arguments": {"row": step}}]})
+    rows = range(step, step + client.rng.choice([1, 2]))
+    upstream.script(
+        {"tool_calls": [{"name": "count_trees", "arguments": {"row": row}} for row in rows]}
+    )
     stream = client.rng.random() < 0.5
-    [call] = reply(http, client, client.sent([task]), stream=stream, tools=TOOLS)["tool_calls"]
-    client.add({"role": "assistant", "content": None, "tool_calls": [call]})
-    # Half the results are long, as a file or a page read by a tool is: once a compaction
-    # leaves one outside the fresh tail, it is masked (observation masking).
-    rows = " ".join(f"tree {n} of row {step}: apples" for n in range(client.rng.choice([1, 12])))
-    result = {"role": "tool", "tool_call_id": call["id"], "content": f"Row {step}: {rows}"}
-    client.add(result)
+    calls = reply(http, client, client.sent([task]), stream=stream, tools=TOOLS)["tool_calls"]
+    assert len(calls) == len(rows)
+    client.add({"role": "assistant", "content": None, "tool_calls": calls})
+    results = []
+    for row, call in zip(rows, calls, strict=True):
+        # Half the results are long, as a file or a page read by a tool is: once a compaction
+        # leaves one outside the fresh tail, it is masked (observation masking).
+        trees = " ".join(
+            f"tree {n} of row {row}: apples" for n in range(client.rng.choice([1, 9]))
+        )
+        results.append(
+            {"role": "tool", "tool_call_id": call["id"], "content": f"Row {row}: {trees}"}
+        )
+        client.add(results[-1])
     answer = text_of(
-        http, client, client.sent([result]), stream=client.rng.random() < 0.5, tools=TOOLS
+        http, client, client.sent(results), stream=client.rng.random() < 0.5, tools=TOOLS
     )
     client.add({"role": "assistant", "content": answer})
 
