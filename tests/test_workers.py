@@ -287,9 +287,11 @@ def slow_settings(upstream: UpstreamServer, *, lease_seconds: float) -> dict[str
     }
 
 
-async def import_one(engine: AsyncEngine, tenant_id: int, name: str, *, seed: int) -> int:
-    """A synthetic conversation of `MESSAGES` imported (its build queued); its id."""
-    conversation = synthetic.generate(MESSAGES, seed=seed)
+async def import_one(
+    engine: AsyncEngine, tenant_id: int, name: str, *, seed: int, size: int = MESSAGES
+) -> int:
+    """A synthetic conversation of `size` messages imported (its build queued); its id."""
+    conversation = synthetic.generate(size, seed=seed)
     await importer.import_messages(
         engine,
         tenant_id=tenant_id,
@@ -297,7 +299,7 @@ async def import_one(engine: AsyncEngine, tenant_id: int, name: str, *, seed: in
         messages=conversation.messages,
         created_at=conversation.created_at,
         model="gpt-4o",
-        batch=MESSAGES,
+        batch=size,
     )
     async with engine.connect() as conn:
         return (await store.find_conversation(conn, tenant_id=tenant_id, external_id=name)).id
@@ -500,20 +502,7 @@ async def _built_by(engine: AsyncEngine, tenant_id: int, name: str, *, seed: int
     """The pid of the worker process that built a conversation `name` imported now: one that
     runs jobs is up, its stop watch too (started before anything else). Its thread count says
     nothing: its imports start threads of their own."""
-    conversation = synthetic.generate(6, seed=seed)
-    await importer.import_messages(
-        engine,
-        tenant_id=tenant_id,
-        external_id=name,
-        messages=conversation.messages,
-        created_at=conversation.created_at,
-        model="gpt-4o",
-        batch=6,
-    )
-    async with engine.connect() as conn:
-        conversation_id = (
-            await store.find_conversation(conn, tenant_id=tenant_id, external_id=name)
-        ).id
+    conversation_id = await import_one(engine, tenant_id, name, seed=seed, size=6)
 
     async def built() -> Any:
         rows = await job_rows(engine, tenant_id)
