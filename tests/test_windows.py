@@ -229,3 +229,51 @@ def test_a_window_whose_last_question_was_edited_branches_where_it_was_asked(
     current, stored = branch(http, conversation)
     assert current == [m["content"] for m in said]
     assert stored == len(said) + len(dropped)
+
+
+@pytest.mark.parametrize("named", [False, True], ids=["no-header", "header"])
+def test_an_agents_question_edited_after_rounds_of_parallel_tool_calls_branches_there(
+    http: httpx.Client, upstream: UpstreamServer, named: bool
+) -> None:
+    """An agent's question answered after three rounds of two parallel tool calls is ten
+    messages before the head; the user rewrites it, and the trimmed history ends with the new
+    question after the answer before it, 11 messages back. It branches there (a window reached
+    back 8 at most: without the header a new conversation began; with it the old question
+    and its rounds stayed on the branch, the window appended after them)."""
+    tag = uuid.uuid4().hex[:8]
+    headers = {HEADER: f"agent-{tag}"} if named else {}
+    tools = [{"type": "function", "function": {"name": "count_trees", "parameters": {}}}]
+    said: list[dict[str, Any]] = []
+    named_as = set()
+
+    def send(script: dict[str, Any] | None = None) -> dict[str, Any]:
+        if script:
+            upstream.script(script)
+        body = {"model": "m", "messages": said[-6:], "tools": tools}
+        answer = http.post(CHAT, json=body, headers=headers)
+        assert answer.status_code == 200, answer.text
+        named_as.add(answer.headers[HEADER])
+        message: dict[str, Any] = answer.json()["choices"][0]["message"]
+        return message
+
+    for turn in range(4):  # the window (the last 6 messages) holds none of these at the end
+        said.append({"role": "user", "content": f"Question {turn} about the orchard [{tag}]"})
+        said.append({"role": "assistant", "content": send()["content"]})
+    said.append({"role": "user", "content": f"Count rows 1 to 6 [{tag}]"})
+    asked = len(said) - 1
+    for first in (1, 3, 5):
+        calls = [{"name": "count_trees", "arguments": {"row": row}} for row in (first, first + 1)]
+        made = send({"tool_calls": calls})["tool_calls"]
+        said.append({"role": "assistant", "content": None, "tool_calls": made})
+        said.extend(
+            {"role": "tool", "tool_call_id": call["id"], "content": f"{i} trees [{tag}]"}
+            for i, call in enumerate(made)
+        )
+    said.append({"role": "assistant", "content": send()["content"]})
+    dropped = len(said) - asked
+    said[asked:] = [{"role": "user", "content": f"Count rows 1 to 2 only [{tag}]"}]
+    said.append({"role": "assistant", "content": send()["content"]})
+    [conversation] = named_as
+    current, stored = branch(http, conversation)
+    assert current == [m["content"] for m in said]
+    assert stored == len(said) + dropped

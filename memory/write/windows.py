@@ -37,9 +37,11 @@ from memory.write import chains, rewritten, system_prompts
 MAX_WINDOW: Final = 1000
 """Turns of a window compared with the branch at most: its start is within them."""
 
-EDITS: Final = 8
-"""Messages before the head a window may leave the branch at, at most (a question rewritten
-a few exchanges back)."""
+EDITS: Final = 24
+"""Messages before the head a window may leave the branch at, at most: a question rewritten a
+few exchanges back, or an agent's question after several rounds of parallel tool calls (each
+round a call message, its results and, last, the answer: at 8, editing the question of two
+rounds of two calls started a new conversation)."""
 
 # A reply the gateway recorded, of one of the texts given, current among the branch's latest
 # messages (by seq, a bound that branches make loose: `place` checks).
