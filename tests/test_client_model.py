@@ -55,12 +55,13 @@ class Deployment:
 
     def __init__(self, database_url: str, upstream: UpstreamServer, stack: ExitStack) -> None:
         self._database_url, self._upstream, self._stack = database_url, upstream, stack
+        self.started: list[GatewayProcess] = []
         self.gateways = [self._serve(), self._serve()]
 
     def _serve(self) -> GatewayProcess:
         # Segments close at the least they may, so that summaries and their roll-ups are built
         # within a few turns; summaries extractive.
-        return self._stack.enter_context(
+        gateway = self._stack.enter_context(
             GatewayProcess(
                 database_url=self._database_url,
                 upstream_url=self._upstream.url,
@@ -70,6 +71,17 @@ class Deployment:
                 segment_min_tokens=0,
                 fanout=2,
             )
+        )
+        self.started.append(gateway)
+        return gateway
+
+    def failures(self) -> str:
+        """The tracebacks the processes logged (a 500 says only "failed unexpectedly")."""
+        return "\n".join(
+            line
+            for gateway in self.started
+            for line in gateway.logs().splitlines()
+            if "Traceback" in line
         )
 
     def restart(self, index: int) -> None:
@@ -266,9 +278,7 @@ def use_a_tool(http: httpx.Client, upstream: UpstreamServer, client: Client, ste
     for row, call in zip(rows, calls, strict=True):
         # Half the results are long, as a file or a page read by a tool is: once a compaction
         # leaves one outside the fresh tail, it is masked (observation masking).
-        trees = " ".join(
-            f"tree {n} of row {row}: apples" for n in range(client.rng.choice([1, 9]))
-        )
+        trees = " ".join(f"tree {n} of row {row}: apples" for n in range(client.rng.choice([1, 9])))
         results.append(
             {"role": "tool", "tool_call_id": call["id"], "content": f"Row {row}: {trees}"}
         )
@@ -376,7 +386,10 @@ def test_the_same_through_two_serve_processes_with_their_workers(
         def crash(client: Client, step: int) -> None:
             crash_mid_turn(http, deployed, upstream, client, step)
 
-        client = run_client(http, upstream, rng, shape, named, budget=600, crash=crash)
+        try:
+            client = run_client(http, upstream, rng, shape, named, budget=600, crash=crash)
+        except AssertionError as failure:
+            raise AssertionError(f"{failure}\n{deployed.failures()}") from failure
         # The workers built while the client went on, past the budget (a working context);
         # what they built leaves the branch as it was.
         [conversation] = client.conversations
@@ -568,7 +581,10 @@ def test_a_responses_client_through_two_serve_processes_with_their_workers(
     deployed: Deployment, upstream: UpstreamServer, shape: str
 ) -> None:
     with Balanced(deployed, random.Random(shape)) as http:
-        run_responses_client(http, upstream, random.Random(f"deployed-{shape}"), shape, 600)
+        try:
+            run_responses_client(http, upstream, random.Random(f"deployed-{shape}"), shape, 600)
+        except AssertionError as failure:
+            raise AssertionError(f"{failure}\n{deployed.failures()}") from failure
 
 
 def run_responses_client(
