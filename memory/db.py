@@ -315,8 +315,7 @@ def unavailable(exc: DBAPIError) -> bool:
     refused connection), as opposed to a statement it refused."""
     if exc.connection_invalidated:
         return True
-    sqlstate = getattr(exc.orig, "sqlstate", None) or ""
-    return sqlstate[:2] in _SERVER_CLASSES
+    return _sqlstate(exc)[:2] in _SERVER_CLASSES
 
 
 def _reason(exc: DBAPIError) -> str:
