@@ -280,7 +280,11 @@ def use_a_tool(http: httpx.Client, upstream: UpstreamServer, client: Client, ste
         # leaves one outside the fresh tail, it is masked (observation masking).
         trees = " ".join(f"tree {n} of row {row}: apples" for n in range(client.rng.choice([1, 9])))
         results.append(
-            {"role": "tool", "tool_call_id": call["id"], "content": f"Row {row}: {trees}"}
+            {
+                "role": "tool",
+                "tool_call_id": call["id"],
+                "content": f"Row {row}, task {step}: {trees}",
+            }
         )
         client.add(results[-1])
     answer = text_of(
