@@ -9,7 +9,9 @@ falls back to the extractive summarizer, `memory.build.summarize.FallbackSummari
 
 A request the upstream fails by itself while it answers others (a summary it always answers
 500) is no outage: its job is charged its attempts and ends dead instead of holding back its
-conversation for ever (`memory.build.upstream`).
+conversation for ever (`memory.build.upstream`). Only an answer of the upstream ends a worker's
+outage backoff: jobs that get through without calling it (cutting segments, local embeddings)
+do not bring deferred jobs back at once.
 """
 
 import asyncio
@@ -19,7 +21,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import pytest
-from sqlalchemy import func, select
+from sqlalchemy import func, select, update
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from devkit import synthetic
@@ -35,7 +37,7 @@ from memory.provider import Provider
 from memory.schema import jobs as jobs_table
 from memory.schema import nodes
 from tests import own_database
-from tests.test_jobs import put
+from tests.test_jobs import put, row
 
 # This module's own database (its workers run every queued job).
 database_url = own_database.database_url
@@ -238,6 +240,54 @@ async def test_a_summary_the_upstream_always_fails_is_charged_while_it_answers_o
     assert [job.id for job in dead] == [poisoned.id]
     async with engine.begin() as conn:
         assert await jobs.retry(conn, job_id=poisoned.id, tenant_id=tenant_id)
+
+
+async def test_only_an_answer_of_the_upstream_ends_an_outage_backoff(
+    engine: AsyncEngine, tenant_id: int, upstream: UpstreamServer, provider: Provider, kind: str
+) -> None:
+    calling, local = kind, f"{kind}-local"
+
+    async def call_upstream(job: jobs.Job) -> None:
+        hello = [{"role": "user", "content": "hello"}]
+        await provider.post("chat", {"model": "m", "messages": hello}, what="summary")
+
+    async def stay_local(job: jobs.Job) -> None:
+        """A job that gets through without the upstream (cutting segments, local embedding)."""
+
+    worker = Worker(engine, {calling: call_upstream, local: stay_local}, kinds=[calling, local])
+
+    async def deferrals(job_id: int, rounds: int) -> list[float]:
+        """The waits the worker chose for `job_id` in `rounds` rounds, each running it (it is
+        made due at once: a clock moved forward) and then a job that does not call upstream."""
+        waits = []
+        for _ in range(rounds):
+            async with engine.begin() as conn:
+                made_due = update(jobs_table).where(jobs_table.c.id == job_id)
+                await conn.execute(made_due.values(run_after=func.now()))
+            await put(engine, kind=local, tenant_id=tenant_id)
+            assert await worker.run_until_idle() == 2
+            deferred = await row(engine, job_id)
+            assert (deferred.status, deferred.attempts) == ("queued", 0)
+            waits.append((deferred.run_after - deferred.updated_at).total_seconds())
+        return waits
+
+    upstream.set_default({"path": CHAT, "status": 503})
+    down = await put(engine, kind=calling, tenant_id=tenant_id)
+    waits = await deferrals(down, 5)
+    # The outage's backoff from 1 s, doubling (equal jitter: between half and all of it),
+    # although a job got through between each two failures.
+    assert all(2**n / 2 <= wait <= 2**n for n, wait in enumerate(waits)), waits
+
+    upstream.set_default({})  # back: a job's request is answered, which ends the outage
+    async with engine.begin() as conn:
+        await conn.execute(
+            update(jobs_table).where(jobs_table.c.id == down).values(run_after=func.now())
+        )
+    assert await worker.run_until_idle() == 1
+    assert (await row(engine, down)).status == "done"
+    upstream.set_default({"path": CHAT, "status": 503})
+    [wait] = await deferrals(await put(engine, kind=calling, tenant_id=tenant_id), 1)
+    assert 0.5 <= wait <= 1
 
 
 @pytest.mark.parametrize(

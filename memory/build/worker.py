@@ -5,17 +5,19 @@ extends the lease every lease/3 seconds, and complete or fail it (`memory.build.
 handler's exception fails the job (logged by id and kind only: the error text goes to
 `last_error`, never the log), except a passing upstream fault (`ProviderUnavailable`: the
 upstream is down, timing out, rate-limiting or answering 5xx), which gives the job back
-without spending an attempt, after a backoff that grows while such faults follow one another
-(`memory.build.backoff.Outage`): an outage of any length dead-letters nothing. But if the
-endpoint answered any worker after the job's previous attempt met it unavailable, the upstream
-works and fails this job by itself (a request it always answers 500, or never in time): the
-fault is charged as a failed attempt, with one warning saying so, and the job ends in the dead
-letter like any failing job (`memory.build.upstream`). A lost lease cancels the handler,
-because the job now belongs to another worker.
+without spending an attempt, after a backoff that grows while such faults of its endpoint
+follow one another with no answer between them (`memory.build.backoff.Outage`): an outage of
+any length dead-letters nothing. But if the endpoint answered any worker after the job's
+previous attempt met it unavailable, the upstream works and fails this job by itself (a
+request it always answers 500, or never in time): the fault is charged as a failed attempt,
+with one warning saying so, and the job ends in the dead letter like any failing job
+(`memory.build.upstream`). A lost lease cancels the handler, because the job now belongs to
+another worker.
 
 The worker learns that the upstream answers from the job's handlers themselves: each runs with
 a `memory.provider.Answers` (`memory.provider.noting`) in which every provider call notes its
-answers; the worker records them for every worker (`memory.build.upstream.note_answers`).
+answers; the worker records them for every worker (`memory.build.upstream.note_answers`) and
+ends its own outage of each endpoint that answered.
 
 Idle loops wake on a NOTIFY (a dedicated LISTEN connection, reconnected whenever it fails or
 the server ends it, with a warning) or after the poll interval. With a `retention`, the worker
@@ -324,10 +326,10 @@ class Worker:
                 self._observed(job, started, "failed")
                 await self._fail(job, _describe(exc), upstream_failed=True)
                 return
-            delay = self._outage.failed()
+            delay = self._outage.failed(exc.endpoint)
             # Once per outage at warning level: every job of the queue meets the same one.
             log.log(
-                logging.WARNING if self._outage.failures == 1 else logging.INFO,
+                logging.WARNING if self._outage.failures(exc.endpoint) == 1 else logging.INFO,
                 "job %d (%s) deferred for %.1fs, its attempt not counted: %s",
                 job.id,
                 job.kind,
@@ -352,7 +354,6 @@ class Worker:
             await self._fail(job, _describe(exc))
         else:
             await self._answered(answers)
-            self._outage.cleared()
             self._observed(job, started, "done")
             try:
                 await complete(self._engine, job=job)
@@ -365,7 +366,10 @@ class Worker:
             self._observe(job.kind, time.perf_counter() - started, outcome)
 
     async def _answered(self, answers: Answers) -> None:
-        """Tell every worker that the endpoints that answered the job answer."""
+        """End this worker's outage of each endpoint that answered the job, and tell every
+        worker that it answers."""
+        for endpoint in answers.at:
+            self._outage.answered(endpoint)
         try:
             await upstream.note_answers(self._engine, answers.at)
         except StorageUnavailable as exc:
