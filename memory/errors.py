@@ -68,4 +68,9 @@ class ProviderError(MemstrataError):
 
 class ProviderUnavailable(ProviderError):
     """The backend could not answer for now (unreachable, timed out, HTTP 408, 409, 429 or 5xx):
-    the same request may well succeed later, unlike a refused or malformed one."""
+    the same request may well succeed later, unlike a refused or malformed one. `endpoint`
+    names the upstream's endpoint that failed (`chat`, `embeddings`), when known."""
+
+    def __init__(self, message: str, *, endpoint: str | None = None) -> None:
+        super().__init__(message)
+        self.endpoint = endpoint

@@ -11,11 +11,21 @@ header is sent at all (local servers such as Ollama or vLLM need none).
 themselves (and stay indifferent to the SDK's own models); every failure becomes a
 `ProviderError` whose message names the status and the error's type or code, never the
 request's text (a `ProviderUnavailable` when a later try may succeed: unreachable, timed out,
-408, 409, 429 or 5xx, once the SDK's own retries are spent); `refused_parameter` reads which
-request parameter a 400 answer named, so that a caller may send the request again without it.
+408, 409, 429 or 5xx, once the SDK's own retries are spent, naming the endpoint that failed);
+`refused_parameter` reads which request parameter a 400 answer named, so that a caller may send
+the request again without it.
+
+Every answer (a 2xx) is noted, with its endpoint and time, in the `Answers` that `noting` set
+for the current task and the tasks it starts, if any: a worker sets one per job
+(`memory.build.worker`), to learn that the upstream answers without knowing which providers
+its handlers use.
 """
 
 import json
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import Any, Literal
 
 import openai
@@ -26,6 +36,30 @@ DEFAULT_MAX_RETRIES = 2
 # Statuses of an upstream that is down or busy rather than refusing the request.
 _PASSING_STATUSES = frozenset({408, 409, 429})
 _PLACEHOLDER_KEY = "memstrata-no-key"  # the SDK needs one; its header is left out (`_headers`)
+
+
+class Answers:
+    """When each endpoint (`chat`, `embeddings`) last answered, by `time.monotonic()`."""
+
+    def __init__(self) -> None:
+        self.at: dict[str, float] = {}
+
+    def note(self, endpoint: str) -> None:
+        self.at[endpoint] = time.monotonic()
+
+
+_NOTING: ContextVar[Answers | None] = ContextVar("memstrata_upstream_answers", default=None)
+
+
+@contextmanager
+def noting(answers: Answers) -> Iterator[Answers]:
+    """Note in `answers` every answer a `Provider` gets within the block, in this task and in
+    the tasks it starts meanwhile (they copy the context)."""
+    token = _NOTING.set(answers)
+    try:
+        yield answers
+    finally:
+        _NOTING.reset(token)
 
 
 class Provider:
@@ -74,20 +108,21 @@ class Provider:
             text = raw.text
         except openai.APIStatusError as exc:
             status = exc.status_code
-            error = (
-                ProviderUnavailable
-                if status in _PASSING_STATUSES or status >= 500
-                else ProviderError
-            )
-            raise error(f"{what} upstream answered HTTP {status}{_error_kind(exc.body)}") from exc
+            message = f"{what} upstream answered HTTP {status}{_error_kind(exc.body)}"
+            if status in _PASSING_STATUSES or status >= 500:
+                raise ProviderUnavailable(message, endpoint=endpoint) from exc
+            raise ProviderError(message) from exc
         except openai.APITimeoutError as exc:
-            raise ProviderUnavailable(f"{what} upstream timed out") from exc
+            raise ProviderUnavailable(f"{what} upstream timed out", endpoint=endpoint) from exc
         except openai.APIConnectionError as exc:
             raise ProviderUnavailable(
-                f"{what} upstream unreachable ({type(exc).__name__})"
+                f"{what} upstream unreachable ({type(exc).__name__})", endpoint=endpoint
             ) from exc
         except openai.OpenAIError as exc:
             raise ProviderError(f"{what} upstream failed ({type(exc).__name__})") from exc
+        answers = _NOTING.get()
+        if answers is not None:
+            answers.note(endpoint)
         try:
             return json.loads(text)
         except ValueError as exc:

@@ -365,6 +365,9 @@ jobs = Table(
     _created_at(),
     Column("updated_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
     Column("finished_at", DateTime(timezone=True)),
+    # When the job's last attempt ended on an unavailable upstream (`memory.build.upstream`,
+    # migration 0020); NULL if none has.
+    Column("upstream_failed_at", DateTime(timezone=True)),
     Index(
         "uq_jobs_queued_dedupe",
         "dedupe_key",
@@ -380,4 +383,14 @@ jobs = Table(
         postgresql_where=text("status = 'queued'"),
     ),
     Index("ix_jobs_status", "status"),
+)
+
+upstream_answers = Table(
+    "upstream_answers",
+    metadata,
+    # The last time a worker saw the upstream answer a request of `endpoint` (`chat`,
+    # `embeddings`): evidence, for every worker, that a job it fails is failed by itself
+    # (`memory.build.upstream`, migration 0020).
+    Column("endpoint", Text, primary_key=True),
+    Column("answered_at", DateTime(timezone=True), nullable=False),
 )

@@ -3,10 +3,12 @@
 * `backoff_seconds` -- after a failed attempt: exponential in the job's attempts, capped, with
   jitter. A job that keeps failing thus reaches the dead letter (`memory.build.jobs.fail`)
   within about `BACKOFF_BASE * 2^max_attempts` seconds.
-* `Outage` -- after a transient upstream failure (`memory.errors.ProviderUnavailable`), which
+* `Outage` -- after a transient upstream failure (`memory.errors.ProviderUnavailable`) that
   costs the job no attempt (`memory.build.jobs.requeue`): exponential in the failures this
-  worker has met since a job last got through, capped lower, so that a job waits out an outage
-  of any length and runs again soon after it ends.
+  worker has met on that endpoint since the endpoint last answered, capped lower, so that a job
+  waits out an outage of any length and runs again soon after it ends. Only an answer of the
+  upstream ends an outage: jobs that got through without calling it (cutting segments, local
+  embeddings) say nothing of it.
 """
 
 import random
@@ -34,18 +36,25 @@ def backoff_seconds(
 
 
 class Outage:
-    """The upstream as one worker has met it lately: how many transient failures in a row."""
+    """The upstream as one worker has met it lately: per endpoint (`chat`, `embeddings`; None
+    for a failure that names none), how many transient failures since it last answered."""
 
     def __init__(self, *, base: float = BACKOFF_BASE, cap: float = OUTAGE_BACKOFF_CAP) -> None:
         self._base = base
         self._cap = cap
-        self.failures = 0
+        self._failures: dict[str | None, int] = {}
 
-    def failed(self) -> float:
-        """Count one more transient failure; the wait before its job runs again."""
-        self.failures += 1
-        return backoff_seconds(self.failures, base=self._base, cap=self._cap)
+    def failures(self, endpoint: str | None) -> int:
+        """The transient failures met on `endpoint` since it last answered."""
+        return self._failures.get(endpoint, 0)
 
-    def cleared(self) -> None:
-        """A job got through: the next failure starts a new outage."""
-        self.failures = 0
+    def failed(self, endpoint: str | None) -> float:
+        """Count one more transient failure of `endpoint`; the wait before its job runs again."""
+        failures = self._failures[endpoint] = self.failures(endpoint) + 1
+        return backoff_seconds(failures, base=self._base, cap=self._cap)
+
+    def answered(self, endpoint: str) -> None:
+        """`endpoint` answered: its next failure starts a new outage (as does, for a failure
+        that names no endpoint, any answer)."""
+        self._failures.pop(endpoint, None)
+        self._failures.pop(None, None)

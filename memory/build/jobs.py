@@ -21,10 +21,12 @@ Contract
   the eligibility is re-checked under that lock with a fresh snapshot (see `claim`).
 * A claim ends as `memory.build.outcomes` records it: done, failed (requeued with a backoff,
   or after `max_attempts` attempts moved to `dead`, the dead letter), or given back without
-  spending its attempt. `retry` revives a dead job; `memory.build.backlog` shows them. A job
-  whose worker keeps dying (killed, out of memory) never calls `fail`: once its lease runs out
-  after its `max_attempts`-th claim, the next `claim` dead-letters it instead of running it
-  again, so a job that crashes its worker cannot loop.
+  spending its attempt (an upstream outage: but an unavailable upstream that answers other
+  requests is charged as a failure, `memory.build.upstream`). `retry` revives a dead job;
+  `memory.build.backlog` shows them. A job whose worker keeps dying (killed, out of memory)
+  never calls `fail`: once its lease runs out after its `max_attempts`-th claim, the next
+  `claim` dead-letters it instead of running it again, so a job that crashes its worker cannot
+  loop.
 * Every time is the database's `now()`, never a host's clock, so any number of `serve` and
   `worker` processes on any machines may share one database.
 

@@ -11,6 +11,9 @@ Contract
   (`memory.build.backoff`), or, after `max_attempts` attempts, `dead` (the dead letter),
   keeping `last_error`. `requeue`: queued again without spending the attempt (an upstream
   outage, a worker leaving), so a job waits out an outage of any length and never dies of one.
+  Either, told `upstream_failed`, records when the attempt met an unavailable upstream
+  (`jobs.upstream_failed_at`): whether the upstream answered others since decides whether the
+  job's next such failure is charged (`memory.build.upstream`).
 * A failed or given-back job whose work was queued again meanwhile (same `dedupe_key`) is
   closed as done rather than requeued beside the one that will do it.
 """
@@ -106,6 +109,7 @@ async def fail(
     error: str,
     backoff_base: float = BACKOFF_BASE,
     backoff_cap: float = BACKOFF_CAP,
+    upstream_failed: bool = False,
 ) -> None:
     """Record a failed attempt: requeue after a backoff, or dead-letter after `max_attempts`.
 
@@ -114,11 +118,23 @@ async def fail(
     than requeued beside it (the unique index allows one queued job per key).
     """
     delay = backoff_seconds(job.attempts, base=backoff_base, cap=backoff_cap)
-    await _settle(engine, job=job, error=error, delay_seconds=delay, spent=True)
+    await _settle(
+        engine,
+        job=job,
+        error=error,
+        delay_seconds=delay,
+        spent=True,
+        upstream_failed=upstream_failed,
+    )
 
 
 async def requeue(
-    engine: AsyncEngine, *, job: Job, error: str | None, delay_seconds: float
+    engine: AsyncEngine,
+    *,
+    job: Job,
+    error: str | None,
+    delay_seconds: float,
+    upstream_failed: bool = False,
 ) -> None:
     """Give the claim back without spending its attempt: the job is queued again after
     `delay_seconds` (or closed, as by `fail`, if its work was queued again meanwhile).
@@ -128,11 +144,24 @@ async def requeue(
     claim's (`locked_by`, `attempts`) still names no earlier claim: while running, the job
     always has more attempts than any claim that lost it.
     """
-    await _settle(engine, job=job, error=error, delay_seconds=delay_seconds, spent=False)
+    await _settle(
+        engine,
+        job=job,
+        error=error,
+        delay_seconds=delay_seconds,
+        spent=False,
+        upstream_failed=upstream_failed,
+    )
 
 
 async def _settle(
-    engine: AsyncEngine, *, job: Job, error: str | None, delay_seconds: float, spent: bool
+    engine: AsyncEngine,
+    *,
+    job: Job,
+    error: str | None,
+    delay_seconds: float,
+    spent: bool,
+    upstream_failed: bool,
 ) -> None:
     duplicate = jobs.alias("duplicate")
     queued_duplicate = exists().where(
@@ -155,6 +184,7 @@ async def _settle(
             finished_at=case((settled, func.now()), else_=None),
             lease_until=None,
             last_error=jobs.c.last_error if error is None else error[:MAX_ERROR_CHARS],
+            upstream_failed_at=func.now() if upstream_failed else jobs.c.upstream_failed_at,
             updated_at=func.now(),
         )
         .returning(jobs.c.status)

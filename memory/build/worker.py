@@ -5,9 +5,19 @@ extends the lease every lease/3 seconds, and complete or fail it (`memory.build.
 handler's exception fails the job (logged by id and kind only: the error text goes to
 `last_error`, never the log), except a passing upstream fault (`ProviderUnavailable`: the
 upstream is down, timing out, rate-limiting or answering 5xx), which gives the job back
-without spending an attempt, after a backoff that grows while such faults follow one another
-(`memory.build.backoff.Outage`): an outage of any length dead-letters nothing. A lost lease
-cancels the handler, because the job now belongs to another worker.
+without spending an attempt, after a backoff that grows while such faults of its endpoint
+follow one another with no answer between them (`memory.build.backoff.Outage`): an outage of
+any length dead-letters nothing. But if the endpoint answered any worker after the job's
+previous attempt met it unavailable, the upstream works and fails this job by itself (a
+request it always answers 500, or never in time): the fault is charged as a failed attempt,
+with one warning saying so, and the job ends in the dead letter like any failing job
+(`memory.build.upstream`). A lost lease cancels the handler, because the job now belongs to
+another worker.
+
+The worker learns that the upstream answers from the job's handlers themselves: each runs with
+a `memory.provider.Answers` (`memory.provider.noting`) in which every provider call notes its
+answers; the worker records them for every worker (`memory.build.upstream.note_answers`) and
+ends its own outage of each endpoint that answered.
 
 Idle loops wake on a NOTIFY (a dedicated LISTEN connection, reconnected whenever it fails or
 the server ends it, with a warning) or after the poll interval. With a `retention`, the worker
@@ -32,17 +42,19 @@ import asyncpg
 from sqlalchemy.engine import URL
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from memory.build import retention
+from memory.build import retention, upstream
 from memory.build.backoff import BACKOFF_BASE, BACKOFF_CAP, OUTAGE_BACKOFF_CAP, Outage
 from memory.build.jobs import CHANNEL, MAX_ERROR_CHARS, Handler, Job, claim
 from memory.build.outcomes import complete, describe_lost, extend_lease, fail, requeue
 from memory.errors import InvalidInput, ProviderUnavailable, StorageUnavailable
+from memory.provider import Answers, noting
 
 log = logging.getLogger(__name__)
 
 JobObserver = Callable[[str, float, str], None]
-"""Told `(kind, seconds, outcome)` of every job this worker runs: outcome `done`, `failed`,
-`deferred` (its upstream was unavailable: given back, no attempt spent), `abandoned` (its lease
+"""Told `(kind, seconds, outcome)` of every job this worker runs: outcome `done`, `failed`
+(an unavailable upstream that answers others included), `deferred` (its upstream was
+unavailable: given back, no attempt spent), `abandoned` (its lease
 was lost to another worker) or `released` (given back when the worker stopped). Metrics hang on
 it; `memory` stays free of them."""
 
@@ -272,7 +284,8 @@ class Worker:
             )
             return
         started = time.perf_counter()
-        work = asyncio.create_task(_run_handler(handler, job), name=f"job-{job.id}")
+        answers = Answers()
+        work = asyncio.create_task(_run_handler(handler, job, answers), name=f"job-{job.id}")
         self._in_hand[job.id] = work
         lost = asyncio.Event()
         keeper = asyncio.create_task(self._keep_lease(job, work, lost))
@@ -298,10 +311,25 @@ class Worker:
                 self._observed(job, started, "failed")
                 await self._fail(job, "the handler was cancelled")
         except ProviderUnavailable as exc:
-            delay = self._outage.failed()
+            await self._answered(answers)
+            if await self._answers_others(job, exc):
+                log.warning(
+                    "job %d (%s) failed on attempt %d of %d, charged although its upstream is "
+                    "unavailable: the %s endpoint answers other requests: %s",
+                    job.id,
+                    job.kind,
+                    job.attempts,
+                    job.max_attempts,
+                    exc.endpoint,
+                    exc,
+                )
+                self._observed(job, started, "failed")
+                await self._fail(job, _describe(exc), upstream_failed=True)
+                return
+            delay = self._outage.failed(exc.endpoint)
             # Once per outage at warning level: every job of the queue meets the same one.
             log.log(
-                logging.WARNING if self._outage.failures == 1 else logging.INFO,
+                logging.WARNING if self._outage.failures(exc.endpoint) == 1 else logging.INFO,
                 "job %d (%s) deferred for %.1fs, its attempt not counted: %s",
                 job.id,
                 job.kind,
@@ -309,8 +337,9 @@ class Worker:
                 exc,
             )
             self._observed(job, started, "deferred")
-            await self._requeue(job, _describe(exc), delay)
+            await self._requeue(job, _describe(exc), delay, upstream_failed=True)
         except Exception as exc:
+            await self._answered(answers)
             # Only the exception's type: its message may quote conversation contents. The full
             # text is kept in the job's last_error, which only its tenant and the admin can read.
             log.warning(
@@ -324,7 +353,7 @@ class Worker:
             self._observed(job, started, "failed")
             await self._fail(job, _describe(exc))
         else:
-            self._outage.cleared()
+            await self._answered(answers)
             self._observed(job, started, "done")
             try:
                 await complete(self._engine, job=job)
@@ -336,7 +365,30 @@ class Worker:
         if self._observe is not None:
             self._observe(job.kind, time.perf_counter() - started, outcome)
 
-    async def _fail(self, job: Job, error: str) -> None:
+    async def _answered(self, answers: Answers) -> None:
+        """End this worker's outage of each endpoint that answered the job, and tell every
+        worker that it answers."""
+        for endpoint in answers.at:
+            self._outage.answered(endpoint)
+        try:
+            await upstream.note_answers(self._engine, answers.at)
+        except StorageUnavailable as exc:
+            # Only evidence against a failing job is lost: it stays deferred a little longer.
+            log.warning("worker %s cannot record the upstream's answers: %s", self.worker_id, exc)
+
+    async def _answers_others(self, job: Job, exc: ProviderUnavailable) -> bool:
+        """Whether the endpoint that failed `job` answered anyone since the job's previous
+        attempt met it unavailable (`memory.build.upstream`)."""
+        if exc.endpoint is None:
+            return False
+        try:
+            return await upstream.answered_since_failure(
+                self._engine, job_id=job.id, endpoint=exc.endpoint
+            )
+        except StorageUnavailable:
+            return False  # the outcome cannot be recorded either: the lease runs out
+
+    async def _fail(self, job: Job, error: str, *, upstream_failed: bool = False) -> None:
         try:
             await fail(
                 self._engine,
@@ -344,14 +396,23 @@ class Worker:
                 error=error,
                 backoff_base=self._backoff_base,
                 backoff_cap=self._backoff_cap,
+                upstream_failed=upstream_failed,
             )
         except StorageUnavailable as exc:
             # The lease runs out and the job runs again, as if this attempt had not happened.
             log.warning("job %d (%s): could not record its failure: %s", job.id, job.kind, exc)
 
-    async def _requeue(self, job: Job, error: str | None, delay: float) -> None:
+    async def _requeue(
+        self, job: Job, error: str | None, delay: float, *, upstream_failed: bool = False
+    ) -> None:
         try:
-            await requeue(self._engine, job=job, error=error, delay_seconds=delay)
+            await requeue(
+                self._engine,
+                job=job,
+                error=error,
+                delay_seconds=delay,
+                upstream_failed=upstream_failed,
+            )
         except StorageUnavailable as exc:
             # The lease runs out and the job runs again (this attempt counted after all).
             log.warning("job %d (%s): could not give it back: %s", job.id, job.kind, exc)
@@ -439,5 +500,6 @@ async def _close(connection: Any) -> None:
         connection.terminate()
 
 
-async def _run_handler(handler: Handler, job: Job) -> None:
-    await handler(job)
+async def _run_handler(handler: Handler, job: Job, answers: Answers) -> None:
+    with noting(answers):
+        await handler(job)
