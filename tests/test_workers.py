@@ -21,7 +21,7 @@ import multiprocessing
 import os
 import signal
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +31,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from devkit import synthetic
 from devkit.gateway import GatewayProcess, WorkerProcess
+from devkit.service import Service
 from devkit.upstream import UpstreamServer
 from gateway import importer, worker_process
 from gateway.settings import Settings
@@ -84,17 +85,16 @@ async def job_rows(engine: AsyncEngine, tenant_id: int) -> list[Any]:
         )
 
 
-async def wait_for(
-    condition: Any, *, within: float, what: str, workers: list[WorkerProcess]
-) -> Any:
-    """Poll the async `condition` until it returns something truthy, for `within` seconds."""
+async def wait_for(condition: Any, *, within: float, what: str, workers: Sequence[Service]) -> Any:
+    """Poll the async `condition` until it returns something truthy, for `within` seconds,
+    while every one of `workers` (or `serve` processes) keeps running."""
     deadline = time.monotonic() + within
     while True:
         value = await condition()
         if value:
             return value
         for worker in workers:
-            assert worker.process.poll() is None, f"worker exited:\n{worker.logs()}"
+            assert worker.running, f"{worker.name} exited:\n{worker.logs()}"
         if time.monotonic() > deadline:
             logs = "\n".join(worker.logs()[-3000:] for worker in workers)
             pytest.fail(f"timed out waiting for {what}\n{logs}")
@@ -241,22 +241,25 @@ async def test_two_workers_run_every_job_once(
         await check_tree(engine, tenant_id, ref.id, MESSAGES, "llm", POLICY)
 
 
+def summary_taking(seconds: float) -> dict[str, Any]:
+    """The fake upstream's behaviour for a summary that takes `seconds`."""
+    reply = {
+        "narrative": "A slow summary.",
+        "identifiers": [],
+        "numbers": [],
+        "names": [],
+        "dates": [],
+        "decisions": [],
+        "open_questions": [],
+    }
+    return {"path": "/v1/chat/completions", "delay": seconds, "reply": json.dumps(reply)}
+
+
 @contextlib.contextmanager
 def summaries_taking(seconds: float) -> Iterator[UpstreamServer]:
     """An upstream whose every summary takes `seconds`."""
     with UpstreamServer() as server:
-        reply = {
-            "narrative": "A slow summary.",
-            "identifiers": [],
-            "numbers": [],
-            "names": [],
-            "dates": [],
-            "decisions": [],
-            "open_questions": [],
-        }
-        server.set_default(
-            {"path": "/v1/chat/completions", "delay": seconds, "reply": json.dumps(reply)}
-        )
+        server.set_default(summary_taking(seconds))
         yield server
 
 
@@ -404,7 +407,9 @@ async def test_a_job_that_kills_its_workers_is_dead_lettered_at_max_attempts(
     await check_no_duplicates(engine, tenant_id)
 
 
-def _children(pid: int) -> set[int]:
+def child_pids(pid: int) -> set[int]:
+    """The processes `pid` started (`serve`'s: its worker process and multiprocessing's
+    resource tracker); none once it is gone."""
     try:
         text = Path(f"/proc/{pid}/task/{pid}/children").read_text()
     except OSError:
@@ -435,7 +440,7 @@ async def test_serve_runs_its_jobs_in_a_child_process_that_leaves_with_it(
     )
     try:
         deadline = time.monotonic() + 60
-        while not (children := _children(gateway.pid)):
+        while not (children := child_pids(gateway.pid)):
             assert time.monotonic() < deadline, "no worker process was started"
             await asyncio.sleep(0.2)
         conversation = synthetic.generate(20, seed=3)
@@ -541,10 +546,10 @@ async def test_serve_and_a_replaced_worker_process_stop(
     children: set[int] = set()
     try:
         first = await _built_by(engine, tenant_id, "first", seed=17)
-        assert first in _children(gateway.pid)
+        assert first in child_pids(gateway.pid)
         os.kill(first, signal.SIGKILL)
-        assert await _built_by(engine, tenant_id, "second", seed=19) in _children(gateway.pid)
-        children = _children(gateway.pid)  # the new worker process and the resource tracker
+        assert await _built_by(engine, tenant_id, "second", seed=19) in child_pids(gateway.pid)
+        children = child_pids(gateway.pid)  # the new worker process and the resource tracker
         # Grace 1 s + the stop margin 5 s + 5 s for a child that does not leave: 11 s at most.
         deadline = time.monotonic() + 15
         for number, sig in enumerate(signals):
@@ -589,7 +594,7 @@ async def test_ctrl_c_lets_serve_s_worker_process_finish_its_job(
         )
         try:
             deadline = time.monotonic() + 60
-            while not _children(gateway.pid):
+            while not child_pids(gateway.pid):
                 assert time.monotonic() < deadline, "no worker process was started"
                 await asyncio.sleep(0.2)
             await import_one(engine, tenant_id, "interrupted", seed=13)
@@ -600,7 +605,7 @@ async def test_ctrl_c_lets_serve_s_worker_process_finish_its_job(
 
             await wait_for(running, within=120, what="the child's build", workers=[])
             # What the terminal does: the signal to every process of the group.
-            for pid in (gateway.pid, *_children(gateway.pid)):
+            for pid in (gateway.pid, *child_pids(gateway.pid)):
                 os.kill(pid, signal.SIGINT)
             await asyncio.to_thread(gateway.process.wait, 60)
         finally:
