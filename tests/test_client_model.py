@@ -26,6 +26,7 @@ killed while a question's answer is upstream, and the client retries it.
 import json
 import os
 import random
+import re
 import signal
 import threading
 import time
@@ -75,14 +76,17 @@ class Deployment:
         self.started.append(gateway)
         return gateway
 
-    def failures(self) -> str:
-        """The tracebacks the processes logged (a 500 says only "failed unexpectedly")."""
-        return "\n".join(
-            line
+    def failures(self, failure: str) -> str:
+        """What the processes logged at error level or about the requests `failure` names by
+        id (a 500 says only "failed unexpectedly" and its request id), or that they did not."""
+        ids = re.findall(r"request id ([0-9a-f]{32})", failure)
+        found = [
+            f"{gateway.name} {gateway.pid}: {line}"
             for gateway in self.started
             for line in gateway.logs().splitlines()
-            if "Traceback" in line
-        )
+            if '"level": "error"' in line or "Traceback" in line or any(i in line for i in ids)
+        ]
+        return "\n".join(found) or f"no line of {len(self.started)} processes names {ids}"
 
     def restart(self, index: int) -> None:
         """The process killed (SIGKILL: it finishes nothing) and another started in its place."""
@@ -393,7 +397,7 @@ def test_the_same_through_two_serve_processes_with_their_workers(
         try:
             client = run_client(http, upstream, rng, shape, named, budget=600, crash=crash)
         except AssertionError as failure:
-            raise AssertionError(f"{failure}\n{deployed.failures()}") from failure
+            raise AssertionError(f"{failure}\n{deployed.failures(str(failure))}") from failure
         # The workers built while the client went on, past the budget (a working context);
         # what they built leaves the branch as it was.
         [conversation] = client.conversations
@@ -588,7 +592,7 @@ def test_a_responses_client_through_two_serve_processes_with_their_workers(
         try:
             run_responses_client(http, upstream, random.Random(f"deployed-{shape}"), shape, 600)
         except AssertionError as failure:
-            raise AssertionError(f"{failure}\n{deployed.failures()}") from failure
+            raise AssertionError(f"{failure}\n{deployed.failures(str(failure))}") from failure
 
 
 def run_responses_client(
