@@ -3,7 +3,9 @@ to the summary tree, and what recall may read, against a real Postgres, real loc
 embeddings and the extractive summarizer."""
 
 import asyncio
+import dataclasses
 import uuid
+from collections.abc import Sequence
 from typing import Any
 
 import pytest
@@ -12,7 +14,8 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from memory.build import summary_nodes, tree
 from memory.build.segments import SegmentPolicy
-from memory.build.summarize import ExtractiveSummarizer
+from memory.build.summarize import ExtractiveSummarizer, Summary, SummaryInput
+from memory.build.worker import Worker
 from memory.embeddings import LocalEmbedder
 from memory.recall import retrieval
 from memory.schema import nodes
@@ -21,6 +24,8 @@ from memory.write import appends, identity, store
 MODEL = "gpt-4o"
 # Segments of two messages, so that a short conversation has a tree.
 PAIRS = SegmentPolicy(shift_threshold=2.0, max_messages=2)
+# Segments that only a final build closes (in conversations that say no "done").
+OPEN = SegmentPolicy(shift_threshold=2.0)
 
 Message = dict[str, Any]
 
@@ -171,3 +176,71 @@ async def test_a_summary_being_written_holds_up_a_branch_move_and_no_other_turn(
         await transaction.commit()
     moved = await asyncio.wait_for(moving, timeout=30)
     assert moved.branched_at == extended.first_seq
+
+
+@pytest.mark.parametrize("edited", ["before it ran", "while it ran", "after it ran"])
+async def test_an_edit_does_not_undo_compact_now(
+    engine: AsyncEngine, tenant_id: int, config: tree.TreeConfig, edited: str
+) -> None:
+    """Compact now (a final build, queued as `POST /admin/conversations/{id}/compact` queues it)
+    and an edit of the last question: once the workers are idle, every message of the current
+    branch stored before the press is summarized. The edit drops the summary over what it
+    changed, not the request to close the open segment."""
+    external_id = f"branch-compact-{uuid.uuid4().hex}"
+    history: list[Message] = []
+    for index, topic in enumerate(["volcano basalt", "glacier moraine", "coral atoll"]):
+        history.append({"role": "user", "content": f"Tell me about the {topic}."})
+        stored = await turn(engine, tenant_id, external_id, history, f"The {topic} answer {index}.")
+        history.append({"role": "assistant", "content": f"The {topic} answer {index}."})
+    conversation_id = stored.conversation.id
+    # The third question edited: messages 4-5 leave the branch, 0-3 stay on it.
+    edit = [*history[:4], {"role": "user", "content": "Tell me about the tundra permafrost."}]
+    extractive = config.summarizer
+    editing = edited == "while it ran"
+
+    class EditingSummarizer:
+        """Edits the question while the final build summarizes the open segment."""
+
+        async def summarize(
+            self, items: Sequence[SummaryInput], *, level: int, target_tokens: int
+        ) -> Summary:
+            nonlocal editing
+            if editing:
+                editing = False
+                await turn(engine, tenant_id, external_id, edit, "The tundra answer.")
+            return await extractive.summarize(items, level=level, target_tokens=target_tokens)
+
+    builds = dataclasses.replace(config, summarizer=EditingSummarizer(), policy=OPEN)
+    worker = Worker(
+        engine, {tree.JOB_KIND: tree.handler(engine, builds)}, kinds=[tree.JOB_KIND], listen=False
+    )
+
+    async def idle() -> None:
+        await worker.run_until_idle(conversations=[conversation_id])
+
+    await idle()
+    assert await level_one(engine, conversation_id) == []
+    async with engine.begin() as conn:
+        await tree.enqueue(conn, tenant_id=tenant_id, conversation_id=conversation_id, final=True)
+    if edited == "after it ran":
+        await idle()
+        assert await level_one(engine, conversation_id) == [(0, 5)]
+    if edited != "while it ran":
+        await turn(engine, tenant_id, external_id, edit, "The tundra answer.")
+    await idle()
+
+    assert not editing
+    async with engine.connect() as conn:
+        unsummarized = (
+            await conn.scalars(
+                select(nodes.c.seq).where(
+                    nodes.c.conversation_id == conversation_id,
+                    nodes.c.level == 0,
+                    nodes.c.seq <= 5,
+                    nodes.c.superseded_at.is_(None),
+                    nodes.c.parent_id.is_(None),
+                )
+                .order_by(nodes.c.seq)
+            )
+        ).all()
+    assert unsummarized == []

@@ -5,7 +5,8 @@ Contract
 * `enqueue` inserts a job in the *caller's* transaction, so a job exists exactly when the data it
   concerns was committed. With a `dedupe_key`, enqueueing while a job with that key is still
   `queued` is a no-op (returns None); once that job is running, new work may queue behind it.
-  The no-op locks the queued job until the caller commits (`deduplicated`).
+  The no-op locks the queued job until the caller commits (`deduplicated`). `pending` says
+  whether a conversation's job with a given key is queued or running.
   Enqueueing also NOTIFYs `memstrata_jobs`, which Postgres delivers at commit, so idle workers
   wake at once; polling remains the safety net (delayed retries, expired leases, lost notices).
 * `claim` gives one job to one worker for a lease: status `running`, `attempts` + 1,
@@ -198,6 +199,20 @@ async def enqueue(
         },
     )
     return None if job_id is None else int(job_id)
+
+
+async def pending(conn: AsyncConnection, *, conversation_id: int, dedupe_key: str) -> bool:
+    """Whether a job of the conversation with `dedupe_key` is queued or running."""
+    found = await conn.scalar(
+        select(jobs.c.id)
+        .where(
+            jobs.c.conversation_id == conversation_id,
+            jobs.c.dedupe_key == dedupe_key,
+            or_(jobs.c.status == _Q, jobs.c.status == _R),
+        )
+        .limit(1)
+    )
+    return found is not None
 
 
 async def _notify(conn: AsyncConnection, kind: str) -> None:

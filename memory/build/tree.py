@@ -34,7 +34,8 @@ duplicate insert a no-op all the same. A request that moves the current branch d
 summaries over what changed (`memory.write.branches.move`) under the conversation's update lock;
 summaries are inserted (`memory.build.summary_nodes`) after checking that none of their children
 left the branch or went away meanwhile: if one did, the build stops there, and the build that
-request queued starts again from what is left.
+request queued starts again from what is left (a final one too, when a final build was pending
+or the move dropped the segment it closed).
 """
 
 import asyncio

@@ -7,7 +7,10 @@ after the fork leave it (`superseded_at` set), those of an abandoned branch the 
 come back. Nothing is deleted but the summaries that covered a message from the first one that
 changed on: the next build makes them again over the current branch (`memory.build.tree`
 skips superseded messages), so no prompt shows a summary of an abandoned branch and a working
-context compacted past that point knows it must be rebuilt (`Moved.branched_at`).
+context compacted past that point knows it must be rebuilt (`Moved.branched_at`). A forced
+compaction ("Compact now": a final build) that a move would undo, because it is queued or
+running on the old branch or the move dropped the segment it closed, is queued again, so that
+what was stored before it still gets summarized.
 
 `place_reply` says where a reply goes when other messages were stored after the turn it
 answers. `runs` lists the stored messages as runs that each sit on one branch, for the admin API.
@@ -20,6 +23,7 @@ from sqlalchemy import Integer, bindparam, case, delete, func, or_, select, upda
 from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.ext.asyncio import AsyncConnection
 
+from memory.build import jobs, tree
 from memory.db import AnyRow
 from memory.schema import conversations, nodes
 from memory.write.chains import ROOT_HASH
@@ -63,15 +67,20 @@ async def move(
     restore: Sequence[int] = (),
 ) -> Moved:
     """Make the current branch its messages up to `fork_seq` (None: none of them) followed by
-    the superseded messages `restore`; drop the summaries over what changed. The caller holds
-    the conversation's lock and moves its head and token count.
+    the superseded messages `restore`; drop the summaries over what changed, and queue a final
+    build again when one is pending or its final segment was dropped. The caller holds the
+    conversation's lock and moves its head and token count.
 
     The turn's lock (`FOR NO KEY UPDATE`) becomes the row's update lock first: a summary being
     written (under a key-share lock: `memory.build.tree`) is committed before the branch moves,
     and none is written over it until the turn ends."""
-    await conn.execute(
-        select(conversations.c.id).where(conversations.c.id == conversation_id).with_for_update()
-    )
+    tenant_id = (
+        await conn.execute(
+            select(conversations.c.tenant_id)
+            .where(conversations.c.id == conversation_id)
+            .with_for_update()
+        )
+    ).scalar_one()
     rows = (
         await conn.execute(
             _MOVE,
@@ -85,11 +94,22 @@ async def move(
     if not rows:
         return Moved(branched_at=None, tokens=0)
     first = min(row.seq for row in rows)
-    await conn.execute(
-        delete(nodes).where(
+    reasons = await conn.scalars(
+        delete(nodes)
+        .where(
             nodes.c.conversation_id == conversation_id, nodes.c.level > 0, nodes.c.span_end >= first
         )
+        .returning(nodes.c.meta["reason"].astext)
     )
+    final = tree.dedupe_key(conversation_id, final=True)
+    if "final" in reasons.all() or await jobs.pending(
+        conn, conversation_id=conversation_id, dedupe_key=final
+    ):
+        # "Compact now" asked for everything stored to be summarized: a final build that would
+        # run on the old branch (it stops there: `summary_nodes.Branched`), or whose closing of
+        # the open segment this undid, is queued again. A queued one stays queued, now locked
+        # until commit (`jobs.deduplicated`), so that no worker starts it on the old branch.
+        await tree.enqueue(conn, tenant_id=tenant_id, conversation_id=conversation_id, final=True)
     gained = sum(row.token_count if row.current else -row.token_count for row in rows)
     return Moved(branched_at=first, tokens=gained)
 
