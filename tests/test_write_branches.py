@@ -233,7 +233,8 @@ async def test_an_edit_does_not_undo_compact_now(
     async with engine.connect() as conn:
         unsummarized = (
             await conn.scalars(
-                select(nodes.c.seq).where(
+                select(nodes.c.seq)
+                .where(
                     nodes.c.conversation_id == conversation_id,
                     nodes.c.level == 0,
                     nodes.c.seq <= 5,
