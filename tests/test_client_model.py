@@ -419,28 +419,28 @@ def run_client(
     """`STEPS` steps of one client, drawn from `rng`, each checked; half way, `crash` when
     given."""
     client = Client(shape=shape, named=named, system=rng.random() < 0.5, budget=budget, rng=rng)
-    steps = []
+    steps: list[str] = []
     for step in range(STEPS):
         draw = rng.random() if client.last is not None else 0.0
-        if crash is not None and step == STEPS // 2:
-            steps.append("crash")
-            crash(client, step)
-        elif draw < 0.6:
-            steps.append("ask")
-            ask(http, client, step)
-        elif draw < 0.7:
-            steps.append("tool")
-            use_a_tool(http, upstream, client, step)
-        elif draw < 0.8:
-            steps.append("retry")
-            retry(http, upstream, client, step)
-        elif draw < 0.9 and shape != "new":  # only the new messages: nothing to regenerate from
-            steps.append("regenerate")
-            regenerate(http, upstream, client, step)
-        elif shape != "new":  # only the new messages cannot say what was edited
-            steps.append("edit")
-            edit(http, client, step)
         try:
+            if crash is not None and step == STEPS // 2:
+                steps.append("crash")
+                crash(client, step)
+            elif draw < 0.6:
+                steps.append("ask")
+                ask(http, client, step)
+            elif draw < 0.7:
+                steps.append("tool")
+                use_a_tool(http, upstream, client, step)
+            elif draw < 0.8:
+                steps.append("retry")
+                retry(http, upstream, client, step)
+            elif draw < 0.9 and shape != "new":  # the new messages only: nothing to regenerate
+                steps.append("regenerate")
+                regenerate(http, upstream, client, step)
+            elif shape != "new":  # the new messages only cannot say what was edited
+                steps.append("edit")
+                edit(http, client, step)
             check(http, upstream, client)
         except AssertionError as failure:
             raise AssertionError(f"after {steps}: {failure}") from failure
@@ -600,25 +600,25 @@ def run_responses_client(
 ) -> None:
     """`STEPS` steps of one Responses client, drawn from `rng`, each checked."""
     client = ResponsesClient(shape=shape, budget=budget, rng=rng)
-    steps = []
+    steps: list[str] = []
     for step in range(STEPS):
         draw = rng.random() if client.last is not None else 0.0
-        if draw < 0.7:
-            steps.append("ask")
-            ask_responses(http, client, step)
-        elif draw < 0.8:
-            steps.append("retry")
-            again(http, upstream, client, step, regenerate=False)
-        elif draw < 0.9 and shape != "conversation":  # naming it, only new input is sent
-            steps.append("regenerate")
-            again(http, upstream, client, step, regenerate=True)
-        elif shape == "previous" and len(client.answers) > 1:
-            steps.append("fork")
-            response_id, seen, items = rng.choice(client.answers[-3:-1])
-            del client.view[seen:], client.items[items:]
-            client.answers = [a for a in client.answers if a[1] <= seen]
-            ask_responses(http, client, step, previous=response_id)
         try:
+            if draw < 0.7:
+                steps.append("ask")
+                ask_responses(http, client, step)
+            elif draw < 0.8:
+                steps.append("retry")
+                again(http, upstream, client, step, regenerate=False)
+            elif draw < 0.9 and shape != "conversation":  # naming it, only new input is sent
+                steps.append("regenerate")
+                again(http, upstream, client, step, regenerate=True)
+            elif shape == "previous" and len(client.answers) > 1:
+                steps.append("fork")
+                response_id, seen, items = rng.choice(client.answers[-3:-1])
+                del client.view[seen:], client.items[items:]
+                client.answers = [a for a in client.answers if a[1] <= seen]
+                ask_responses(http, client, step, previous=response_id)
             check_responses(http, client)
         except AssertionError as failure:
             raise AssertionError(f"after {steps}: {failure}") from failure
