@@ -291,6 +291,9 @@ def use_a_tool(http: httpx.Client, upstream: UpstreamServer, client: Client, ste
             }
         )
         client.add(results[-1])
+    # An answer of its own: the default echoes the last user message, which a window that
+    # starts after the task does not hold ("echo: " for every such round).
+    upstream.script({"reply": f"Counted for task {step} [{client.tag}]"})
     answer = text_of(
         http, client, client.sent(results), stream=client.rng.random() < 0.5, tools=TOOLS
     )
