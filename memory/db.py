@@ -3,7 +3,8 @@
 `connect(url)` builds the SQLAlchemy async engine (asyncpg); `check(engine)` refuses a server
 without pgvector or btree_gin with a message saying so; `migrate(engine)` applies Alembic
 migrations under a Postgres advisory lock, so any number of processes may start at once. Errors
-of the driver are translated to `StorageUnavailable` / `SchemaMismatch` here.
+of the driver are translated to `StorageUnavailable` / `SchemaMismatch` here (a transaction
+Postgres failed to break a deadlock is `StorageUnavailable`: a 503 a client retries, not a 500).
 
 A server `check` cannot use (nothing listens at the URL's address, a user or password it
 refuses, a database that does not exist) and a migration that fails (a user without the rights
@@ -306,13 +307,16 @@ async def spare(conn: AsyncConnection) -> AsyncIterator[AsyncConnection | None]:
 
 
 # SQLSTATE classes that say the server, not the statement, failed: connection exceptions,
-# insufficient resources, operator intervention (shutting down, restarting), system errors.
-_SERVER_CLASSES = ("08", "53", "57", "58")
+# insufficient resources, operator intervention (shutting down, restarting), system errors;
+# and transaction rollback (a deadlock or a serialization failure the server broke by failing
+# this transaction: the same work, run again, may succeed).
+_SERVER_CLASSES = ("08", "40", "53", "57", "58")
 
 
 def unavailable(exc: DBAPIError) -> bool:
     """Whether a driver error means the database cannot serve now (a restart, a lost or
-    refused connection), as opposed to a statement it refused."""
+    refused connection, a transaction it failed to break a deadlock), as opposed to a
+    statement it refused."""
     if exc.connection_invalidated:
         return True
     return _sqlstate(exc)[:2] in _SERVER_CLASSES

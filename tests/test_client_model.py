@@ -78,14 +78,21 @@ class Deployment:
 
     def failures(self, failure: str) -> str:
         """What the processes logged at error level or about the requests `failure` names by
-        id (a 500 says only "failed unexpectedly" and its request id), or that they did not."""
+        id (a 500 says only "failed unexpectedly" and its request id), or that they did not.
+        A 500's traceback is logged once its answer is sent (the server logs what the app
+        raised after the error handler answered): read at once, it was not there yet, so it
+        is waited for, a few seconds at most."""
         ids = re.findall(r"request id ([0-9a-f]{32})", failure)
-        found = [
-            f"{gateway.name} {gateway.pid}: {line}"
-            for gateway in self.started
-            for line in gateway.logs().splitlines()
-            if '"level": "error"' in line or "Traceback" in line or any(i in line for i in ids)
-        ]
+        for _ in range(50):
+            found = [
+                f"{gateway.name} {gateway.pid}: {line}"
+                for gateway in self.started
+                for line in gateway.logs().splitlines()
+                if '"level": "error"' in line or "Traceback" in line or any(i in line for i in ids)
+            ]
+            if all(any(i in line and "Traceback" in line for line in found) for i in ids):
+                break
+            time.sleep(0.1)
         return "\n".join(found) or f"no line of {len(self.started)} processes names {ids}"
 
     def restart(self, index: int) -> None:

@@ -23,7 +23,7 @@ from devkit.postgres import drop_database, fresh_database
 from memory.db import ALEMBIC_INI, connect, migrate, transaction
 from memory.errors import StorageUnavailable
 from memory.schema import conversations, metadata
-from memory.write import chains, identity
+from memory.write import chains, identity, store
 
 
 async def test_a_dead_pooled_connection_is_replaced_without_an_error(
@@ -59,6 +59,36 @@ async def test_a_pool_with_no_free_connection_is_storage_unavailable(database_ur
             assert await conn.scalar(text("SELECT 1")) == 1
     finally:
         await own.dispose()
+
+
+async def test_a_transaction_postgres_fails_to_break_a_deadlock_is_storage_unavailable(
+    engine: AsyncEngine, tenant_id: int
+) -> None:
+    """A deadlock (SQLSTATE 40P01), like a serialization failure (40001), fails one of the
+    transactions in it: the same work, run again, may succeed. It was a `DBAPIError`, which the
+    edge answers with a 500; as `StorageUnavailable` it is a 503 a client retries."""
+    conversation_ids = []
+    async with transaction(engine) as conn:
+        for _ in range(2):
+            ref, _ = await store.open_conversation(
+                conn, tenant_id=tenant_id, external_id=f"deadlock-{uuid.uuid4().hex}"
+            )
+            conversation_ids.append(ref.id)
+    touch = text("UPDATE conversations SET updated_at = now() WHERE id = :id")
+    locked = [asyncio.Event(), asyncio.Event()]
+
+    async def crossing(mine: int) -> None:
+        async with transaction(engine) as conn:
+            await conn.execute(touch, {"id": conversation_ids[mine]})
+            locked[mine].set()
+            await locked[1 - mine].wait()
+            await conn.execute(touch, {"id": conversation_ids[1 - mine]})
+
+    outcomes = await asyncio.gather(crossing(0), crossing(1), return_exceptions=True)
+    failed = [outcome for outcome in outcomes if outcome is not None]
+    assert len(failed) == 1, outcomes
+    assert isinstance(failed[0], StorageUnavailable), repr(failed[0])
+    assert "deadlock" in str(failed[0])
 
 
 @pytest.fixture

@@ -5,9 +5,14 @@ conversation, and langchain-openai's `trim_messages` as a real client trims.
 Each window must continue the one conversation with its new messages only: every message
 stored once, on one branch, and the prompt sent upstream holding the turns the client no
 longer sends (the conversation fits the budget, so it goes whole, from memory).
+
+In-process (the app, and the background build run beside it): a window's edit sent while the
+build writes the messages that edit drops is answered, not failed by a deadlock.
 """
 
+import asyncio
 import uuid
+from collections.abc import Sequence
 from typing import Any
 
 import httpx
@@ -15,9 +20,17 @@ import pytest
 from langchain_core.messages import AIMessage, BaseMessage, HumanMessage, SystemMessage
 from langchain_core.messages.utils import trim_messages
 from langchain_openai import ChatOpenAI
+from sqlalchemy import select, text
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from devkit.gateway import GatewayProcess
 from devkit.upstream import UpstreamServer
+from memory.build import indexing, tree
+from memory.build.segments import SegmentPolicy
+from memory.build.summarize import ExtractiveSummarizer
+from memory.schema import conversations, nodes
+from memory.write import branches
+from tests.inprocess import App
 
 pytestmark = pytest.mark.usefixtures("fresh_upstream")
 
@@ -277,3 +290,102 @@ def test_an_agents_question_edited_after_rounds_of_parallel_tool_calls_branches_
     current, stored = branch(http, conversation)
     assert current == [m["content"] for m in said]
     assert stored == len(said) + dropped
+
+
+async def test_a_windowed_edit_while_the_build_writes_the_messages_it_drops_is_answered(
+    app: App, engine: AsyncEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A window that edits its last question, sent while the background build writes the
+    vectors of the messages the edit drops (the open segment's: the newest messages). The
+    move's UPDATE locks them in the order its plan reads them (by chain hash through
+    `ix_nodes_conversation_chain` in a deployed client model's database), the build one by one
+    in seq order. That the two orders differ is forced here: the build's first write is the
+    row the move locks last, and the build waits there until the request waits for a lock.
+    Each then held a row the other waited for, and Postgres broke the deadlock by failing the
+    request's transaction: a 500. The build now takes the conversation's key-share lock before
+    it writes, which the move's update lock waits for before it touches a message."""
+    tag = uuid.uuid4().hex[:8]
+    said: list[dict[str, Any]] = []
+    async with app.client(raise_app_exceptions=False) as http:
+
+        async def send(window: list[dict[str, Any]]) -> httpx.Response:
+            return await http.post(CHAT, json={"model": "m", "messages": window})
+
+        for turn in range(3):
+            said.append({"role": "user", "content": f"Question {turn} about pears [{tag}]"})
+            answer = await send(said[-3:])
+            assert answer.status_code == 200, answer.text
+            said.append({"role": "assistant", "content": reply_of(answer)})
+        external_id = answer.headers[HEADER]
+        async with engine.connect() as conn:
+            tenant_id, conversation_id = (
+                await conn.execute(
+                    select(conversations.c.tenant_id, conversations.c.id).where(
+                        conversations.c.external_id == external_id
+                    )
+                )
+            ).one()
+        # The edit of the last question (seq 4) drops it and its answer: the order in which the
+        # move will lock them, read from the same UPDATE rolled back.
+        async with engine.connect() as conn, conn.begin() as probe:
+            params = {"conversation": conversation_id, "fork": 3, "restore": []}
+            order = [row.seq for row in await conn.execute(branches._MOVE, params)]
+            last = await conn.scalar(
+                select(nodes.c.id).where(
+                    nodes.c.conversation_id == conversation_id,
+                    nodes.c.level == 0,
+                    nodes.c.seq == order[-1],
+                )
+            )
+            await probe.rollback()
+        assert sorted(order) == [4, 5]
+
+        held, go = asyncio.Event(), asyncio.Event()
+        write = indexing.write
+
+        async def held_write(
+            conn: AsyncConnection, writes: Sequence[Any], *, tenant_id: int
+        ) -> None:
+            if any(node == last for node, _, _ in writes):
+                first = [w for w in writes if w[0] == last]
+                await write(conn, first, tenant_id=tenant_id)
+                held.set()
+                await go.wait()
+                writes = [w for w in writes if w[0] != last]
+            await write(conn, writes, tenant_id=tenant_id)
+
+        monkeypatch.setattr(indexing, "write", held_write)
+        # Segments that nothing closes: every message is the open segment's.
+        config = tree.TreeConfig(
+            embedder=app.state.embedder,
+            summarizer=ExtractiveSummarizer("gpt-4o"),
+            policy=SegmentPolicy(shift_threshold=2.0),
+        )
+        building = asyncio.ensure_future(
+            tree.build(engine, tenant_id=tenant_id, conversation_id=conversation_id, config=config)
+        )
+        await asyncio.wait_for(held.wait(), 60)
+        said[-2:] = [{"role": "user", "content": f"Question 2 about plums [{tag}]"}]
+        editing = asyncio.ensure_future(send(said[-3:]))
+        await _waiting_for_a_lock(engine)
+        go.set()
+        answer = await editing
+        await building
+    assert answer.status_code == 200, answer.text
+    assert answer.headers[HEADER] == external_id
+
+
+async def _waiting_for_a_lock(engine: AsyncEngine) -> None:
+    """Once a backend of the database waits for a lock."""
+    for _ in range(1000):
+        async with engine.connect() as conn:
+            waiting = await conn.scalar(
+                text(
+                    "SELECT count(*) FROM pg_stat_activity "
+                    "WHERE datname = current_database() AND wait_event_type = 'Lock'"
+                )
+            )
+        if waiting:
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("nothing waits for a lock")

@@ -60,7 +60,8 @@ class NewSummary:
 
 async def hold_branch(conn: AsyncConnection, *, conversation_id: int) -> bool:
     """Keep the conversation's current branch from moving until the transaction ends; False
-    when the conversation is gone.
+    when the conversation is gone. Every build transaction that writes nodes takes it first
+    (`memory.build.tree`).
 
     A key-share lock of its row: the lock every turn takes (`FOR NO KEY UPDATE`:
     `memory.write.identity`) does not wait for it, a branch move's (`FOR UPDATE`:

@@ -35,7 +35,12 @@ summaries over what changed (`memory.write.branches.move`) under the conversatio
 summaries are inserted (`memory.build.summary_nodes`) after checking that none of their children
 left the branch or went away meanwhile: if one did, the build stops there, and the build that
 request queued starts again from what is left (a final one too, when a final build was pending
-or the move dropped the segment it closed).
+or the move dropped the segment it closed). Every transaction of a build that writes nodes
+takes the conversation's key-share lock first (`summary_nodes.hold_branch`), as a move takes
+the update lock before it touches a message, so that neither holds a row the other waits for:
+the vectors of the newest messages (those an edit drops), written in seq order while a move's
+UPDATE locked the same messages in the order its plan read them (by chain hash), deadlocked,
+and Postgres failed the request.
 """
 
 import asyncio
@@ -261,6 +266,7 @@ async def _segment(
             made += len(batch)
     if fresh:
         async with transaction(engine) as conn:
+            await summary_nodes.hold_branch(conn, conversation_id=conversation_id)
             await indexing.write(
                 conn,
                 [(node, item, None) for node, item in fresh.items()],
@@ -441,6 +447,7 @@ async def _embed_pending(
             return done
         embedded = await indexing.embed(config.embedder, passages=config.passages, rows=rows)
         async with transaction(engine) as conn:
+            await summary_nodes.hold_branch(conn, conversation_id=conversation_id)
             await indexing.write(
                 conn,
                 [(node, item, None) for node, item in embedded.items()],

@@ -71,9 +71,10 @@ async def move(
     build again when one is pending or its final segment was dropped. The caller holds the
     conversation's lock and moves its head and token count.
 
-    The turn's lock (`FOR NO KEY UPDATE`) becomes the row's update lock first: a summary being
-    written (under a key-share lock: `memory.build.tree`) is committed before the branch moves,
-    and none is written over it until the turn ends."""
+    The turn's lock (`FOR NO KEY UPDATE`) becomes the row's update lock first, before any
+    message is touched: what a build is writing (summaries, vectors: under a key-share lock,
+    `memory.build.tree`) is committed before the branch moves, and nothing is written over it
+    until the turn ends."""
     tenant_id = (
         await conn.execute(
             select(conversations.c.tenant_id)
