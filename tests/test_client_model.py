@@ -24,10 +24,7 @@ killed while a question's answer is upstream, and the client retries it.
 """
 
 import json
-import os
 import random
-import re
-import signal
 import threading
 import time
 import uuid
@@ -39,7 +36,7 @@ from typing import Any
 import httpx
 import pytest
 
-from devkit.gateway import GatewayProcess
+from devkit.deployment import Balanced, Deployment, settled
 from devkit.upstream import UpstreamServer
 
 pytestmark = pytest.mark.usefixtures("fresh_upstream")
@@ -50,79 +47,22 @@ STEPS = 24
 TOOLS = [{"type": "function", "function": {"name": "count_trees", "parameters": {}}}]
 
 
-class Deployment:
-    """Two `serve` processes on one database, each with its worker (serve's default); one may
-    be killed and started again (`restart`)."""
-
-    def __init__(self, database_url: str, upstream: UpstreamServer, stack: ExitStack) -> None:
-        self._database_url, self._upstream, self._stack = database_url, upstream, stack
-        self.started: list[GatewayProcess] = []
-        self.gateways = [self._serve(), self._serve()]
-
-    def _serve(self) -> GatewayProcess:
-        # Segments close at the least they may, so that summaries and their roll-ups are built
-        # within a few turns; summaries extractive.
-        gateway = self._stack.enter_context(
-            GatewayProcess(
-                database_url=self._database_url,
-                upstream_url=self._upstream.url,
-                workers=1,
-                summary_mode="extractive",
-                segment_token_cap=64,
-                segment_min_tokens=0,
-                fanout=2,
-            )
-        )
-        self.started.append(gateway)
-        return gateway
-
-    def failures(self, failure: str) -> str:
-        """What the processes logged at error level or about the requests `failure` names by
-        id (a 500 says only "failed unexpectedly" and its request id), or that they did not.
-        A 500's traceback is logged once its answer is sent (the server logs what the app
-        raised after the error handler answered): read at once, it was not there yet, so it
-        is waited for, a few seconds at most."""
-        ids = re.findall(r"request id ([0-9a-f]{32})", failure)
-        for _ in range(50):
-            found = [
-                f"{gateway.name} {gateway.pid}: {line}"
-                for gateway in self.started
-                for line in gateway.logs().splitlines()
-                if '"level": "error"' in line or "Traceback" in line or any(i in line for i in ids)
-            ]
-            if all(any(i in line and "Traceback" in line for line in found) for i in ids):
-                break
-            time.sleep(0.1)
-        return "\n".join(found) or f"no line of {len(self.started)} processes names {ids}"
-
-    def restart(self, index: int) -> None:
-        """The process killed (SIGKILL: it finishes nothing) and another started in its place."""
-        os.kill(self.gateways[index].pid, signal.SIGKILL)
-        self.gateways[index].stop()
-        self.gateways[index] = self._serve()
-
-
-class Balanced(httpx.Client):
-    """A client of a deployment's `serve` processes: each request goes to one of them at
-    random."""
-
-    def __init__(self, deployment: Deployment, rng: random.Random) -> None:
-        super().__init__(base_url=deployment.gateways[0].root_url, timeout=30)
-        self._deployment = deployment
-        self._rng = rng
-
-    def send(self, request: httpx.Request, **kwargs: Any) -> httpx.Response:
-        gateway = self._rng.choice(self._deployment.gateways)
-        request.url = request.url.copy_with(port=gateway.port)
-        return super().send(request, **kwargs)
-
-
 @pytest.fixture(scope="module")
 def deployed(module_database_url: str, upstream: UpstreamServer) -> Iterator[Deployment]:
     """Two `serve` processes on one database of this module's own (their workers run every
     queued job)."""
     with ExitStack() as stack:
-        deployment = Deployment(module_database_url, upstream, stack)
+        # Segments close at the least they may, so that summaries and their roll-ups are built
+        # within a few turns; summaries extractive.
+        deployment = Deployment(
+            module_database_url,
+            upstream,
+            stack,
+            summary_mode="extractive",
+            segment_token_cap=64,
+            segment_min_tokens=0,
+            fanout=2,
+        )
         http = stack.enter_context(httpx.Client(timeout=30))
         # Workers load their models on their first jobs: those are waited for, so that the
         # builds keep up with the clients from their first steps.
@@ -133,16 +73,6 @@ def deployed(module_database_url: str, upstream: UpstreamServer) -> Iterator[Dep
             )
             settled(http, answer.headers[HEADER], root=gateway.root_url)
         yield deployment
-
-
-def settled(http: httpx.Client, conversation: str, root: str = "") -> dict[str, Any]:
-    """The conversation's statistics once its workers have nothing left to build for it."""
-    for _ in range(600):
-        stats: dict[str, Any] = http.get(f"{root}/admin/conversations/{conversation}").json()
-        if not stats["pending_jobs"]:
-            return stats
-        time.sleep(0.1)
-    raise AssertionError(f"still building: {stats}")
 
 
 @dataclass
