@@ -69,8 +69,8 @@ class ProviderError(MemstrataError):
 class ProviderUnavailable(ProviderError):
     """The backend could not answer for now (unreachable, timed out, HTTP 408, 409, 429 or 5xx):
     the same request may well succeed later, unlike a refused or malformed one. `endpoint`
-    names the upstream's endpoint that failed (`chat`, `embeddings`), when known."""
+    names the upstream's endpoint that failed (`chat`, `embeddings`)."""
 
-    def __init__(self, message: str, *, endpoint: str | None = None) -> None:
+    def __init__(self, message: str, *, endpoint: str) -> None:
         super().__init__(message)
         self.endpoint = endpoint

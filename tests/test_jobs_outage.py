@@ -165,7 +165,7 @@ async def test_a_refused_request_still_spends_attempts_but_an_outage_does_not(
         nonlocal outages
         if job.payload["fault"] == "outage" and outages < 10:
             outages += 1
-            raise ProviderUnavailable("summary upstream answered HTTP 503")
+            raise ProviderUnavailable("summary upstream answered HTTP 503", endpoint="chat")
         if job.payload["fault"] == "refusal":
             raise ProviderError("summary upstream answered HTTP 400 (invalid_request_error)")
 

@@ -36,25 +36,23 @@ def backoff_seconds(
 
 
 class Outage:
-    """The upstream as one worker has met it lately: per endpoint (`chat`, `embeddings`; None
-    for a failure that names none), how many transient failures since it last answered."""
+    """The upstream as one worker has met it lately: per endpoint (`chat`, `embeddings`), how
+    many transient failures since it last answered."""
 
     def __init__(self, *, base: float = BACKOFF_BASE, cap: float = OUTAGE_BACKOFF_CAP) -> None:
         self._base = base
         self._cap = cap
-        self._failures: dict[str | None, int] = {}
+        self._failures: dict[str, int] = {}
 
-    def failures(self, endpoint: str | None) -> int:
+    def failures(self, endpoint: str) -> int:
         """The transient failures met on `endpoint` since it last answered."""
         return self._failures.get(endpoint, 0)
 
-    def failed(self, endpoint: str | None) -> float:
+    def failed(self, endpoint: str) -> float:
         """Count one more transient failure of `endpoint`; the wait before its job runs again."""
         failures = self._failures[endpoint] = self.failures(endpoint) + 1
         return backoff_seconds(failures, base=self._base, cap=self._cap)
 
     def answered(self, endpoint: str) -> None:
-        """`endpoint` answered: its next failure starts a new outage (as does, for a failure
-        that names no endpoint, any answer)."""
+        """`endpoint` answered: its next failure starts a new outage."""
         self._failures.pop(endpoint, None)
-        self._failures.pop(None, None)

@@ -379,8 +379,6 @@ class Worker:
     async def _answers_others(self, job: Job, exc: ProviderUnavailable) -> bool:
         """Whether the endpoint that failed `job` answered anyone since the job's previous
         attempt met it unavailable (`memory.build.upstream`)."""
-        if exc.endpoint is None:
-            return False
         try:
             return await upstream.answered_since_failure(
                 self._engine, job_id=job.id, endpoint=exc.endpoint
